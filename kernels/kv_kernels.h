@@ -1,0 +1,111 @@
+// The three KV-cache operations, declared once for both backends (DESIGN.md section 5).
+//
+// The CPU functions (namespace kvpool::cpu) take host pointers, are the reference the CUDA
+// kernels are tested against, and accumulate in double where it matters. The CUDA functions
+// (namespace kvpool::cuda, kernels/cuda/) take device pointers and a cudaStream_t passed as
+// void*, enqueue asynchronously and check every launch. Both return a KernelStatus and never
+// throw. Nothing here knows about gRPC or the store.
+//
+// fp16 values travel as their IEEE binary16 bit patterns in uint16_t.
+#ifndef KVPOOL_KERNELS_KV_KERNELS_H_
+#define KVPOOL_KERNELS_KV_KERNELS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/page_layout.h"
+
+namespace kvpool {
+
+enum class KernelStatus : int {
+  kOk = 0,
+  kInvalidArgument = 1,  // a size, pointer or layout the kernel cannot serve
+  kUnsupported = 2,      // a valid combination this backend was not compiled for
+  kCudaError = 3,        // a CUDA runtime call or launch failed
+};
+const char* KernelStatusName(KernelStatus s);
+
+// Rotates, quantizes and writes `num_tokens` tokens of one layer into their page slots.
+struct QuantizeAppendParams {
+  PageLayout layout;
+  const uint16_t* k = nullptr;  // [num_tokens][num_kv_heads][head_dim] fp16
+  const uint16_t* v = nullptr;  // [num_tokens][num_kv_heads][head_dim] fp16
+  // [num_tokens] slot = block_id * block_tokens + offset in block; a negative slot is skipped.
+  const int64_t* slot_mapping = nullptr;
+  // [num_tokens] position of the token in its sequence; only read when sink_tokens > 0:
+  // tokens with position < sink_tokens are also written in fp16 to the sink page of their block.
+  const int32_t* positions = nullptr;
+  int num_tokens = 0;
+  uint8_t* pages = nullptr;       // this layer's base: [num_blocks][layer_page_bytes]
+  uint8_t* sink_pages = nullptr;  // this layer's sink base: [num_blocks][sink_page_bytes] or null
+  int64_t num_blocks = 0;         // arena size, for bounds checks of the slot mapping
+};
+
+// Reads blocks back as fp16 in the original (un-rotated) space, for a range of KV heads.
+struct DequantizeParams {
+  PageLayout layout;
+  const uint8_t* pages = nullptr;    // this layer's base: [num_blocks][layer_page_bytes]
+  const int32_t* block_ids = nullptr;  // [num_out_blocks]
+  int num_out_blocks = 0;
+  int head_begin = 0;  // KV heads [head_begin, head_end)
+  int head_end = 0;
+  uint16_t* k_out = nullptr;  // [num_out_blocks * block_tokens][head_end - head_begin][head_dim]
+  uint16_t* v_out = nullptr;  // same shape
+  int64_t num_blocks = 0;     // arena size, for bounds checks
+};
+
+// Decode attention of one new query per sequence over its paged, quantized KV.
+//
+// For sequence s, query head h (KV head h / (num_q_heads / num_kv_heads)), and tokens
+// t < seq_lens[s] at block_tables[s][t / block_tokens], offset t % block_tokens:
+//   o = softmax_t(sm_scale * q . k_t) . v_t,   lse = log(sum_t exp(sm_scale * q . k_t))
+// computed on the rotated pages: q' = H.(sign*q), score = sum_g scale_g (q'_g . codes_g) +
+// zero_g sum(q'_g); V accumulated in the rotated space and un-rotated once. When sink_tokens > 0
+// the first min(sink_tokens, len) tokens come from the fp16 sink page of the first block
+// instead of the quantized page, merged by log-sum-exp.
+struct PagedDecodeAttentionParams {
+  PageLayout layout;
+  const uint8_t* pages = nullptr;       // this layer's base: [num_blocks][layer_page_bytes]
+  const uint8_t* sink_pages = nullptr;  // this layer's sink base, required iff sink_tokens > 0
+  const uint16_t* q = nullptr;          // [num_seqs][num_q_heads][head_dim] fp16, original space
+  int num_seqs = 0;
+  int num_q_heads = 0;                  // a multiple of num_kv_heads (GQA)
+  const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq] block ids
+  int max_blocks_per_seq = 0;
+  const int32_t* seq_lens = nullptr;    // [num_seqs], each in [1, max_blocks_per_seq*block_tokens]
+  float sm_scale = 0.0f;                // usually 1/sqrt(head_dim)
+  float* out = nullptr;                 // [num_seqs][num_q_heads][head_dim] fp32
+  float* lse = nullptr;                 // [num_seqs][num_q_heads] natural log, or null
+  int64_t num_blocks = 0;               // arena size, for bounds checks
+  // CUDA only: split-K partials. Size from cuda::AttentionWorkspaceBytes(); 0 splits = auto.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+  int num_splits = 0;
+};
+
+namespace cpu {
+
+[[nodiscard]] KernelStatus QuantizeAppend(const QuantizeAppendParams& p);
+[[nodiscard]] KernelStatus Dequantize(const DequantizeParams& p);
+[[nodiscard]] KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p);
+
+}  // namespace cpu
+
+namespace cuda {
+
+// True when the library was built with CUDA and a device is visible.
+bool Available();
+[[nodiscard]] KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream);
+[[nodiscard]] KernelStatus Dequantize(const DequantizeParams& p, void* stream);
+[[nodiscard]] KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream);
+// Workspace PagedDecodeAttention needs for a batch of this shape (0 splits = auto).
+size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q_heads,
+                               int max_blocks_per_seq, int num_splits);
+// The last CUDA error message seen by a function above that returned kCudaError.
+const char* LastErrorMessage();
+
+}  // namespace cuda
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_KERNELS_KV_KERNELS_H_

@@ -1,0 +1,104 @@
+// Page layout of the quantized KV cache: the one definition of where every byte of a
+// (block, layer) page lives, shared by the CPU reference, the CUDA kernels and the store.
+//
+// A namespace's arena is layer-major: the page of block `b` for layer `l` starts at
+// `layer_base[l] + b * layer_page_bytes()`. Inside a layer page:
+//
+//   page = [K | V]                      2 halves, K first
+//   half = [head 0 | head 1 | ...]      num_kv_heads head pages
+//   head page (one (block, layer, K|V, head), contiguous, 16-byte aligned):
+//     codes[block_tokens][code_bytes_per_token]   padded to 16 bytes
+//     meta [block_tokens][groups] of {fp16 scale, fp16 zero}  (quantized dtypes only), padded
+//
+// Codes per dtype, for the rotated vector x' of one (token, head):
+//   kInt4     asymmetric per group: scale = (max-min)/15, zero = min (both stored fp16),
+//             code = clamp(rint((x' - zero) * (1/scale)), 0, 15) with fp32 math on the fp16
+//             scale and zero; byte j holds channel 2j in its low nibble, 2j+1 in its high nibble.
+//             x' ~= code * scale + zero.
+//   kInt8     the same with 255 levels, one byte per channel.
+//   kFp8E4M3  symmetric per group: scale = absmax/448 (fp16), zero = 0;
+//             code = e4m3(x' / scale) (round-to-nearest-even, saturating).
+//   kFp16     the values themselves (never rotated), no meta.
+//
+// A scale of 0 (all channels of a group equal) stores code 0 and reproduces `zero` exactly.
+//
+// Sinks: when sink_tokens > 0, the first sink_tokens tokens of every sequence are also kept in
+// fp16, in a separate sink arena laid out like the pages: the sink page of block `b`, layer `l`
+// is at `sink_base[l] + b * sink_page_bytes()`, = [K|V][head][sink_tokens][head_dim] fp16. Only
+// the first block of a sequence ever uses its sink page (positions < sink_tokens <= block_tokens).
+#ifndef KVPOOL_KERNELS_PAGE_LAYOUT_H_
+#define KVPOOL_KERNELS_PAGE_LAYOUT_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define KVPOOL_HD __host__ __device__ __forceinline__
+#else
+#define KVPOOL_HD inline
+#endif
+
+namespace kvpool {
+
+enum class KvDtype : uint8_t { kFp16 = 0, kFp8E4M3 = 1, kInt8 = 2, kInt4 = 3 };
+
+KVPOOL_HD constexpr size_t AlignUp16(size_t n) { return (n + 15) & ~size_t{15}; }
+
+// Bits of a value per channel for each dtype.
+KVPOOL_HD constexpr int DtypeBits(KvDtype d) {
+  return d == KvDtype::kFp16 ? 16 : d == KvDtype::kInt4 ? 4 : 8;
+}
+
+struct PageLayout {
+  int num_kv_heads = 0;
+  int head_dim = 0;      // 64, 128 or 256 on CUDA; any multiple of 16 on the CPU
+  int block_tokens = 0;  // tokens per block (16, 32 or 64 on CUDA)
+  KvDtype dtype = KvDtype::kInt4;
+  int group_size = 0;    // channels per {scale, zero}; divides head_dim (== head_dim: one per token)
+  int rot_block = 0;     // block-diagonal Hadamard size (power of two, 16..head_dim); 0 = none
+  uint64_t sign_seed = 0;  // seed of the per-channel +-1 vector applied before the Hadamard
+  int sink_tokens = 0;   // leading tokens of a sequence also kept in fp16 (0 = none)
+
+  KVPOOL_HD bool quantized() const { return dtype != KvDtype::kFp16; }
+  KVPOOL_HD bool rotated() const { return quantized() && rot_block > 0; }
+  KVPOOL_HD int groups() const { return quantized() ? head_dim / group_size : 0; }
+  KVPOOL_HD size_t code_bytes_per_token() const {
+    return static_cast<size_t>(head_dim) * DtypeBits(dtype) / 8;
+  }
+  KVPOOL_HD size_t meta_bytes_per_token() const { return static_cast<size_t>(groups()) * 4; }
+  KVPOOL_HD size_t codes_bytes() const { return AlignUp16(block_tokens * code_bytes_per_token()); }
+  KVPOOL_HD size_t meta_bytes() const { return AlignUp16(block_tokens * meta_bytes_per_token()); }
+  KVPOOL_HD size_t head_page_bytes() const { return codes_bytes() + meta_bytes(); }
+  KVPOOL_HD size_t layer_page_bytes() const { return 2 * num_kv_heads * head_page_bytes(); }
+  // kv: 0 = K, 1 = V.
+  KVPOOL_HD size_t head_page_offset(int kv, int head) const {
+    return (static_cast<size_t>(kv) * num_kv_heads + head) * head_page_bytes();
+  }
+  KVPOOL_HD size_t sink_page_bytes() const {
+    return static_cast<size_t>(2) * num_kv_heads * sink_tokens * head_dim * 2;
+  }
+  // Byte offset of sink token `t` of (kv, head) inside a sink page.
+  KVPOOL_HD size_t sink_offset(int kv, int head, int t) const {
+    return ((static_cast<size_t>(kv) * num_kv_heads + head) * sink_tokens + t) * head_dim * 2;
+  }
+};
+
+// +-1 sign of channel `c` for a layout's sign_seed (splitmix64 of seed and channel). A seed of 0
+// means all +1. Identical on host and device.
+KVPOOL_HD float RotationSign(uint64_t seed, int c) {
+  if (seed == 0) return 1.0f;
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(c + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return (z & 1) ? -1.0f : 1.0f;
+}
+
+// Checks a layout for the CPU backend: positive sizes, head_dim % 16 == 0, group_size divides
+// head_dim (and is even for INT4), rot_block a power of two in [16, head_dim] dividing head_dim,
+// sink_tokens <= block_tokens. Returns nullptr when valid, else a static message.
+const char* ValidatePageLayout(const PageLayout& layout);
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_KERNELS_PAGE_LAYOUT_H_

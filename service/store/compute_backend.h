@@ -1,0 +1,63 @@
+// Where the pool's bytes live and where its kernels run: host memory and the CPU reference, or
+// device memory and the CUDA kernels. The store talks only to this interface, with host-side
+// inputs and outputs; a backend owns whatever staging and streams it needs.
+//
+// Thread safety: every method may be called from several threads at once.
+#ifndef KVPOOL_SERVICE_STORE_COMPUTE_BACKEND_H_
+#define KVPOOL_SERVICE_STORE_COMPUTE_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/kv_kernels.h"
+
+namespace kvpool {
+
+struct ComputeBackendStats {
+  uint64_t arena_bytes = 0;          // bytes allocated for arenas
+  uint64_t device_total_bytes = 0;   // device memory, 0 for the CPU backend
+  uint64_t device_free_bytes = 0;
+};
+
+class ComputeBackend {
+ public:
+  virtual ~ComputeBackend() = default;
+
+  virtual std::string name() const = 0;  // "cpu" or "cuda"
+
+  // Arena memory (host or device), zero-filled. Freed with FreeArena.
+  [[nodiscard]] virtual absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) = 0;
+  virtual void FreeArena(uint8_t* arena) = 0;
+
+  // The params' pointer fields name HOST memory for k, v, slot_mapping and positions, and
+  // arena memory for pages and sink_pages. May return before the work completes (the inputs are
+  // copied first); Synchronize() waits for everything queued by this thread's calls.
+  [[nodiscard]] virtual absl::Status QuantizeAppend(const QuantizeAppendParams& p) = 0;
+  // block_ids and k_out/v_out are host memory; pages are arena memory. Synchronous.
+  [[nodiscard]] virtual absl::Status Dequantize(const DequantizeParams& p) = 0;
+  // q, block_tables, seq_lens, out and lse are host memory; pages are arena memory. Synchronous.
+  [[nodiscard]] virtual absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p) = 0;
+  // Copies `bytes` of arena memory at `src` to host `dst`. Synchronous.
+  [[nodiscard]] virtual absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) = 0;
+  // Waits for all work queued so far.
+  [[nodiscard]] virtual absl::Status Synchronize() = 0;
+
+  virtual ComputeBackendStats Stats() const = 0;
+};
+
+// The CPU reference backend over host memory.
+std::unique_ptr<ComputeBackend> NewCpuBackend();
+
+// The CUDA backend on `device`, or an error when CUDA is not built in or no device is present.
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device);
+
+// Converts a kernel status to an absl::Status with `what` as context.
+absl::Status FromKernelStatus(KernelStatus s, const char* what);
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_STORE_COMPUTE_BACKEND_H_

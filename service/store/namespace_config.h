@@ -1,0 +1,48 @@
+// One model's KV geometry and quantization policy (DESIGN.md section 3), and the page layouts
+// it implies per layer. Pure data and checks: no store state.
+#ifndef KVPOOL_SERVICE_STORE_NAMESPACE_CONFIG_H_
+#define KVPOOL_SERVICE_STORE_NAMESPACE_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/page_layout.h"
+
+namespace kvpool {
+
+struct NamespaceConfig {
+  std::string name;
+  int num_layers = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int block_tokens = 16;
+  std::vector<KvDtype> layer_dtypes;  // one per layer
+  int rotation_block = 0;             // 0 = no rotation; else power of two in [16, head_dim]
+  uint64_t rotation_seed = 0;         // 0 = no sign vector
+  int group_size = 0;                 // channels per scale/zero; equals head_dim by default
+  int sink_tokens = 0;                // <= block_tokens
+  uint64_t capacity_bytes = 0;        // pool bytes reserved for this namespace
+};
+
+// The default namespace served at start-up: Llama-3-8B geometry (32 layers, 8 KV heads,
+// head_dim 128), block_tokens 16, INT4 everywhere, rotation block 128, no sinks.
+NamespaceConfig DefaultNamespaceConfig(uint64_t capacity_bytes);
+
+// INVALID_ARGUMENT with the reason when `config` cannot be served.
+absl::Status ValidateNamespaceConfig(const NamespaceConfig& config);
+
+// Layout of layer `layer`'s pages. The layer's sign seed is derived from rotation_seed and the
+// layer index (0 when rotation_seed is 0).
+PageLayout LayerLayout(const NamespaceConfig& config, int layer);
+
+// Bytes one block takes over all layers, pages plus sink pages.
+uint64_t BytesPerBlock(const NamespaceConfig& config);
+// Bytes per token of the stored format, and of the same K/V in fp16.
+double BytesPerToken(const NamespaceConfig& config);
+double Fp16BytesPerToken(const NamespaceConfig& config);
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_STORE_NAMESPACE_CONFIG_H_
