@@ -12,8 +12,8 @@
 //
 // Codes per dtype, for the rotated vector x' of one (token, head):
 //   kInt4     asymmetric per group: scale = (max-min)/15, zero = min (both stored fp16),
-//             code = clamp(rint((x' - zero) * (1/scale)), 0, 15) with fp32 math on the fp16
-//             scale and zero; byte j holds channel 2j in its low nibble, 2j+1 in its high nibble.
+//             code = clamp(rint((x' - zero) / scale), 0, 15) with fp32 math (IEEE division) on the
+//             fp16 scale and zero; byte j holds channel 2j in its low nibble, 2j+1 in its high nibble.
 //             x' ~= code * scale + zero.
 //   kInt8     the same with 255 levels, one byte per channel.
 //   kFp8E4M3  symmetric per group: scale = absmax/448 (fp16), zero = 0;

@@ -1,0 +1,49 @@
+#include "kernels/page_layout.h"
+
+#include "kernels/kv_kernels.h"
+
+namespace kvpool {
+
+// group_size and rot_block only mean something for quantized dtypes, so they are checked only
+// then (an FP16 layer of a namespace may carry the namespace's rotation settings).
+const char* ValidatePageLayout(const PageLayout& layout) {
+  if (layout.num_kv_heads <= 0) return "num_kv_heads must be positive";
+  if (layout.head_dim <= 0 || layout.head_dim % 16 != 0) {
+    return "head_dim must be a positive multiple of 16";
+  }
+  if (layout.block_tokens <= 0) return "block_tokens must be positive";
+  if (static_cast<int>(layout.dtype) > static_cast<int>(KvDtype::kInt4)) return "unknown dtype";
+  if (layout.sink_tokens < 0 || layout.sink_tokens > layout.block_tokens) {
+    return "sink_tokens must be in [0, block_tokens]";
+  }
+  if (!layout.quantized()) return nullptr;
+  if (layout.group_size <= 0 || layout.head_dim % layout.group_size != 0) {
+    return "group_size must divide head_dim";
+  }
+  if (layout.dtype == KvDtype::kInt4 && layout.group_size % 2 != 0) {
+    return "group_size must be even for INT4";
+  }
+  const int b = layout.rot_block;
+  if (b != 0) {
+    if (b < 16 || b > layout.head_dim || (b & (b - 1)) != 0 || layout.head_dim % b != 0) {
+      return "rot_block must be 0 or a power of two in [16, head_dim] dividing head_dim";
+    }
+  }
+  return nullptr;
+}
+
+const char* KernelStatusName(KernelStatus s) {
+  switch (s) {
+    case KernelStatus::kOk:
+      return "OK";
+    case KernelStatus::kInvalidArgument:
+      return "INVALID_ARGUMENT";
+    case KernelStatus::kUnsupported:
+      return "UNSUPPORTED";
+    case KernelStatus::kCudaError:
+      return "CUDA_ERROR";
+  }
+  return "UNKNOWN";
+}
+
+}  // namespace kvpool
