@@ -1,0 +1,109 @@
+// The CPU reference backend: arenas in host memory, kernels from kvpool::cpu, all synchronous.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/kv_kernels.h"
+#include "service/store/compute_backend.h"
+
+namespace kvpool {
+namespace {
+
+// Arenas start 64-byte aligned (a cache line; pages inside are 16-byte aligned by layout).
+constexpr size_t kArenaAlignment = 64;
+
+class CpuBackend final : public ComputeBackend {
+ public:
+  ~CpuBackend() override {
+    for (auto& [arena, bytes] : arenas_) std::free(arena);
+  }
+
+  std::string name() const override { return "cpu"; }
+
+  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("arena of 0 bytes");
+    const size_t rounded = (bytes + kArenaAlignment - 1) / kArenaAlignment * kArenaAlignment;
+    auto* arena = static_cast<uint8_t*>(std::aligned_alloc(kArenaAlignment, rounded));
+    if (arena == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("cannot allocate a host arena of %d bytes", rounded));
+    }
+    std::memset(arena, 0, rounded);
+    absl::MutexLock l(&mu_);
+    arenas_[arena] = rounded;
+    arena_bytes_ += rounded;
+    return arena;
+  }
+
+  void FreeArena(uint8_t* arena) override {
+    if (arena == nullptr) return;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = arenas_.find(arena);
+      if (it == arenas_.end()) return;
+      arena_bytes_ -= it->second;
+      arenas_.erase(it);
+    }
+    std::free(arena);
+  }
+
+  absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
+    return FromKernelStatus(cpu::QuantizeAppend(p), "QuantizeAppend");
+  }
+  absl::Status Dequantize(const DequantizeParams& p) override {
+    return FromKernelStatus(cpu::Dequantize(p), "Dequantize");
+  }
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p) override {
+    return FromKernelStatus(cpu::PagedDecodeAttention(p), "PagedDecodeAttention");
+  }
+  absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {
+    if (bytes > 0 && (src == nullptr || dst == nullptr)) {
+      return absl::InvalidArgumentError("ReadArena: null pointer");
+    }
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return absl::OkStatus();
+  }
+  absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  ComputeBackendStats Stats() const override {
+    absl::MutexLock l(&mu_);
+    ComputeBackendStats s;
+    s.arena_bytes = arena_bytes_;
+    return s;
+  }
+
+ private:
+  mutable absl::Mutex mu_;
+  // Live arenas and their sizes.
+  absl::flat_hash_map<uint8_t*, size_t> arenas_ ABSL_GUARDED_BY(mu_);
+  uint64_t arena_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<ComputeBackend> NewCpuBackend() { return std::make_unique<CpuBackend>(); }
+
+absl::Status FromKernelStatus(KernelStatus s, const char* what) {
+  switch (s) {
+    case KernelStatus::kOk:
+      return absl::OkStatus();
+    case KernelStatus::kInvalidArgument:
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s: %s", what, KernelStatusName(s)));
+    case KernelStatus::kUnsupported:
+      return absl::UnimplementedError(absl::StrFormat("%s: %s", what, KernelStatusName(s)));
+    case KernelStatus::kCudaError:
+      return absl::InternalError(absl::StrFormat("%s: %s", what, KernelStatusName(s)));
+  }
+  return absl::InternalError(
+      absl::StrFormat("%s: unknown kernel status %d", what, static_cast<int>(s)));
+}
+
+}  // namespace kvpool

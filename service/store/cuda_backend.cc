@@ -1,0 +1,431 @@
+// The CUDA backend: arenas in device memory, kernels from kvpool::cuda.
+//
+// Work is spread over a few "lanes", each a CUDA stream with two staging slots (pinned host
+// buffer + device buffer + an event marking the slot free again). QuantizeAppend copies the
+// caller's inputs into a free slot, enqueues the upload and the fused kernel on its lane and
+// returns, so the host copy of the next chunk overlaps the kernel of this one, and lanes overlap
+// each other on the GPU. Synchronous calls (Dequantize, PagedDecodeAttention, ReadArena) first
+// make their lane's stream wait, on the GPU, for every append queued so far on every lane.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/kv_kernels.h"
+#include "service/store/compute_backend.h"
+
+namespace kvpool {
+
+#if defined(KVPOOL_WITH_CUDA)
+namespace {
+
+constexpr int kNumLanes = 4;
+constexpr size_t kMinStagingBytes = size_t{1} << 20;
+
+absl::Status CudaError(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return absl::OkStatus();
+  return absl::InternalError(
+      absl::StrFormat("%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err)));
+}
+
+#define KVPOOL_RETURN_IF_CUDA_ERROR(expr)                          \
+  do {                                                             \
+    const absl::Status kvpool_cuda_status_ = CudaError((expr), #expr); \
+    if (!kvpool_cuda_status_.ok()) return kvpool_cuda_status_;     \
+  } while (0)
+
+// FromKernelStatus, plus the CUDA error text for kCudaError.
+absl::Status KernelResult(KernelStatus s, const char* what) {
+  if (s == KernelStatus::kCudaError) {
+    return absl::InternalError(absl::StrFormat("%s: %s", what, cuda::LastErrorMessage()));
+  }
+  return FromKernelStatus(s, what);
+}
+
+// Offsets of consecutive 16-byte aligned regions in one staging buffer.
+class StagingLayout {
+ public:
+  size_t Add(size_t bytes) {
+    const size_t offset = size_;
+    size_ += AlignUp16(bytes);
+    return offset;
+  }
+  size_t size() const { return size_; }
+
+ private:
+  size_t size_ = 0;
+};
+
+struct StagingSlot {
+  uint8_t* host = nullptr;    // pinned
+  uint8_t* device = nullptr;
+  size_t capacity = 0;
+  cudaEvent_t free = nullptr;  // recorded after the last work using the buffers
+};
+
+struct Lane {
+  absl::Mutex mu;
+  cudaStream_t stream = nullptr;  // created once, never changes
+  StagingSlot slots[2];           // events created once; buffers guarded by mu
+  int next ABSL_GUARDED_BY(mu) = 0;
+};
+
+class CudaBackend final : public ComputeBackend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    for (Lane& lane : lanes_) {
+      if (lane.stream != nullptr) cudaStreamSynchronize(lane.stream);
+      for (StagingSlot& slot : lane.slots) {
+        cudaFreeHost(slot.host);
+        cudaFree(slot.device);
+        if (slot.free != nullptr) cudaEventDestroy(slot.free);
+      }
+      if (lane.stream != nullptr) cudaStreamDestroy(lane.stream);
+    }
+    for (auto& [arena, bytes] : arenas_) cudaFree(arena);
+  }
+
+  // Creates the lanes' streams and events.
+  absl::Status Init() {
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    for (Lane& lane : lanes_) {
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
+      for (StagingSlot& slot : lane.slots) {
+        KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventCreateWithFlags(&slot.free, cudaEventDisableTiming));
+      }
+    }
+    return absl::OkStatus();
+  }
+
+  std::string name() const override { return "cuda"; }
+
+  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
+    if (bytes == 0) return absl::InvalidArgumentError("arena of 0 bytes");
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    void* arena = nullptr;
+    const cudaError_t err = cudaMalloc(&arena, bytes);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "cannot allocate a device arena of %d bytes: %s", bytes, cudaGetErrorString(err)));
+    }
+    const cudaError_t fill = cudaMemset(arena, 0, bytes);
+    if (fill != cudaSuccess) {
+      cudaFree(arena);
+      return CudaError(fill, "cudaMemset(arena)");
+    }
+    absl::MutexLock l(&mu_);
+    arenas_[static_cast<uint8_t*>(arena)] = bytes;
+    arena_bytes_ += bytes;
+    return static_cast<uint8_t*>(arena);
+  }
+
+  void FreeArena(uint8_t* arena) override {
+    if (arena == nullptr) return;
+    {
+      absl::MutexLock l(&mu_);
+      auto it = arenas_.find(arena);
+      if (it == arenas_.end()) return;
+      arena_bytes_ -= it->second;
+      arenas_.erase(it);
+    }
+    cudaSetDevice(device_);
+    // cudaFree waits for queued work on the device, so no kernel still reads the arena.
+    cudaFree(arena);
+  }
+
+  absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
+    const PageLayout& l = p.layout;
+    if (p.num_tokens < 0) return absl::InvalidArgumentError("QuantizeAppend: num_tokens < 0");
+    if (p.num_tokens == 0) return absl::OkStatus();
+    if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr) {
+      return absl::InvalidArgumentError("QuantizeAppend: null input");
+    }
+    const bool sinks = l.sink_tokens > 0;
+    if (sinks && p.positions == nullptr) {
+      return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
+    }
+    const int64_t num_slots = p.num_blocks * l.block_tokens;
+    for (int t = 0; t < p.num_tokens; ++t) {
+      const int64_t slot = p.slot_mapping[t];
+      if (slot < 0) continue;
+      if (slot >= num_slots || (sinks && p.positions[t] < 0)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("QuantizeAppend: token %d: slot %d or position out of range", t,
+                            slot));
+      }
+    }
+    const size_t kv_bytes =
+        static_cast<size_t>(p.num_tokens) * l.num_kv_heads * l.head_dim * sizeof(uint16_t);
+    const size_t slot_bytes = static_cast<size_t>(p.num_tokens) * sizeof(int64_t);
+    const size_t pos_bytes = sinks ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t) : 0;
+    StagingLayout layout;
+    const size_t k_off = layout.Add(kv_bytes);
+    const size_t v_off = layout.Add(kv_bytes);
+    const size_t slot_off = layout.Add(slot_bytes);
+    const size_t pos_off = layout.Add(pos_bytes);
+
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    Lane& lane = lanes_[next_lane_.fetch_add(1, std::memory_order_relaxed) % kNumLanes];
+    absl::MutexLock lock(&lane.mu);
+    StagingSlot& slot = lane.slots[lane.next];
+    lane.next ^= 1;
+    if (absl::Status s = ReadySlot(slot, layout.size()); !s.ok()) return s;
+    std::memcpy(slot.host + k_off, p.k, kv_bytes);
+    std::memcpy(slot.host + v_off, p.v, kv_bytes);
+    std::memcpy(slot.host + slot_off, p.slot_mapping, slot_bytes);
+    if (sinks) std::memcpy(slot.host + pos_off, p.positions, pos_bytes);
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
+                                                cudaMemcpyHostToDevice, lane.stream));
+    QuantizeAppendParams d = p;
+    d.k = reinterpret_cast<const uint16_t*>(slot.device + k_off);
+    d.v = reinterpret_cast<const uint16_t*>(slot.device + v_off);
+    d.slot_mapping = reinterpret_cast<const int64_t*>(slot.device + slot_off);
+    d.positions = sinks ? reinterpret_cast<const int32_t*>(slot.device + pos_off) : nullptr;
+    const KernelStatus ks = cuda::QuantizeAppend(d, lane.stream);
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.free, lane.stream));
+    return KernelResult(ks, "QuantizeAppend");
+  }
+
+  absl::Status Dequantize(const DequantizeParams& p) override {
+    const PageLayout& l = p.layout;
+    if (p.num_out_blocks < 0 || p.head_begin < 0 || p.head_end <= p.head_begin ||
+        p.head_end > l.num_kv_heads) {
+      return absl::InvalidArgumentError("Dequantize: bad block count or head range");
+    }
+    if (p.num_out_blocks == 0) return absl::OkStatus();
+    if (p.block_ids == nullptr || p.k_out == nullptr || p.v_out == nullptr) {
+      return absl::InvalidArgumentError("Dequantize: null argument");
+    }
+    for (int i = 0; i < p.num_out_blocks; ++i) {
+      if (p.block_ids[i] < 0 || p.block_ids[i] >= p.num_blocks) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("Dequantize: block id %d out of range", p.block_ids[i]));
+      }
+    }
+    const size_t ids_bytes = static_cast<size_t>(p.num_out_blocks) * sizeof(int32_t);
+    const size_t out_bytes = static_cast<size_t>(p.num_out_blocks) * l.block_tokens *
+                             (p.head_end - p.head_begin) * l.head_dim * sizeof(uint16_t);
+    StagingLayout layout;
+    const size_t ids_off = layout.Add(ids_bytes);
+    const size_t k_off = layout.Add(out_bytes);
+    const size_t v_off = layout.Add(out_bytes);
+
+    return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      std::memcpy(slot.host + ids_off, p.block_ids, ids_bytes);
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device + ids_off, slot.host + ids_off,
+                                                  ids_bytes, cudaMemcpyHostToDevice,
+                                                  lane.stream));
+      DequantizeParams d = p;
+      d.block_ids = reinterpret_cast<const int32_t*>(slot.device + ids_off);
+      d.k_out = reinterpret_cast<uint16_t*>(slot.device + k_off);
+      d.v_out = reinterpret_cast<uint16_t*>(slot.device + v_off);
+      if (absl::Status s = KernelResult(cuda::Dequantize(d, lane.stream), "Dequantize");
+          !s.ok()) {
+        return s;
+      }
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + k_off, slot.device + k_off,
+                                                  2 * (v_off - k_off), cudaMemcpyDeviceToHost,
+                                                  lane.stream));
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
+      std::memcpy(p.k_out, slot.host + k_off, out_bytes);
+      std::memcpy(p.v_out, slot.host + v_off, out_bytes);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p) override {
+    const PageLayout& l = p.layout;
+    if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.max_blocks_per_seq <= 0) {
+      return absl::InvalidArgumentError("PagedDecodeAttention: bad batch shape");
+    }
+    if (p.num_seqs == 0) return absl::OkStatus();
+    if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
+        p.out == nullptr) {
+      return absl::InvalidArgumentError("PagedDecodeAttention: null argument");
+    }
+    for (int s = 0; s < p.num_seqs; ++s) {
+      const int len = p.seq_lens[s];
+      if (len < 1 || len > p.max_blocks_per_seq * l.block_tokens) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("PagedDecodeAttention: seq %d length %d out of range", s, len));
+      }
+      const int32_t* table = p.block_tables + static_cast<size_t>(s) * p.max_blocks_per_seq;
+      for (int b = 0; b < (len + l.block_tokens - 1) / l.block_tokens; ++b) {
+        if (table[b] < 0 || table[b] >= p.num_blocks) {
+          return absl::InvalidArgumentError(absl::StrFormat(
+              "PagedDecodeAttention: seq %d block %d id %d out of range", s, b, table[b]));
+        }
+      }
+    }
+    const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_q_heads;
+    const size_t q_bytes = rows * l.head_dim * sizeof(uint16_t);
+    const size_t table_bytes =
+        static_cast<size_t>(p.num_seqs) * p.max_blocks_per_seq * sizeof(int32_t);
+    const size_t lens_bytes = static_cast<size_t>(p.num_seqs) * sizeof(int32_t);
+    const size_t out_bytes = rows * l.head_dim * sizeof(float);
+    const size_t lse_bytes = p.lse != nullptr ? rows * sizeof(float) : 0;
+    const size_t workspace_bytes = cuda::AttentionWorkspaceBytes(
+        l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
+    StagingLayout layout;
+    const size_t q_off = layout.Add(q_bytes);
+    const size_t table_off = layout.Add(table_bytes);
+    const size_t lens_off = layout.Add(lens_bytes);
+    const size_t inputs_bytes = layout.size();
+    const size_t out_off = layout.Add(out_bytes);
+    const size_t lse_off = layout.Add(lse_bytes);
+    const size_t outputs_bytes = layout.size() - out_off;
+    const size_t ws_off = layout.Add(workspace_bytes);
+
+    return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      std::memcpy(slot.host + q_off, p.q, q_bytes);
+      std::memcpy(slot.host + table_off, p.block_tables, table_bytes);
+      std::memcpy(slot.host + lens_off, p.seq_lens, lens_bytes);
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, inputs_bytes,
+                                                  cudaMemcpyHostToDevice, lane.stream));
+      PagedDecodeAttentionParams d = p;
+      d.q = reinterpret_cast<const uint16_t*>(slot.device + q_off);
+      d.block_tables = reinterpret_cast<const int32_t*>(slot.device + table_off);
+      d.seq_lens = reinterpret_cast<const int32_t*>(slot.device + lens_off);
+      d.out = reinterpret_cast<float*>(slot.device + out_off);
+      d.lse = p.lse != nullptr ? reinterpret_cast<float*>(slot.device + lse_off) : nullptr;
+      d.workspace = workspace_bytes > 0 ? slot.device + ws_off : nullptr;
+      d.workspace_bytes = workspace_bytes;
+      if (absl::Status s = KernelResult(cuda::PagedDecodeAttention(d, lane.stream),
+                                        "PagedDecodeAttention");
+          !s.ok()) {
+        return s;
+      }
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + out_off, slot.device + out_off,
+                                                  outputs_bytes, cudaMemcpyDeviceToHost,
+                                                  lane.stream));
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
+      std::memcpy(p.out, slot.host + out_off, out_bytes);
+      if (p.lse != nullptr) std::memcpy(p.lse, slot.host + lse_off, lse_bytes);
+      return absl::OkStatus();
+    });
+  }
+
+  absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {
+    if (bytes == 0) return absl::OkStatus();
+    if (src == nullptr || dst == nullptr) {
+      return absl::InvalidArgumentError("ReadArena: null pointer");
+    }
+    return RunSynchronous(0, [&](Lane& lane, StagingSlot&) -> absl::Status {
+      KVPOOL_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, lane.stream));
+      return CudaError(cudaStreamSynchronize(lane.stream), "ReadArena");
+    });
+  }
+
+  absl::Status Synchronize() override {
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    for (Lane& lane : lanes_) {
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
+    }
+    return absl::OkStatus();
+  }
+
+  ComputeBackendStats Stats() const override {
+    ComputeBackendStats s;
+    {
+      absl::MutexLock l(&mu_);
+      s.arena_bytes = arena_bytes_;
+    }
+    size_t free_bytes = 0, total_bytes = 0;
+    if (cudaSetDevice(device_) == cudaSuccess &&
+        cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
+      s.device_free_bytes = free_bytes;
+      s.device_total_bytes = total_bytes;
+    } else {
+      cudaGetLastError();
+    }
+    return s;
+  }
+
+ private:
+  // Waits until `slot`'s previous work is done and grows its buffers to hold `bytes`. The caller
+  // holds the mutex of the slot's lane.
+  static absl::Status ReadySlot(StagingSlot& slot, size_t bytes) {
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.free));
+    if (slot.capacity >= bytes) return absl::OkStatus();
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaFreeHost(slot.host));
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaFree(slot.device));
+    slot.host = nullptr;
+    slot.device = nullptr;
+    slot.capacity = 0;
+    size_t capacity = kMinStagingBytes;
+    while (capacity < bytes) capacity *= 2;
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaMallocHost(&slot.host, capacity));
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaMalloc(&slot.device, capacity));
+    slot.capacity = capacity;
+    return absl::OkStatus();
+  }
+
+  // Runs `body(lane, slot)` on a lane whose stream first waits for every append queued so far,
+  // with a staging slot of at least `staging_bytes`. body must finish its GPU work
+  // (synchronize the stream) before returning.
+  template <typename Body>
+  absl::Status RunSynchronous(size_t staging_bytes, Body&& body) {
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    Lane& lane = lanes_[next_lane_.fetch_add(1, std::memory_order_relaxed) % kNumLanes];
+    // Event handles never change, so other lanes' events are read without their locks; a wait
+    // covers the last record made before this call.
+    for (Lane& other : lanes_) {
+      if (&other == &lane) continue;
+      for (const StagingSlot& s : other.slots) {
+        KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(lane.stream, s.free, 0));
+      }
+    }
+    absl::MutexLock lock(&lane.mu);
+    StagingSlot& slot = lane.slots[lane.next];
+    if (absl::Status s = ReadySlot(slot, staging_bytes); !s.ok()) return s;
+    absl::Status s = body(lane, slot);
+    if (!s.ok()) cudaStreamSynchronize(lane.stream);  // leave the slot idle for its next user
+    return s;
+  }
+
+  const int device_;
+  Lane lanes_[kNumLanes];
+  std::atomic<uint32_t> next_lane_{0};
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<uint8_t*, size_t> arenas_ ABSL_GUARDED_BY(mu_);
+  uint64_t arena_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device) {
+  if (!cuda::Available()) return absl::UnavailableError("no CUDA device is visible");
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("CUDA device %d does not exist (%d visible)", device, count));
+  }
+  auto backend = std::make_unique<CudaBackend>(device);
+  if (absl::Status s = backend->Init(); !s.ok()) return s;
+  return backend;
+}
+
+#else  // !KVPOOL_WITH_CUDA
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int) {
+  return absl::UnavailableError("built without CUDA");
+}
+
+#endif  // KVPOOL_WITH_CUDA
+
+}  // namespace kvpool

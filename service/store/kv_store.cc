@@ -1,0 +1,342 @@
+// KvStore: namespaces, Match/leases and stats. Put sessions are in kv_store_put.cc, the decode
+// paths (Get, Append, Attend) in kv_store_decode.cc.
+#include "service/store/kv_store.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "kernels/fp16.h"
+#include "service/store/kv_store_impl.h"
+
+namespace kvpool {
+namespace store_internal {
+namespace {
+
+// Weight of a new quantization-error sample in the EWMA.
+constexpr double kQuantErrorEwmaWeight = 0.1;
+
+KvStore::Options WithDefaults(KvStore::Options o) {
+  if (o.clock == nullptr) o.clock = SystemClock();
+  return o;
+}
+
+}  // namespace
+
+absl::Status CheckFinite(const uint16_t* x, size_t n, const char* what) {
+  for (size_t i = 0; i < n; ++i) {
+    if (!HalfIsFinite(x[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("%s holds NaN or Inf at element %d", what, i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+double RelativeL2Error(absl::Span<const uint16_t> approx, absl::Span<const uint16_t> exact) {
+  double err = 0, norm = 0;
+  for (size_t i = 0; i < exact.size(); ++i) {
+    const double e = HalfToFloat(exact[i]);
+    const double d = HalfToFloat(approx[i]) - e;
+    err += d * d;
+    norm += e * e;
+  }
+  return norm > 0 ? std::sqrt(err / norm) : std::sqrt(err);
+}
+
+uint64_t QuantizedBytes(const PageLayout& layout, uint64_t tokens) {
+  return tokens * 2 * layout.num_kv_heads *
+         (layout.code_bytes_per_token() + layout.meta_bytes_per_token());
+}
+
+StoreImpl::StoreImpl(const Options& options)
+    : options_(WithDefaults(options)), leases_(options.max_leases) {}
+
+StoreImpl::~StoreImpl() {
+  absl::MutexLock l(&mu_);
+  for (const std::shared_ptr<Lease>& lease : leases_.Expire(absl::InfiniteFuture())) {
+    FinishLeaseLocked(*lease);
+  }
+}
+
+absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& config) {
+  if (absl::Status s = ValidateNamespaceConfig(config); !s.ok()) return s;
+  absl::MutexLock l(&mu_);
+  if (FindNamespaceLocked(config.name) != nullptr) {
+    return absl::AlreadyExistsError(absl::StrFormat("namespace %s exists", config.name));
+  }
+  if (namespaces_.size() >= static_cast<size_t>(options_.max_namespaces)) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("namespace limit of %d reached", options_.max_namespaces));
+  }
+  const uint64_t unreserved = options_.pool_bytes - reserved_bytes_;
+  const uint64_t capacity = config.capacity_bytes == 0 ? unreserved : config.capacity_bytes;
+  if (capacity > unreserved) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "namespace %s asks for %d bytes, %d of the pool's %d are unreserved", config.name,
+        capacity, unreserved, options_.pool_bytes));
+  }
+  const uint64_t bytes_per_block = BytesPerBlock(config);
+  const uint64_t num_blocks = capacity / bytes_per_block;
+  if (num_blocks == 0) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "namespace %s: %d bytes hold no block of %d bytes", config.name, capacity,
+        bytes_per_block));
+  }
+  absl::StatusOr<std::unique_ptr<BlockPool>> pool =
+      BlockPool::Create(config, num_blocks, options_.backend);
+  if (!pool.ok()) return pool.status();
+  NamespaceInfo info;
+  info.config = config;
+  info.config.capacity_bytes = capacity;
+  info.num_blocks = num_blocks;
+  info.bytes_per_block = bytes_per_block;
+  info.bytes_per_token = BytesPerToken(config);
+  info.fp16_bytes_per_token = Fp16BytesPerToken(config);
+  reserved_bytes_ += capacity;
+  namespaces_.push_back(std::make_unique<NamespaceState>(
+      static_cast<int>(namespaces_.size()), info, *std::move(pool)));
+  return info;
+}
+
+absl::StatusOr<NamespaceInfo> StoreImpl::GetNamespace(std::string_view name) const {
+  absl::MutexLock l(&mu_);
+  absl::StatusOr<NamespaceState*> ns = ResolveLocked(name);
+  if (!ns.ok()) return ns.status();
+  return (*ns)->info;
+}
+
+std::vector<NamespaceInfo> StoreImpl::ListNamespaces() const {
+  absl::MutexLock l(&mu_);
+  std::vector<NamespaceInfo> out;
+  for (const auto& ns : namespaces_) out.push_back(ns->info);
+  return out;
+}
+
+NamespaceState* StoreImpl::FindNamespaceLocked(std::string_view name) const {
+  if (name.empty()) return namespaces_.empty() ? nullptr : namespaces_.front().get();
+  for (const auto& ns : namespaces_) {
+    if (ns->info.config.name == name) return ns.get();
+  }
+  return nullptr;
+}
+
+absl::StatusOr<NamespaceState*> StoreImpl::ResolveLocked(std::string_view name) const {
+  NamespaceState* ns = FindNamespaceLocked(name);
+  if (ns == nullptr) {
+    return absl::NotFoundError(
+        name.empty() ? std::string("no default namespace")
+                     : absl::StrFormat("unknown namespace %s", name));
+  }
+  return ns;
+}
+
+absl::Status StoreImpl::CheckTokenIds(absl::Span<const int32_t> token_ids,
+                                      bool allow_empty) const {
+  if (token_ids.empty() && !allow_empty) {
+    return absl::InvalidArgumentError("token_ids is empty");
+  }
+  if (token_ids.size() > options_.max_sequence_tokens) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "%d token ids, over the limit of %d", token_ids.size(), options_.max_sequence_tokens));
+  }
+  for (size_t i = 0; i < token_ids.size(); ++i) {
+    if (token_ids[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("token id %d at position %d is negative", token_ids[i], i));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<int32_t>> StoreImpl::AllocateLocked(NamespaceState& ns, size_t n) {
+  BlockPool& pool = *ns.pool;
+  const size_t evictable = ns.index.size() - ns.index.pinned_nodes();
+  if (n > static_cast<size_t>(pool.num_blocks())) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("namespace %s needs %d blocks at once but holds only %d",
+                        ns.info.config.name, n, pool.num_blocks()));
+  }
+  if (pool.num_free() + evictable < n) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "pool full: all %d blocks are pinned by leases or in-flight puts (namespace %s needs "
+        "%d, %d free or evictable)",
+        pool.num_blocks(), ns.info.config.name, n, pool.num_free() + evictable));
+  }
+  // Every unpinned node is evictable eventually: a pinned node's ancestors are pinned too.
+  while (pool.num_free() < n) {
+    const std::optional<int32_t> victim = ns.index.EvictOne();
+    pool.Free({*victim});
+    ++ns.evictions;
+  }
+  return pool.Allocate(n);
+}
+
+void StoreImpl::RecordQuantErrorLocked(NamespaceState& ns, double rel_error) {
+  ns.quant_rel_error = ns.has_quant_error ? (1 - kQuantErrorEwmaWeight) * ns.quant_rel_error +
+                                                kQuantErrorEwmaWeight * rel_error
+                                          : rel_error;
+  ns.has_quant_error = true;
+}
+
+// ---- Match / leases ------------------------------------------------------------------------------
+
+absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
+                                                      absl::Span<const int32_t> token_ids,
+                                                      absl::Duration ttl) {
+  if (absl::Status s = CheckTokenIds(token_ids, /*allow_empty=*/true); !s.ok()) return s;
+  if (ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("negative lease ttl");
+  if (ttl == absl::ZeroDuration()) ttl = options_.default_lease_ttl;
+  ttl = std::min(ttl, options_.max_lease_ttl);
+  absl::MutexLock l(&mu_);
+  ExpireLocked();
+  absl::StatusOr<NamespaceState*> resolved = ResolveLocked(ns_name);
+  if (!resolved.ok()) return resolved.status();
+  NamespaceState& ns = **resolved;
+  const int bt = ns.block_tokens();
+  const std::vector<BlockHash> chain = HashChain(ns.index.root(), token_ids, bt);
+  const size_t matched = ns.index.LongestPrefix(chain);
+
+  auto lease = std::make_shared<Lease>();
+  lease->namespace_index = ns.ordinal;
+  lease->ttl = ttl;
+  lease->matched_tokens = static_cast<uint32_t>(matched * bt);
+  lease->layer_tokens.assign(ns.num_layers(), lease->matched_tokens);
+  lease->layer_written = lease->layer_tokens;
+  lease->token_ids.assign(token_ids.begin(), token_ids.end());
+  for (size_t b = 0; b < matched; ++b) {
+    Lease::Block block;
+    block.id = *ns.index.Find(chain[b]);
+    block.hash = chain[b];
+    block.hash_known = true;
+    block.pinned = true;
+    lease->blocks.push_back(block);
+  }
+  absl::StatusOr<std::shared_ptr<Lease>> added = leases_.Add(lease, options_.clock->Now());
+  if (!added.ok()) return added.status();
+  for (const Lease::Block& block : lease->blocks) {
+    ns.index.Pin(block.hash);
+    ns.index.Touch(block.hash);
+  }
+  ns.prefix_query_tokens += token_ids.size();
+  ns.prefix_hit_tokens += lease->matched_tokens;
+  MatchResult r;
+  r.lease_id = lease->id;
+  r.cached_tokens = lease->matched_tokens;
+  r.num_blocks = static_cast<uint32_t>(matched);
+  r.expires = lease->expires;
+  return r;
+}
+
+absl::Status StoreImpl::Release(uint64_t lease_id) {
+  absl::MutexLock l(&mu_);
+  ExpireLocked();
+  std::shared_ptr<Lease> lease = leases_.Remove(lease_id);
+  if (lease == nullptr) {
+    return absl::NotFoundError(absl::StrFormat("unknown or expired lease %d", lease_id));
+  }
+  DropLeaseLocked(lease);
+  return absl::OkStatus();
+}
+
+size_t StoreImpl::ExpireLeases() {
+  absl::MutexLock l(&mu_);
+  return ExpireLocked();
+}
+
+size_t StoreImpl::ExpireLocked() {
+  const std::vector<std::shared_ptr<Lease>> expired = leases_.Expire(options_.clock->Now());
+  for (const std::shared_ptr<Lease>& lease : expired) DropLeaseLocked(lease);
+  return expired.size();
+}
+
+void StoreImpl::DropLeaseLocked(const std::shared_ptr<Lease>& lease) {
+  lease->dropped = true;
+  if (lease->users == 0) FinishLeaseLocked(*lease);
+}
+
+void StoreImpl::FinishLeaseLocked(Lease& lease) {
+  NamespaceState& ns = *namespaces_[lease.namespace_index];
+  for (const Lease::Block& block : lease.blocks) {
+    if (block.pinned) ns.index.Unpin(block.hash);
+    if (block.owned) ns.pool->Free({block.id});
+  }
+  lease.blocks.clear();
+}
+
+absl::StatusOr<std::shared_ptr<Lease>> StoreImpl::UseLeaseLocked(uint64_t id) {
+  std::shared_ptr<Lease> lease = leases_.Use(id, options_.clock->Now());
+  if (lease == nullptr) {
+    return absl::NotFoundError(absl::StrFormat("unknown or expired lease %d", id));
+  }
+  return lease;
+}
+
+absl::StatusOr<KvStore::LeaseView> StoreImpl::DescribeLease(uint64_t lease_id) {
+  absl::MutexLock l(&mu_);
+  ExpireLocked();
+  absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+  if (!lease.ok()) return lease.status();
+  LeaseView view;
+  view.info = namespaces_[(*lease)->namespace_index]->info;
+  view.num_blocks = static_cast<uint32_t>((*lease)->blocks.size());
+  view.layer_tokens = (*lease)->layer_tokens;
+  return view;
+}
+
+StoreStats StoreImpl::Stats() const {
+  absl::MutexLock l(&mu_);
+  StoreStats s;
+  s.backend = options_.backend->name();
+  s.active_leases = leases_.size();
+  s.memory = options_.backend->Stats();
+  for (const auto& ns : namespaces_) {
+    NamespaceStoreStats n;
+    n.name = ns->info.config.name;
+    n.blocks_total = ns->pool->num_blocks();
+    n.blocks_free = ns->pool->num_free();
+    n.blocks_evictable = ns->index.size() - ns->index.pinned_nodes();
+    n.blocks_in_use = n.blocks_total - n.blocks_free - n.blocks_evictable;
+    n.bytes_per_block = ns->info.bytes_per_block;
+    n.tokens_stored = static_cast<uint64_t>(ns->index.size()) * ns->block_tokens();
+    n.evictions = ns->evictions;
+    n.quantized_bytes = ns->quantized_bytes;
+    n.prefix_query_tokens = ns->prefix_query_tokens;
+    n.prefix_hit_tokens = ns->prefix_hit_tokens;
+    n.bytes_per_token = ns->info.bytes_per_token;
+    n.fp16_bytes_per_token = ns->info.fp16_bytes_per_token;
+    n.quant_rel_error = ns->quant_rel_error;
+    s.namespaces.push_back(std::move(n));
+  }
+  return s;
+}
+
+}  // namespace store_internal
+
+absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Create(const Options& options) {
+  if (options.backend == nullptr) return absl::InvalidArgumentError("no compute backend");
+  if (options.pool_bytes == 0) return absl::InvalidArgumentError("pool_bytes is 0");
+  if (options.max_leases == 0 || options.max_namespaces <= 0 ||
+      options.max_sequence_tokens == 0 || options.max_attend_batch == 0) {
+    return absl::InvalidArgumentError("store limits must be positive");
+  }
+  if (options.default_lease_ttl <= absl::ZeroDuration() ||
+      options.max_lease_ttl < options.default_lease_ttl) {
+    return absl::InvalidArgumentError(
+        "lease ttls must satisfy 0 < default_lease_ttl <= max_lease_ttl");
+  }
+  if (options.quality_sample_every < 0) {
+    return absl::InvalidArgumentError("quality_sample_every must not be negative");
+  }
+  return std::unique_ptr<KvStore>(new store_internal::StoreImpl(options));
+}
+
+}  // namespace kvpool

@@ -1,0 +1,164 @@
+// KvStore's Attend: one decode step for a batch of leases, in one attention launch.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "service/store/kv_store_impl.h"
+
+namespace kvpool::store_internal {
+
+absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
+                               absl::Span<const AttendItem> items, float* out, float* lse,
+                               uint32_t* context_tokens) {
+  if (items.empty()) return absl::InvalidArgumentError("attend batch is empty");
+  if (items.size() > options_.max_attend_batch) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "attend batch of %d items, over the limit of %d", items.size(),
+        options_.max_attend_batch));
+  }
+  if (out == nullptr || context_tokens == nullptr) {
+    return absl::InvalidArgumentError("null output buffer");
+  }
+  if (!std::isfinite(sm_scale) || sm_scale < 0) {
+    return absl::InvalidArgumentError("sm_scale must be finite and not negative");
+  }
+  LeaseUse use(this);
+  NamespaceState* ns = nullptr;
+  std::vector<AppendPlan> plans;
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions;
+  std::vector<int32_t> seq_lens(items.size());
+  std::vector<int32_t> block_tables;
+  int max_blocks = 0;
+  {
+    absl::MutexLock l(&mu_);
+    ExpireLocked();
+    std::vector<std::shared_ptr<Lease>> leases;
+    for (const AttendItem& item : items) {
+      absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(item.lease_id);
+      if (!lease.ok()) return lease.status();
+      leases.push_back(*std::move(lease));
+    }
+    ns = namespaces_[leases[0]->namespace_index].get();
+    const NamespaceConfig& config = ns->info.config;
+    if (layer >= static_cast<uint32_t>(config.num_layers)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
+    }
+    if (num_q_heads == 0 || num_q_heads % config.num_kv_heads != 0) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "num_q_heads %d is not a positive multiple of the %d KV heads", num_q_heads,
+          config.num_kv_heads));
+    }
+    const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
+    const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+    for (size_t i = 0; i < items.size(); ++i) {
+      const AttendItem& item = items[i];
+      if (leases[i]->namespace_index != ns->ordinal) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "item %d: lease %d is not in namespace %s", i, item.lease_id, config.name));
+      }
+      if (item.q == nullptr) {
+        return absl::InvalidArgumentError(absl::StrFormat("item %d: empty q", i));
+      }
+      if (absl::Status s = CheckFinite(item.q, q_elems, "q"); !s.ok()) return s;
+      if ((item.new_k == nullptr) != (item.new_v == nullptr)) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("item %d: new_k and new_v must come together", i));
+      }
+      if (item.new_k != nullptr) {
+        if (absl::Status s = CheckFinite(item.new_k, kv_elems, "new_k"); !s.ok()) return s;
+        if (absl::Status s = CheckFinite(item.new_v, kv_elems, "new_v"); !s.ok()) return s;
+        plans.push_back(AppendPlan{leases[i].get(), 1,
+                                   absl::Span<const int32_t>(&item.new_token_id, 1)});
+      } else if (leases[i]->layer_tokens[layer] == 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "item %d: lease %d holds no tokens at layer %d", i, item.lease_id, layer));
+      }
+    }
+    if (absl::Status s = ReserveAppendsLocked(*ns, layer, plans, &slots, &positions); !s.ok()) {
+      return s;
+    }
+    // An item attends to everything its lease holds up to and including its own new token.
+    size_t next_append = 0;
+    for (size_t i = 0; i < items.size(); ++i) {
+      seq_lens[i] = items[i].new_k != nullptr
+                        ? positions[next_append++] + 1
+                        : static_cast<int32_t>(leases[i]->layer_tokens[layer]);
+      const int blocks = (seq_lens[i] + config.block_tokens - 1) / config.block_tokens;
+      max_blocks = std::max(max_blocks, blocks);
+    }
+    block_tables.assign(items.size() * max_blocks, leases[0]->blocks[0].id);
+    for (size_t i = 0; i < items.size(); ++i) {
+      const int blocks = (seq_lens[i] + config.block_tokens - 1) / config.block_tokens;
+      for (int b = 0; b < blocks; ++b) {
+        block_tables[i * max_blocks + b] = leases[i]->blocks[b].id;
+      }
+    }
+    for (std::shared_ptr<Lease>& lease : leases) use.Add(std::move(lease));
+  }
+
+  const NamespaceConfig& config = ns->info.config;
+  const BlockPool& pool = *ns->pool;
+  const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+  absl::Status s;
+  if (!plans.empty()) {
+    std::vector<uint16_t> new_k, new_v;
+    new_k.reserve(plans.size() * kv_elems);
+    new_v.reserve(plans.size() * kv_elems);
+    for (const AttendItem& item : items) {
+      if (item.new_k == nullptr) continue;
+      new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
+      new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
+    }
+    QuantizeAppendParams p;
+    p.layout = pool.layout(layer);
+    p.k = new_k.data();
+    p.v = new_v.data();
+    p.slot_mapping = slots.data();
+    p.positions = positions.data();
+    p.num_tokens = static_cast<int>(plans.size());
+    p.pages = pool.layer_base(layer);
+    p.sink_pages = pool.sink_base(layer);
+    p.num_blocks = pool.num_blocks();
+    s = backend()->QuantizeAppend(p);
+    if (s.ok()) s = backend()->Synchronize();
+  }
+  if (s.ok()) {
+    std::vector<uint16_t> q;
+    const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
+    q.reserve(items.size() * q_elems);
+    for (const AttendItem& item : items) q.insert(q.end(), item.q, item.q + q_elems);
+    PagedDecodeAttentionParams a;
+    a.layout = pool.layout(layer);
+    a.pages = pool.layer_base(layer);
+    a.sink_pages = pool.sink_base(layer);
+    a.q = q.data();
+    a.num_seqs = static_cast<int>(items.size());
+    a.num_q_heads = static_cast<int>(num_q_heads);
+    a.block_tables = block_tables.data();
+    a.max_blocks_per_seq = max_blocks;
+    a.seq_lens = seq_lens.data();
+    a.sm_scale = sm_scale > 0 ? sm_scale : 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+    a.out = out;
+    a.lse = lse;
+    a.num_blocks = pool.num_blocks();
+    s = backend()->PagedDecodeAttention(a);
+  }
+  for (size_t i = 0; i < items.size(); ++i) context_tokens[i] = static_cast<uint32_t>(seq_lens[i]);
+  absl::MutexLock l(&mu_);
+  if (!plans.empty() && s.ok()) {
+    ns->quantized_bytes += QuantizedBytes(pool.layout(layer), plans.size());
+    CompleteAppendsLocked(*ns, layer, plans);
+  }
+  use.EndLocked();
+  return s;
+}
+
+}  // namespace kvpool::store_internal

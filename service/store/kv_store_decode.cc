@@ -1,0 +1,261 @@
+// KvStore's decode paths: Get (ReadFp16, ReadRaw), Append and Attend, and the lease tail they
+// grow and publish.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "service/store/kv_store_impl.h"
+
+namespace kvpool::store_internal {
+
+absl::StatusOr<std::vector<int32_t>> StoreImpl::CheckReadLocked(
+    const Lease& lease, uint32_t layer, uint32_t block_begin, uint32_t num_blocks,
+    uint32_t head_begin, uint32_t head_end) {
+  const NamespaceConfig& config = namespaces_[lease.namespace_index]->info.config;
+  if (layer >= static_cast<uint32_t>(config.num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
+  }
+  if (head_begin >= head_end || head_end > static_cast<uint32_t>(config.num_kv_heads)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "KV heads [%d, %d) not a non-empty range of [0, %d)", head_begin, head_end,
+        config.num_kv_heads));
+  }
+  if (num_blocks == 0 ||
+      static_cast<uint64_t>(block_begin) + num_blocks > lease.blocks.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("blocks [%d, %d) not a non-empty range of the lease's %d blocks",
+                        block_begin, static_cast<uint64_t>(block_begin) + num_blocks,
+                        lease.blocks.size()));
+  }
+  std::vector<int32_t> ids;
+  ids.reserve(num_blocks);
+  for (uint32_t b = block_begin; b < block_begin + num_blocks; ++b) {
+    ids.push_back(lease.blocks[b].id);
+  }
+  return ids;
+}
+
+absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
+                                 uint16_t* k, uint16_t* v) {
+  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
+  LeaseUse use(this);
+  const BlockPool* pool = nullptr;
+  std::vector<int32_t> ids;
+  {
+    absl::MutexLock l(&mu_);
+    ExpireLocked();
+    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+    if (!lease.ok()) return lease.status();
+    absl::StatusOr<std::vector<int32_t>> checked =
+        CheckReadLocked(**lease, layer, block_begin, num_blocks, head_begin, head_end);
+    if (!checked.ok()) return checked.status();
+    ids = *std::move(checked);
+    pool = namespaces_[(*lease)->namespace_index]->pool.get();
+    use.Add(*std::move(lease));
+  }
+  DequantizeParams p;
+  p.layout = pool->layout(layer);
+  p.pages = pool->layer_base(layer);
+  p.block_ids = ids.data();
+  p.num_out_blocks = static_cast<int>(ids.size());
+  p.head_begin = static_cast<int>(head_begin);
+  p.head_end = static_cast<int>(head_end);
+  p.k_out = k;
+  p.v_out = v;
+  p.num_blocks = pool->num_blocks();
+  return backend()->Dequantize(p);
+}
+
+absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                                uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
+                                uint8_t* k, uint8_t* v) {
+  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
+  LeaseUse use(this);
+  const BlockPool* pool = nullptr;
+  std::vector<int32_t> ids;
+  {
+    absl::MutexLock l(&mu_);
+    ExpireLocked();
+    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+    if (!lease.ok()) return lease.status();
+    absl::StatusOr<std::vector<int32_t>> checked =
+        CheckReadLocked(**lease, layer, block_begin, num_blocks, head_begin, head_end);
+    if (!checked.ok()) return checked.status();
+    ids = *std::move(checked);
+    pool = namespaces_[(*lease)->namespace_index]->pool.get();
+    use.Add(*std::move(lease));
+  }
+  const PageLayout& layout = pool->layout(layer);
+  // The selected heads' pages of one half (K or V) are contiguous in a layer page.
+  const size_t run = (head_end - head_begin) * layout.head_page_bytes();
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const uint8_t* page = pool->layer_base(layer) + ids[i] * layout.layer_page_bytes();
+    if (absl::Status s = backend()->ReadArena(page + layout.head_page_offset(0, head_begin),
+                                              run, k + i * run);
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s = backend()->ReadArena(page + layout.head_page_offset(1, head_begin),
+                                              run, v + i * run);
+        !s.ok()) {
+      return s;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
+                                             absl::Span<const AppendPlan> plans,
+                                             std::vector<int64_t>* slots,
+                                             std::vector<int32_t>* positions) {
+  const size_t bt = ns.block_tokens();
+  // Tokens each distinct lease grows by, in first-seen order.
+  std::vector<std::pair<Lease*, uint64_t>> growth;
+  absl::flat_hash_map<Lease*, size_t> slot_of;
+  for (const AppendPlan& plan : plans) {
+    auto [it, inserted] = slot_of.try_emplace(plan.lease, growth.size());
+    if (inserted) growth.push_back({plan.lease, 0});
+    growth[it->second].second += plan.num_tokens;
+  }
+  size_t needed = 0;
+  for (const auto& [lease, n] : growth) {
+    const uint64_t after = lease->layer_tokens[layer] + n;
+    if (after > options_.max_sequence_tokens) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "lease %d would hold %d tokens at layer %d, over the limit of %d", lease->id, after,
+          layer, options_.max_sequence_tokens));
+    }
+    const size_t blocks_after = (after + bt - 1) / bt;
+    if (blocks_after > lease->blocks.size()) needed += blocks_after - lease->blocks.size();
+  }
+  absl::StatusOr<std::vector<int32_t>> ids = AllocateLocked(ns, needed);
+  if (!ids.ok()) return ids.status();
+  size_t next = 0;
+  for (const auto& [lease, n] : growth) {
+    const size_t blocks_after = (lease->layer_tokens[layer] + n + bt - 1) / bt;
+    while (lease->blocks.size() < blocks_after) {
+      Lease::Block block;
+      block.id = (*ids)[next++];
+      block.owned = true;
+      lease->blocks.push_back(block);
+    }
+  }
+  for (const AppendPlan& plan : plans) {
+    Lease& lease = *plan.lease;
+    for (uint32_t i = 0; i < plan.num_tokens; ++i) {
+      const uint32_t pos = lease.layer_tokens[layer]++;
+      slots->push_back(static_cast<int64_t>(lease.blocks[pos / bt].id) * bt + pos % bt);
+      positions->push_back(static_cast<int32_t>(pos));
+      if (!plan.token_ids.empty() && plan.token_ids[i] >= 0) {
+        if (lease.token_ids.size() <= pos) lease.token_ids.resize(pos + 1, -1);
+        lease.token_ids[pos] = plan.token_ids[i];
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
+                                      absl::Span<const AppendPlan> plans) {
+  for (const AppendPlan& plan : plans) plan.lease->layer_written[layer] += plan.num_tokens;
+  for (const AppendPlan& plan : plans) PublishTailLocked(ns, *plan.lease);
+}
+
+void StoreImpl::PublishTailLocked(NamespaceState& ns, Lease& lease) {
+  const size_t bt = ns.block_tokens();
+  const size_t written =
+      *std::min_element(lease.layer_written.begin(), lease.layer_written.end());
+  for (size_t j = 0; j < lease.blocks.size(); ++j) {
+    Lease::Block& block = lease.blocks[j];
+    if (block.hash_known) continue;
+    const size_t end = (j + 1) * bt;
+    if (end > written || lease.token_ids.size() < end) return;
+    const absl::Span<const int32_t> ids(lease.token_ids.data() + j * bt, bt);
+    if (std::any_of(ids.begin(), ids.end(), [](int32_t id) { return id < 0; })) return;
+    // Blocks before j are pinned by this lease (pins cover a prefix), so the parent is
+    // published and Insert succeeds.
+    const BlockHash parent = j == 0 ? ns.index.root() : lease.blocks[j - 1].hash;
+    const BlockHash hash = ChainHash(parent, ids);
+    absl::StatusOr<int32_t> published = ns.index.Insert(parent, hash, block.id);
+    if (!published.ok()) return;
+    block.hash = hash;
+    block.hash_known = true;
+    ns.index.Pin(hash);
+    block.pinned = true;
+    // Ours is now the index's; else the lease keeps its private copy and pins the twin.
+    if (*published == block.id) block.owned = false;
+  }
+}
+
+absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
+                                           absl::Span<const int32_t> token_ids,
+                                           uint32_t num_tokens, const uint16_t* k,
+                                           const uint16_t* v) {
+  if (num_tokens == 0 || k == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError("empty append payload");
+  }
+  if (!token_ids.empty() && token_ids.size() != num_tokens) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "token count mismatch: %d token ids for %d tokens", token_ids.size(), num_tokens));
+  }
+  LeaseUse use(this);
+  NamespaceState* ns = nullptr;
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions;
+  AppendPlan plan;
+  {
+    absl::MutexLock l(&mu_);
+    ExpireLocked();
+    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+    if (!lease.ok()) return lease.status();
+    ns = namespaces_[(*lease)->namespace_index].get();
+    const NamespaceConfig& config = ns->info.config;
+    if (layer >= static_cast<uint32_t>(config.num_layers)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
+    }
+    const size_t n = static_cast<size_t>(num_tokens) * config.num_kv_heads * config.head_dim;
+    if (absl::Status s = CheckFinite(k, n, "k"); !s.ok()) return s;
+    if (absl::Status s = CheckFinite(v, n, "v"); !s.ok()) return s;
+    plan = AppendPlan{lease->get(), num_tokens, token_ids};
+    if (absl::Status s = ReserveAppendsLocked(*ns, layer, {plan}, &slots, &positions);
+        !s.ok()) {
+      return s;
+    }
+    use.Add(*std::move(lease));
+  }
+  const BlockPool& pool = *ns->pool;
+  QuantizeAppendParams p;
+  p.layout = pool.layout(layer);
+  p.k = k;
+  p.v = v;
+  p.slot_mapping = slots.data();
+  p.positions = positions.data();
+  p.num_tokens = static_cast<int>(num_tokens);
+  p.pages = pool.layer_base(layer);
+  p.sink_pages = pool.sink_base(layer);
+  p.num_blocks = pool.num_blocks();
+  absl::Status s = backend()->QuantizeAppend(p);
+  if (s.ok()) s = backend()->Synchronize();
+  absl::MutexLock l(&mu_);
+  if (s.ok()) {
+    ns->quantized_bytes += QuantizedBytes(p.layout, num_tokens);
+    CompleteAppendsLocked(*ns, layer, {plan});
+  }
+  const uint32_t held = plan.lease->layer_tokens[layer];
+  use.EndLocked();
+  if (!s.ok()) return s;
+  return held;
+}
+
+}  // namespace kvpool::store_internal

@@ -1,0 +1,190 @@
+// Internal to the store library: the KvStore implementation behind KvStore::Create, shared by
+// kv_store.cc (namespaces, leases, stats), kv_store_put.cc (Put sessions), kv_store_decode.cc
+// (Get, Append, lease tails) and kv_store_attend.cc (Attend). Nothing outside service/store
+// includes this.
+//
+// Locking: one mutex, StoreImpl::mu_, guards every namespace's BlockPool free list, PrefixIndex
+// and counters, the LeaseTable and every Lease. Kernels run without it, on blocks that a lease
+// or a put session keeps pinned. Lock order: mu_, then any lock internal to the backend (under
+// mu_ the store calls only AllocateArena, FreeArena, name and Stats) or the clock's.
+#ifndef KVPOOL_SERVICE_STORE_KV_STORE_IMPL_H_
+#define KVPOOL_SERVICE_STORE_KV_STORE_IMPL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "service/store/block_pool.h"
+#include "service/store/kv_store.h"
+#include "service/store/lease_table.h"
+#include "service/store/prefix_index.h"
+
+namespace kvpool::store_internal {
+
+// One namespace: geometry (immutable after creation), blocks, index and counters.
+struct NamespaceState {
+  NamespaceState(int i, const NamespaceInfo& in, std::unique_ptr<BlockPool> p)
+      : ordinal(i), info(in), pool(std::move(p)), index(RootHash(in.config.name)) {}
+
+  const int ordinal;  // position in the store's namespace list (Lease::namespace_index)
+  const NamespaceInfo info;
+  const std::unique_ptr<BlockPool> pool;  // free list guarded by StoreImpl::mu_
+  PrefixIndex index;                      // guarded by StoreImpl::mu_
+  // Counters, guarded by StoreImpl::mu_.
+  uint64_t evictions = 0;
+  uint64_t quantized_bytes = 0;
+  uint64_t prefix_query_tokens = 0;
+  uint64_t prefix_hit_tokens = 0;
+  uint64_t put_chunks = 0;
+  double quant_rel_error = 0;  // EWMA of sampled relative L2 errors
+  bool has_quant_error = false;
+
+  int block_tokens() const { return info.config.block_tokens; }
+  int num_layers() const { return info.config.num_layers; }
+};
+
+// INVALID_ARGUMENT naming `what` when one of the n fp16 values is NaN or Inf.
+absl::Status CheckFinite(const uint16_t* x, size_t n, const char* what);
+// Relative L2 error ||a - b|| / ||b|| of fp16 `approx` against fp16 `exact`.
+double RelativeL2Error(absl::Span<const uint16_t> approx, absl::Span<const uint16_t> exact);
+// Page bytes QuantizeAppend writes for `tokens` tokens of one layer (codes + meta, K and V).
+uint64_t QuantizedBytes(const PageLayout& layout, uint64_t tokens);
+
+class StoreImpl final : public KvStore {
+ public:
+  explicit StoreImpl(const Options& options);
+  ~StoreImpl() override;
+
+  absl::StatusOr<NamespaceInfo> CreateNamespace(const NamespaceConfig& config) override;
+  absl::StatusOr<NamespaceInfo> GetNamespace(std::string_view name) const override;
+  std::vector<NamespaceInfo> ListNamespaces() const override;
+  absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(
+      std::string_view ns, absl::Span<const int32_t> token_ids) override;
+  absl::StatusOr<MatchResult> Match(std::string_view ns, absl::Span<const int32_t> token_ids,
+                                    absl::Duration ttl) override;
+  absl::Status Release(uint64_t lease_id) override;
+  size_t ExpireLeases() override;
+  absl::StatusOr<LeaseView> DescribeLease(uint64_t lease_id) override;
+  absl::Status ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                        uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
+                        uint16_t* k, uint16_t* v) override;
+  absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                       uint32_t num_blocks, uint32_t head_begin, uint32_t head_end, uint8_t* k,
+                       uint8_t* v) override;
+  absl::StatusOr<uint32_t> Append(uint64_t lease_id, uint32_t layer,
+                                  absl::Span<const int32_t> token_ids, uint32_t num_tokens,
+                                  const uint16_t* k, const uint16_t* v) override;
+  absl::Status Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
+                      absl::Span<const AttendItem> items, float* out, float* lse,
+                      uint32_t* context_tokens) override;
+  StoreStats Stats() const override;
+
+  // ---- shared with the Put session and the decode paths ----------------------------------------
+  const Options& options() const { return options_; }
+  ComputeBackend* backend() const { return options_.backend; }
+  absl::Mutex& mu() ABSL_LOCK_RETURNED(mu_) { return mu_; }
+
+  // `n` blocks of `ns`, evicting unpinned published blocks LRU-first when the free list is
+  // short. RESOURCE_EXHAUSTED, with nothing changed, when pins leave too few.
+  absl::StatusOr<std::vector<int32_t>> AllocateLocked(NamespaceState& ns, size_t n)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Folds one sampled relative error into the namespace's EWMA.
+  void RecordQuantErrorLocked(NamespaceState& ns, double rel_error)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+ private:
+  // Leases in use by one call outside mu_: they stay pinned until the use ends.
+  class LeaseUse;
+  friend class LeaseUse;
+
+  // The namespace `name` ("" = the first one), or null.
+  NamespaceState* FindNamespaceLocked(std::string_view name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // NOT_FOUND for an unknown namespace; INVALID_ARGUMENT for a token id list the store cannot
+  // hash (empty when !allow_empty, over max_sequence_tokens, or with a negative id).
+  absl::StatusOr<NamespaceState*> ResolveLocked(std::string_view name) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status CheckTokenIds(absl::Span<const int32_t> token_ids, bool allow_empty) const;
+  // Drops leases past their expiry.
+  size_t ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks `lease` dropped and, unless a call still uses it, unpins and frees its blocks.
+  void DropLeaseLocked(const std::shared_ptr<Lease>& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FinishLeaseLocked(Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The live lease `id` (renewed), or NOT_FOUND.
+  absl::StatusOr<std::shared_ptr<Lease>> UseLeaseLocked(uint64_t id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Validates a read of lease blocks [block_begin, +num_blocks), heads [head_begin, head_end)
+  // of `layer` and returns the block ids.
+  absl::StatusOr<std::vector<int32_t>> CheckReadLocked(const Lease& lease, uint32_t layer,
+                                                       uint32_t block_begin,
+                                                       uint32_t num_blocks,
+                                                       uint32_t head_begin, uint32_t head_end)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // One append of `num_tokens` tokens to a lease's tail at one layer.
+  struct AppendPlan {
+    Lease* lease = nullptr;
+    uint32_t num_tokens = 0;
+    absl::Span<const int32_t> token_ids;  // empty or num_tokens long; -1 = unknown
+  };
+  // Reserves tail slots for every plan in order (a lease may appear more than once), allocating
+  // tail blocks; fills the slot mapping and positions of all planned tokens, concatenated.
+  // All or nothing: on error nothing changed.
+  absl::Status ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
+                                    absl::Span<const AppendPlan> plans,
+                                    std::vector<int64_t>* slots, std::vector<int32_t>* positions)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Marks the planned tokens written and publishes every tail block that is now complete.
+  void CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
+                             absl::Span<const AppendPlan> plans)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Publishes, in order, the lease's tail blocks that every layer has filled and whose token
+  // ids are known; a block already published by someone else is pinned there instead.
+  void PublishTailLocked(NamespaceState& ns, Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const Options options_;
+  mutable absl::Mutex mu_;
+  // Append-only, so pointers to NamespaceState stay valid for the store's lifetime.
+  std::vector<std::unique_ptr<NamespaceState>> namespaces_ ABSL_GUARDED_BY(mu_);
+  uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  LeaseTable leases_ ABSL_GUARDED_BY(mu_);
+};
+
+// Leases used by one call outside mu_. Add and EndLocked require mu_; the destructor takes it
+// when the call did not end the use itself. A lease dropped meanwhile is finished by its last
+// user.
+class StoreImpl::LeaseUse {
+ public:
+  explicit LeaseUse(StoreImpl* store) : store_(store) {}
+  ~LeaseUse() {
+    if (leases_.empty()) return;
+    absl::MutexLock l(&store_->mu_);
+    EndLocked();
+  }
+  void Add(std::shared_ptr<Lease> lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_->mu_) {
+    ++lease->users;
+    leases_.push_back(std::move(lease));
+  }
+  void EndLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_->mu_) {
+    for (const std::shared_ptr<Lease>& lease : leases_) {
+      if (--lease->users == 0 && lease->dropped) store_->FinishLeaseLocked(*lease);
+    }
+    leases_.clear();
+  }
+
+ private:
+  StoreImpl* const store_;
+  std::vector<std::shared_ptr<Lease>> leases_;
+};
+
+}  // namespace kvpool::store_internal
+
+#endif  // KVPOOL_SERVICE_STORE_KV_STORE_IMPL_H_

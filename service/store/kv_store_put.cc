@@ -1,0 +1,229 @@
+// KvStore's Put path: a session allocates and pins the blocks to store, quantizes chunks into
+// them outside the store lock, and publishes them on Commit.
+#include <algorithm>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "service/store/kv_store_impl.h"
+
+namespace kvpool::store_internal {
+namespace {
+
+class PutSessionImpl final : public KvStore::PutSession {
+ public:
+  // `cached` leading blocks of `chain` are published and pinned by this session; `blocks` are
+  // allocated for the rest of `chain`.
+  PutSessionImpl(StoreImpl* store, NamespaceState* ns, std::vector<int32_t> token_ids,
+                 std::vector<BlockHash> chain, size_t cached, std::vector<int32_t> blocks)
+      : store_(store), ns_(ns), token_ids_(std::move(token_ids)), chain_(std::move(chain)),
+        cached_(cached), blocks_(std::move(blocks)),
+        covered_(blocks_.size() * ns->num_layers() * ns->block_tokens(), false) {}
+
+  ~PutSessionImpl() override {
+    if (done_) return;
+    absl::MutexLock l(&store_->mu());
+    ReleaseLocked(/*free_blocks=*/true);
+  }
+
+  const NamespaceInfo& info() const override { return ns_->info; }
+  uint32_t tokens_cached() const override {
+    return static_cast<uint32_t>(cached_ * ns_->block_tokens());
+  }
+  uint32_t tokens_to_store() const override {
+    return static_cast<uint32_t>(blocks_.size() * ns_->block_tokens());
+  }
+  uint32_t tokens_ignored() const override {
+    return static_cast<uint32_t>(token_ids_.size() - chain_.size() * ns_->block_tokens());
+  }
+
+  absl::Status AddChunk(uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
+                        const uint16_t* k, const uint16_t* v) override;
+  absl::StatusOr<KvStore::PutResult> Commit() override;
+
+ private:
+  size_t CoverIndex(size_t block, uint32_t layer, size_t offset) const {
+    return (block * ns_->num_layers() + layer) * ns_->block_tokens() + offset;
+  }
+  // Unpins the cached prefix and, when asked, frees the session's blocks.
+  void ReleaseLocked(bool free_blocks) ABSL_EXCLUSIVE_LOCKS_REQUIRED(store_->mu()) {
+    for (size_t b = 0; b < cached_; ++b) ns_->index.Unpin(chain_[b]);
+    if (free_blocks) ns_->pool->Free(blocks_);
+    done_ = true;
+  }
+  // Reads back block `block` (session-relative) of `layer` and measures the error of its tokens
+  // [first, first + count), whose fp16 input starts at k/v.
+  absl::Status SampleError(uint32_t layer, size_t block, size_t first, size_t count,
+                           const uint16_t* k, const uint16_t* v);
+
+  StoreImpl* const store_;
+  NamespaceState* const ns_;
+  const std::vector<int32_t> token_ids_;
+  const std::vector<BlockHash> chain_;  // hashes of every full block
+  const size_t cached_;
+  const std::vector<int32_t> blocks_;   // ids of chain_[cached_ ..]
+  std::vector<bool> covered_;           // [block][layer][token] written
+  bool done_ = false;                   // committed, or released after a failed commit
+};
+
+absl::Status PutSessionImpl::AddChunk(uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
+                                      const uint16_t* k, const uint16_t* v) {
+  if (done_) return absl::FailedPreconditionError("put session already committed");
+  const NamespaceConfig& config = ns_->info.config;
+  if (layer >= static_cast<uint32_t>(config.num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
+  }
+  if (num_tokens == 0 || k == nullptr || v == nullptr) {
+    return absl::InvalidArgumentError("empty chunk payload");
+  }
+  if (static_cast<uint64_t>(token_begin) + num_tokens > token_ids_.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("chunk tokens [%d, %d) outside the sequence of %d tokens", token_begin,
+                        static_cast<uint64_t>(token_begin) + num_tokens, token_ids_.size()));
+  }
+  const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+  if (absl::Status s = CheckFinite(k, num_tokens * per_token, "k"); !s.ok()) return s;
+  if (absl::Status s = CheckFinite(v, num_tokens * per_token, "v"); !s.ok()) return s;
+
+  const size_t bt = config.block_tokens;
+  const size_t store_begin = cached_ * bt;
+  const size_t store_end = chain_.size() * bt;
+  const size_t begin = std::max<size_t>(token_begin, store_begin);
+  const size_t end = std::min<size_t>(token_begin + num_tokens, store_end);
+  if (begin >= end) return absl::OkStatus();  // only cached or trailing tokens
+
+  const size_t n = end - begin;
+  std::vector<int64_t> slots(n);
+  std::vector<int32_t> positions(n);
+  for (size_t i = 0; i < n; ++i) {
+    const size_t t = begin + i;
+    slots[i] = static_cast<int64_t>(blocks_[t / bt - cached_]) * bt + t % bt;
+    positions[i] = static_cast<int32_t>(t);
+  }
+  const BlockPool& pool = *ns_->pool;
+  QuantizeAppendParams p;
+  p.layout = pool.layout(layer);
+  p.k = k + (begin - token_begin) * per_token;
+  p.v = v + (begin - token_begin) * per_token;
+  p.slot_mapping = slots.data();
+  p.positions = positions.data();
+  p.num_tokens = static_cast<int>(n);
+  p.pages = pool.layer_base(layer);
+  p.sink_pages = pool.sink_base(layer);
+  p.num_blocks = pool.num_blocks();
+  if (absl::Status s = store_->backend()->QuantizeAppend(p); !s.ok()) return s;
+  for (size_t t = begin; t < end; ++t) covered_[CoverIndex(t / bt - cached_, layer, t % bt)] = true;
+
+  const int every = store_->options().quality_sample_every;
+  bool sample = false;
+  {
+    absl::MutexLock l(&store_->mu());
+    ns_->quantized_bytes += QuantizedBytes(p.layout, n);
+    sample = every > 0 && ns_->put_chunks++ % every == 0;
+  }
+  if (!sample || !p.layout.quantized()) return absl::OkStatus();
+  const size_t first_block_end = (begin / bt + 1) * bt;
+  return SampleError(layer, begin / bt - cached_, begin % bt,
+                     std::min(end, first_block_end) - begin, p.k, p.v);
+}
+
+absl::Status PutSessionImpl::SampleError(uint32_t layer, size_t block, size_t first,
+                                         size_t count, const uint16_t* k, const uint16_t* v) {
+  const NamespaceConfig& config = ns_->info.config;
+  const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+  if (absl::Status s = store_->backend()->Synchronize(); !s.ok()) return s;
+  const int32_t id = blocks_[block];
+  std::vector<uint16_t> k_out(config.block_tokens * per_token);
+  std::vector<uint16_t> v_out(k_out.size());
+  DequantizeParams d;
+  d.layout = ns_->pool->layout(layer);
+  d.pages = ns_->pool->layer_base(layer);
+  d.block_ids = &id;
+  d.num_out_blocks = 1;
+  d.head_begin = 0;
+  d.head_end = config.num_kv_heads;
+  d.k_out = k_out.data();
+  d.v_out = v_out.data();
+  d.num_blocks = ns_->pool->num_blocks();
+  if (absl::Status s = store_->backend()->Dequantize(d); !s.ok()) return s;
+  const size_t len = count * per_token;
+  std::vector<uint16_t> approx(k_out.begin() + first * per_token,
+                               k_out.begin() + first * per_token + len);
+  approx.insert(approx.end(), v_out.begin() + first * per_token,
+                v_out.begin() + first * per_token + len);
+  std::vector<uint16_t> exact(k, k + len);
+  exact.insert(exact.end(), v, v + len);
+  const double err = RelativeL2Error(approx, exact);
+  absl::MutexLock l(&store_->mu());
+  store_->RecordQuantErrorLocked(*ns_, err);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<KvStore::PutResult> PutSessionImpl::Commit() {
+  if (done_) return absl::FailedPreconditionError("put session already committed");
+  const int layers = ns_->num_layers();
+  const size_t bt = ns_->block_tokens();
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    for (int l = 0; l < layers; ++l) {
+      for (size_t t = 0; t < bt; ++t) {
+        if (!covered_[CoverIndex(b, l, t)]) {
+          return absl::FailedPreconditionError(absl::StrFormat(
+              "put incomplete: layer %d of tokens [%d, %d) not fully written", l,
+              (cached_ + b) * bt, (cached_ + b + 1) * bt));
+        }
+      }
+    }
+  }
+  if (absl::Status s = store_->backend()->Synchronize(); !s.ok()) return s;
+  absl::MutexLock l(&store_->mu());
+  for (size_t b = 0; b < blocks_.size(); ++b) {
+    const size_t i = cached_ + b;
+    const BlockHash& parent = i == 0 ? ns_->index.root() : chain_[i - 1];
+    // The parent is pinned by this session or was published just before.
+    absl::StatusOr<int32_t> published = ns_->index.Insert(parent, chain_[i], blocks_[b]);
+    // A concurrent put published the same block first: ours is a duplicate.
+    if (!published.ok() || *published != blocks_[b]) ns_->pool->Free({blocks_[b]});
+  }
+  ReleaseLocked(/*free_blocks=*/false);
+  KvStore::PutResult r;
+  r.tokens_cached = tokens_cached();
+  r.tokens_stored = tokens_to_store();
+  r.tokens_ignored = tokens_ignored();
+  return r;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
+    std::string_view ns_name, absl::Span<const int32_t> token_ids) {
+  if (absl::Status s = CheckTokenIds(token_ids, /*allow_empty=*/false); !s.ok()) return s;
+  absl::MutexLock l(&mu_);
+  ExpireLocked();
+  absl::StatusOr<NamespaceState*> resolved = ResolveLocked(ns_name);
+  if (!resolved.ok()) return resolved.status();
+  NamespaceState& ns = **resolved;
+  std::vector<BlockHash> chain = HashChain(ns.index.root(), token_ids, ns.block_tokens());
+  const size_t cached = ns.index.LongestPrefix(chain);
+  // Pin the cached prefix first so that eviction for our blocks cannot take it.
+  for (size_t b = 0; b < cached; ++b) ns.index.Pin(chain[b]);
+  absl::StatusOr<std::vector<int32_t>> blocks = AllocateLocked(ns, chain.size() - cached);
+  if (!blocks.ok()) {
+    for (size_t b = 0; b < cached; ++b) ns.index.Unpin(chain[b]);
+    return blocks.status();
+  }
+  for (size_t b = 0; b < cached; ++b) ns.index.Touch(chain[b]);
+  ns.prefix_query_tokens += token_ids.size();
+  ns.prefix_hit_tokens += cached * ns.block_tokens();
+  return std::unique_ptr<PutSession>(new PutSessionImpl(
+      this, &ns, std::vector<int32_t>(token_ids.begin(), token_ids.end()), std::move(chain),
+      cached, *std::move(blocks)));
+}
+
+}  // namespace kvpool::store_internal

@@ -1,0 +1,83 @@
+// LeaseTable: the live leases of a store (DESIGN.md section 3). A lease pins the blocks of a
+// matched prefix and owns the private tail that Append/Attend grow; it lives until Release or
+// until its TTL passes without use.
+//
+// The table only keeps leases and their expiry; pinning and freeing blocks is the store's job
+// (Remove and Expire hand the leases back so the store can unpin them).
+//
+// Thread safety: not thread-safe; the owning store's lock guards every call and every Lease.
+#ifndef KVPOOL_SERVICE_STORE_LEASE_TABLE_H_
+#define KVPOOL_SERVICE_STORE_LEASE_TABLE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <utility>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "service/store/prefix_index.h"
+
+namespace kvpool {
+
+struct Lease {
+  // One block of the lease's sequence: block i holds tokens [i*block_tokens, +block_tokens).
+  struct Block {
+    int32_t id = -1;
+    bool hash_known = false;  // `hash` is the block's prefix hash
+    BlockHash hash;
+    // The lease holds a pin on `hash` in the prefix index (a matched block, a tail block it
+    // published, or the published twin of its private copy). Pins cover a prefix of `blocks`,
+    // so every pinned node's ancestors are pinned too.
+    bool pinned = false;
+    // `id` is a private tail block that the lease frees when it ends.
+    bool owned = false;
+  };
+
+  uint64_t id = 0;          // set by LeaseTable::Add
+  int namespace_index = 0;  // the store's namespace
+  absl::Duration ttl;
+  absl::Time expires;       // set by the table
+  std::vector<Block> blocks;
+  uint32_t matched_tokens = 0;
+  // Tokens reserved per layer (appends in flight included) and tokens written per layer.
+  std::vector<uint32_t> layer_tokens;
+  std::vector<uint32_t> layer_written;
+  // Token ids from position 0 as far as known; -1 = not given.
+  std::vector<int32_t> token_ids;
+  // Calls using the lease's blocks outside the store lock right now. A lease dropped (released
+  // or expired) while users > 0 is unpinned by its last user.
+  int users = 0;
+  bool dropped = false;
+};
+
+class LeaseTable {
+ public:
+  explicit LeaseTable(uint64_t max_leases) : max_leases_(max_leases) {}
+
+  // Adds `lease` with a fresh id, expiring at now + lease->ttl. RESOURCE_EXHAUSTED (lease not
+  // added) at max_leases.
+  [[nodiscard]] absl::StatusOr<std::shared_ptr<Lease>> Add(std::shared_ptr<Lease> lease,
+                                                           absl::Time now);
+  // The live lease `id`, renewed to expire at now + ttl; null when unknown or past its expiry.
+  std::shared_ptr<Lease> Use(uint64_t id, absl::Time now);
+  // Removes lease `id`; null when unknown.
+  std::shared_ptr<Lease> Remove(uint64_t id);
+  // Removes and returns every lease whose expiry is <= now.
+  std::vector<std::shared_ptr<Lease>> Expire(absl::Time now);
+
+  size_t size() const { return leases_.size(); }
+
+ private:
+  const uint64_t max_leases_;
+  uint64_t next_id_ = 1;
+  absl::flat_hash_map<uint64_t, std::shared_ptr<Lease>> leases_;
+  std::set<std::pair<absl::Time, uint64_t>> by_expiry_;  // (expires, id) of every lease
+};
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_STORE_LEASE_TABLE_H_

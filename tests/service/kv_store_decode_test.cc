@@ -1,0 +1,185 @@
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "kernels/kv_kernels.h"
+#include "service/store/kv_store.h"
+#include "tests/service/kv_store_test_util.h"
+
+namespace kvpool::testing {
+namespace {
+
+// Token t of `kv` at `layer`: [heads][head_dim].
+const uint16_t* TokenK(const SequenceKv& kv, int layer, int t, size_t per_token) {
+  return kv.k[layer].data() + t * per_token;
+}
+const uint16_t* TokenV(const SequenceKv& kv, int layer, int t, size_t per_token) {
+  return kv.v[layer].data() + t * per_token;
+}
+
+TEST_F(StoreTest, AppendThenAttendEqualsCpuReferenceOverThePages) {
+  MakeStore(16);
+  const std::vector<int32_t> ids = TokenIds(9, 2);
+  const SequenceKv kv = MakeSequenceKv(config_, 9, 20);
+  ASSERT_TRUE(Put(std::vector<int32_t>(ids.begin(), ids.begin() + 8), kv).ok());
+  auto lease = store_->Match("main", ids, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  ASSERT_EQ(lease->cached_tokens, 8u);
+  const size_t pt = PerToken();
+  // Token 8: appended to layer 0, and to layer 1 by Attend itself.
+  auto held = store_->Append(lease->lease_id, 0, {ids[8]}, 1, TokenK(kv, 0, 8, pt),
+                             TokenV(kv, 0, 8, pt));
+  ASSERT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(*held, 9u);
+
+  const int q_heads = 4;
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(q_heads * config_.head_dim, 21));
+  for (int layer = 0; layer < 2; ++layer) {
+    KvStore::AttendItem item;
+    item.lease_id = lease->lease_id;
+    item.q = q.data();
+    if (layer == 1) {
+      item.new_k = TokenK(kv, 1, 8, pt);
+      item.new_v = TokenV(kv, 1, 8, pt);
+      item.new_token_id = ids[8];
+    }
+    std::vector<float> out(q_heads * config_.head_dim), lse(q_heads);
+    uint32_t context = 0;
+    ASSERT_TRUE(store_->Attend(layer, q_heads, 0.f, {item}, out.data(), lse.data(), &context)
+                    .ok());
+    EXPECT_EQ(context, 9u);
+
+    const std::vector<uint8_t> pages = ReferencePages(kv, layer, 9);
+    const int32_t table[3] = {0, 1, 2};
+    const int32_t len = 9;
+    std::vector<float> ref(out.size()), ref_lse(q_heads);
+    PagedDecodeAttentionParams a;
+    a.layout = LayerLayout(config_, layer);
+    a.pages = pages.data();
+    a.q = q.data();
+    a.num_seqs = 1;
+    a.num_q_heads = q_heads;
+    a.block_tables = table;
+    a.max_blocks_per_seq = 3;
+    a.seq_lens = &len;
+    a.sm_scale = 1.0f / std::sqrt(static_cast<float>(config_.head_dim));
+    a.out = ref.data();
+    a.lse = ref_lse.data();
+    a.num_blocks = 3;
+    ASSERT_EQ(cpu::PagedDecodeAttention(a), KernelStatus::kOk);
+    for (size_t i = 0; i < out.size(); ++i) ASSERT_FLOAT_EQ(out[i], ref[i]) << "layer " << layer;
+    for (int h = 0; h < q_heads; ++h) EXPECT_FLOAT_EQ(lse[h], ref_lse[h]);
+  }
+  auto view = store_->DescribeLease(lease->lease_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->num_blocks, 3u);
+  EXPECT_EQ(view->layer_tokens, (std::vector<uint32_t>{9, 9}));
+}
+
+TEST_F(StoreTest, AttendBatchesLeasesInOneCall) {
+  MakeStore(16);
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 22);
+  const std::vector<int32_t> a_ids = TokenIds(8, 1), b_ids = TokenIds(4, 600);
+  ASSERT_TRUE(Put(a_ids, kv).ok());
+  ASSERT_TRUE(Put(b_ids, kv).ok());
+  auto a = store_->Match("main", a_ids, absl::ZeroDuration());
+  auto b = store_->Match("main", b_ids, absl::ZeroDuration());
+  ASSERT_TRUE(a.ok() && b.ok());
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * 2 * config_.head_dim, 23));
+  KvStore::AttendItem items[2];
+  items[0].lease_id = a->lease_id;
+  items[0].q = q.data();
+  items[1].lease_id = b->lease_id;
+  items[1].q = q.data() + 2 * config_.head_dim;
+  std::vector<float> out(2 * 2 * config_.head_dim);
+  uint32_t context[2];
+  ASSERT_TRUE(store_->Attend(0, 2, 0.f, items, out.data(), nullptr, context).ok());
+  EXPECT_EQ(context[0], 8u);
+  EXPECT_EQ(context[1], 4u);
+}
+
+TEST_F(StoreTest, TailBlockPublishedAfterAllLayersFilled) {
+  MakeStore(16);
+  const std::vector<int32_t> ids = TokenIds(12, 7);
+  const SequenceKv kv = MakeSequenceKv(config_, 12, 24);
+  const std::vector<int32_t> prefix(ids.begin(), ids.begin() + 8);
+  ASSERT_TRUE(Put(prefix, kv).ok());
+  auto lease = store_->Match("main", prefix, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  const size_t pt = PerToken();
+  const std::vector<int32_t> tail(ids.begin() + 8, ids.end());
+  ASSERT_TRUE(store_->Append(lease->lease_id, 0, tail, 4, TokenK(kv, 0, 8, pt),
+                             TokenV(kv, 0, 8, pt)).ok());
+  auto probe = store_->Match("main", ids, absl::ZeroDuration());
+  ASSERT_TRUE(probe.ok());
+  EXPECT_EQ(probe->cached_tokens, 8u);  // layer 1 has not filled the block yet
+  ASSERT_TRUE(store_->Release(probe->lease_id).ok());
+  ASSERT_TRUE(store_->Append(lease->lease_id, 1, tail, 4, TokenK(kv, 1, 8, pt),
+                             TokenV(kv, 1, 8, pt)).ok());
+  probe = store_->Match("main", ids, absl::ZeroDuration());
+  ASSERT_TRUE(probe.ok());
+  EXPECT_EQ(probe->cached_tokens, 12u);
+  // The published block holds what was appended, as the reference writes it.
+  for (int l = 0; l < 2; ++l) {
+    std::vector<uint16_t> k(12 * pt), v(12 * pt);
+    ASSERT_TRUE(store_->ReadFp16(probe->lease_id, l, 0, 3, 0, 2, k.data(), v.data()).ok());
+    const auto [rk, rv] = ReferenceFp16(kv, l, 12);
+    EXPECT_EQ(k, rk);
+    EXPECT_EQ(v, rv);
+  }
+  // Released, the published tail block stays cached.
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  ASSERT_TRUE(store_->Release(probe->lease_id).ok());
+  EXPECT_EQ(store_->Stats().namespaces[0].tokens_stored, 12u);
+}
+
+TEST_F(StoreTest, TailWithoutTokenIdsStaysPrivateAndIsFreedOnRelease) {
+  MakeStore(16);
+  const SequenceKv kv = MakeSequenceKv(config_, 4, 25);
+  auto lease = store_->Match("main", {}, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->num_blocks, 0u);
+  for (int l = 0; l < 2; ++l) {
+    ASSERT_TRUE(
+        store_->Append(lease->lease_id, l, {}, 4, kv.k[l].data(), kv.v[l].data()).ok());
+  }
+  NamespaceStoreStats stats = store_->Stats().namespaces[0];
+  EXPECT_EQ(stats.tokens_stored, 0u);
+  EXPECT_EQ(stats.blocks_in_use, 1u);
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  stats = store_->Stats().namespaces[0];
+  EXPECT_EQ(stats.blocks_free, 16u);
+}
+
+TEST_F(StoreTest, LeasesExpireWithTheClock) {
+  MakeStore(8);
+  const std::vector<int32_t> ids = TokenIds(8, 3);
+  ASSERT_TRUE(Put(ids, MakeSequenceKv(config_, 8, 26)).ok());
+  auto lease = store_->Match("main", ids, absl::Seconds(10));
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->expires, clock_.Now() + absl::Seconds(10));
+  EXPECT_EQ(store_->Stats().namespaces[0].blocks_evictable, 0u);
+  clock_.Advance(absl::Seconds(6));
+  ASSERT_TRUE(store_->DescribeLease(lease->lease_id).ok());  // renews
+  clock_.Advance(absl::Seconds(6));
+  EXPECT_EQ(store_->ExpireLeases(), 0u);
+  clock_.Advance(absl::Seconds(5));
+  EXPECT_EQ(store_->ExpireLeases(), 1u);
+  EXPECT_EQ(store_->Release(lease->lease_id).code(), absl::StatusCode::kNotFound);
+  const StoreStats stats = store_->Stats();
+  EXPECT_EQ(stats.active_leases, 0u);
+  EXPECT_EQ(stats.namespaces[0].blocks_evictable, 2u);
+}
+
+TEST_F(StoreTest, LeaseTtlIsCappedByTheStore) {
+  MakeStore(4);
+  auto lease = store_->Match("main", TokenIds(4, 1), absl::Hours(5));
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(lease->expires, clock_.Now() + absl::Minutes(10));
+}
+
+}  // namespace
+}  // namespace kvpool::testing

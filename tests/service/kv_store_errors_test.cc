@@ -1,0 +1,155 @@
+// One test per class of bad input to the store API: each is rejected with the documented code
+// and changes nothing.
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "service/store/kv_store.h"
+#include "tests/service/kv_store_test_util.h"
+
+namespace kvpool::testing {
+namespace {
+
+using absl::StatusCode;
+
+class StoreErrorsTest : public StoreTest {
+ protected:
+  void SetUp() override {
+    MakeStore(8);
+    ids_ = TokenIds(8, 1);
+    kv_ = MakeSequenceKv(config_, 8, 30);
+    ASSERT_TRUE(Put(ids_, kv_).ok());
+    auto lease = store_->Match("main", ids_, absl::ZeroDuration());
+    ASSERT_TRUE(lease.ok());
+    lease_ = lease->lease_id;
+    out_.resize(8 * PerToken());
+    out_v_.resize(8 * PerToken());
+  }
+
+  std::vector<int32_t> ids_;
+  SequenceKv kv_;
+  uint64_t lease_ = 0;
+  std::vector<uint16_t> out_, out_v_;
+};
+
+TEST_F(StoreErrorsTest, UnknownNamespaceIsNotFound) {
+  EXPECT_EQ(store_->BeginPut("other", ids_).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(store_->Match("other", ids_, absl::ZeroDuration()).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(store_->GetNamespace("other").status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(store_->GetNamespace("").ok());  // the default one
+}
+
+TEST_F(StoreErrorsTest, UnknownLeaseIsNotFound) {
+  const uint64_t bad = lease_ + 1000;
+  EXPECT_EQ(store_->ReadFp16(bad, 0, 0, 1, 0, 2, out_.data(), out_v_.data()).code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(store_->Append(bad, 0, {}, 1, kv_.k[0].data(), kv_.v[0].data()).status().code(),
+            StatusCode::kNotFound);
+  EXPECT_EQ(store_->Release(bad).code(), StatusCode::kNotFound);
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 31));
+  KvStore::AttendItem item;
+  item.lease_id = bad;
+  item.q = q.data();
+  std::vector<float> out(2 * config_.head_dim);
+  uint32_t ctx;
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, {item}, out.data(), nullptr, &ctx).code(),
+            StatusCode::kNotFound);
+}
+
+TEST_F(StoreErrorsTest, LayerOutOfRangeIsInvalid) {
+  auto session = store_->BeginPut("main", TokenIds(4, 77));
+  ASSERT_TRUE(session.ok());
+  EXPECT_EQ((*session)->AddChunk(2, 0, 4, kv_.k[0].data(), kv_.v[0].data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->ReadFp16(lease_, 2, 0, 1, 0, 2, out_.data(), out_v_.data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Append(lease_, 5, {}, 1, kv_.k[0].data(), kv_.v[0].data()).status().code(),
+            StatusCode::kInvalidArgument);
+  auto view = store_->DescribeLease(lease_);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->layer_tokens, (std::vector<uint32_t>{8, 8}));
+}
+
+TEST_F(StoreErrorsTest, HeadOrBlockRangeOutOfRangeIsInvalid) {
+  std::vector<uint8_t> raw_k(1 << 16), raw_v(1 << 16);
+  EXPECT_EQ(store_->ReadRaw(lease_, 0, 0, 1, 1, 3, raw_k.data(), raw_v.data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->ReadRaw(lease_, 0, 0, 1, 1, 1, raw_k.data(), raw_v.data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->ReadFp16(lease_, 0, 1, 2, 0, 2, out_.data(), out_v_.data()).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreErrorsTest, TokenCountMismatchIsInvalid) {
+  EXPECT_EQ(
+      store_->Append(lease_, 0, {1, 2}, 3, kv_.k[0].data(), kv_.v[0].data()).status().code(),
+      StatusCode::kInvalidArgument);
+  auto session = store_->BeginPut("main", TokenIds(4, 77));
+  ASSERT_TRUE(session.ok());
+  // Chunk tokens beyond the sequence.
+  EXPECT_EQ((*session)->AddChunk(0, 2, 4, kv_.k[0].data(), kv_.v[0].data()).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreErrorsTest, EmptyPayloadIsInvalid) {
+  EXPECT_EQ(store_->BeginPut("main", {}).status().code(), StatusCode::kInvalidArgument);
+  auto session = store_->BeginPut("main", TokenIds(4, 77));
+  ASSERT_TRUE(session.ok());
+  EXPECT_EQ((*session)->AddChunk(0, 0, 0, kv_.k[0].data(), kv_.v[0].data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*session)->AddChunk(0, 0, 4, nullptr, nullptr).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Append(lease_, 0, {}, 0, kv_.k[0].data(), kv_.v[0].data()).status().code(),
+            StatusCode::kInvalidArgument);
+  std::vector<float> out(2 * config_.head_dim);
+  uint32_t ctx;
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, {}, out.data(), nullptr, &ctx).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(StoreErrorsTest, BadAttendItemAppendsNothing) {
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 32));
+  std::vector<uint16_t> bad_k(kv_.k[0].begin(), kv_.k[0].begin() + PerToken());
+  bad_k[3] = 0x7C00;  // +Inf
+  KvStore::AttendItem items[2];
+  items[0].lease_id = lease_;
+  items[0].q = q.data();
+  items[0].new_k = kv_.k[0].data();
+  items[0].new_v = kv_.v[0].data();
+  items[1].lease_id = lease_;
+  items[1].q = q.data();
+  items[1].new_k = bad_k.data();
+  items[1].new_v = kv_.v[0].data();
+  std::vector<float> out(2 * 2 * config_.head_dim);
+  uint32_t ctx[2];
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, items, out.data(), nullptr, ctx).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Attend(0, 3, 0.f, {items[0]}, out.data(), nullptr, ctx).code(),
+            StatusCode::kInvalidArgument);  // 3 q heads over 2 KV heads
+  auto view = store_->DescribeLease(lease_);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->layer_tokens, (std::vector<uint32_t>{8, 8}));
+  EXPECT_EQ(view->num_blocks, 2u);
+}
+
+TEST_F(StoreErrorsTest, InvalidNamespaceConfigIsRejected) {
+  NamespaceConfig c = SmallConfig("bad name!");
+  EXPECT_EQ(store_->CreateNamespace(c).status().code(), StatusCode::kInvalidArgument);
+  c = SmallConfig("ok");
+  c.layer_dtypes.pop_back();
+  EXPECT_EQ(store_->CreateNamespace(c).status().code(), StatusCode::kInvalidArgument);
+  c = SmallConfig("ok");
+  c.group_size = 12;  // does not divide head_dim
+  EXPECT_EQ(store_->CreateNamespace(c).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->CreateNamespace(SmallConfig("main")).status().code(),
+            StatusCode::kAlreadyExists);
+  // The first namespace took the whole pool.
+  EXPECT_EQ(store_->CreateNamespace(SmallConfig("ok")).status().code(),
+            StatusCode::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace kvpool::testing

@@ -1,0 +1,72 @@
+#include "service/store/lease_table.h"
+
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "service/store/clock.h"
+
+namespace kvpool {
+namespace {
+
+std::shared_ptr<Lease> NewLease(absl::Duration ttl) {
+  auto lease = std::make_shared<Lease>();
+  lease->ttl = ttl;
+  return lease;
+}
+
+TEST(LeaseTable, ExpiresAfterTtl) {
+  FakeClock clock;
+  LeaseTable table(10);
+  auto a = table.Add(NewLease(absl::Seconds(5)), clock.Now());
+  auto b = table.Add(NewLease(absl::Seconds(20)), clock.Now());
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE((*a)->id, (*b)->id);
+  clock.Advance(absl::Seconds(4));
+  EXPECT_TRUE(table.Expire(clock.Now()).empty());
+  clock.Advance(absl::Seconds(1));
+  auto expired = table.Expire(clock.Now());
+  ASSERT_EQ(expired.size(), 1u);
+  EXPECT_EQ(expired[0]->id, (*a)->id);
+  EXPECT_EQ(table.Use((*a)->id, clock.Now()), nullptr);
+  EXPECT_NE(table.Use((*b)->id, clock.Now()), nullptr);
+  EXPECT_EQ(table.size(), 1u);
+}
+
+TEST(LeaseTable, RenewOnUse) {
+  FakeClock clock;
+  LeaseTable table(10);
+  auto a = table.Add(NewLease(absl::Seconds(10)), clock.Now());
+  ASSERT_TRUE(a.ok());
+  for (int i = 0; i < 5; ++i) {
+    clock.Advance(absl::Seconds(8));
+    ASSERT_NE(table.Use((*a)->id, clock.Now()), nullptr) << "round " << i;
+    EXPECT_TRUE(table.Expire(clock.Now()).empty());
+  }
+  EXPECT_EQ((*a)->expires, clock.Now() + absl::Seconds(10));
+  clock.Advance(absl::Seconds(10));
+  EXPECT_EQ(table.Use((*a)->id, clock.Now()), nullptr);
+  EXPECT_EQ(table.Expire(clock.Now()).size(), 1u);
+}
+
+TEST(LeaseTable, LimitEnforced) {
+  FakeClock clock;
+  LeaseTable table(2);
+  auto a = table.Add(NewLease(absl::Seconds(1)), clock.Now());
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(table.Add(NewLease(absl::Seconds(1)), clock.Now()).ok());
+  EXPECT_EQ(table.Add(NewLease(absl::Seconds(1)), clock.Now()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(table.size(), 2u);
+  EXPECT_NE(table.Remove((*a)->id), nullptr);
+  EXPECT_TRUE(table.Add(NewLease(absl::Seconds(1)), clock.Now()).ok());
+}
+
+TEST(LeaseTable, RemoveUnknownReturnsNull) {
+  LeaseTable table(2);
+  EXPECT_EQ(table.Remove(12345), nullptr);
+}
+
+}  // namespace
+}  // namespace kvpool
