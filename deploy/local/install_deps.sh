@@ -23,4 +23,5 @@ if ((${#missing[@]})); then
 fi
 
 PY=${PYTHON:-python3}
-$PY -m pip install -q -r "$(dirname "$0")/../../client/python/requirements.txt"
+$PY -m pip install -q -r "$(dirname "$0")/../../client/python/requirements.txt" \
+  -r "$(dirname "$0")/../requirements-dev.txt"

@@ -1,0 +1,170 @@
+// `kvpool bench put` and `kvpool bench attend`: throughput of parallel Put streams and latency
+// of the Attend RPC against a running server.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <thread>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "client/kvpool_cli.h"
+#include "tests/common/kv_test_data.h"
+
+ABSL_FLAG(int32_t, streams, 4, "bench put: parallel Put streams, one channel each");
+ABSL_FLAG(int32_t, chunk_tokens, 64, "bench put: tokens per Put message");
+ABSL_FLAG(double, seconds, 5.0, "bench put: duration");
+ABSL_FLAG(int32_t, batch, 8, "bench attend: sequences per Attend RPC");
+ABSL_FLAG(int32_t, context, 1024, "bench attend: cached tokens per sequence");
+ABSL_FLAG(int32_t, iters, 200, "bench attend: timed RPCs (after 10 warm-up RPCs)");
+
+namespace kvpool::cli {
+namespace {
+
+double Percentile(std::vector<double> sorted, double p) {
+  std::sort(sorted.begin(), sorted.end());
+  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()));
+  return sorted[i];
+}
+
+}  // namespace
+
+int RunBenchPut() {
+  const int streams = absl::GetFlag(FLAGS_streams);
+  const int tokens = absl::GetFlag(FLAGS_tokens);
+  const int chunk_tokens = absl::GetFlag(FLAGS_chunk_tokens);
+  if (streams <= 0 || tokens <= 0 || chunk_tokens <= 0) {
+    std::fprintf(stderr, "bench put: --streams, --tokens and --chunk_tokens must be positive\n");
+    return 2;
+  }
+  std::unique_ptr<client::KvPoolClient> probe =
+      client::KvPoolClient::Create(absl::GetFlag(FLAGS_target), Options());
+  absl::StatusOr<v1::NamespaceInfo> info = ResolveNamespace(*probe);
+  if (!info.ok()) {
+    std::fprintf(stderr, "bench put: %s\n", info.status().ToString().c_str());
+    return 1;
+  }
+  const v1::NamespaceSpec& spec = info->spec();
+  // One K/V payload shared by every stream; token ids differ per Put, so nothing is a hit.
+  const client::SequenceKv kv =
+      ToSequenceKv(MakeLayeredKv(spec.num_layers(), tokens, spec.num_kv_heads(),
+                                 spec.head_dim(), absl::GetFlag(FLAGS_seed)),
+                   0, tokens);
+  const size_t chunk_bytes = size_t{2} * chunk_tokens * kv.num_kv_heads * kv.head_dim * 2;
+  const absl::Duration duration = absl::Seconds(absl::GetFlag(FLAGS_seconds));
+
+  std::atomic<uint64_t> bytes{0}, puts{0}, stored{0};
+  absl::Mutex mu;
+  absl::Status first_error;  // guarded by mu
+  const absl::Time start = absl::Now();
+  std::vector<std::thread> threads;
+  for (int s = 0; s < streams; ++s) {
+    threads.emplace_back([&, s] {
+      std::unique_ptr<client::KvPoolClient> c =
+          client::KvPoolClient::Create(absl::GetFlag(FLAGS_target), Options(s + 1, chunk_bytes));
+      for (uint64_t i = 0; absl::Now() - start < duration; ++i) {
+        const std::vector<int32_t> ids =
+            MakeTokenIds(tokens, absl::GetFlag(FLAGS_seed) * 7919 + (s << 24) + i);
+        absl::StatusOr<v1::PutResponse> r = c->Put(spec.name(), ids, kv, Call());
+        if (!r.ok()) {
+          absl::MutexLock lock(&mu);
+          if (first_error.ok()) first_error = r.status();
+          return;
+        }
+        bytes += r->bytes_received();
+        stored += r->tokens_stored();
+        ++puts;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  const double secs = absl::ToDoubleSeconds(absl::Now() - start);
+  if (!first_error.ok()) {
+    std::fprintf(stderr, "bench put: %s\n", first_error.ToString().c_str());
+    return 1;
+  }
+  std::printf("bench put: %d streams, %llu puts of %d tokens (%d layers, %d tokens/message) in "
+              "%.2f s: %.3f GB/s fp16, %.0f tokens/s, %llu tokens stored\n",
+              streams, static_cast<unsigned long long>(puts.load()), tokens, spec.num_layers(),
+              chunk_tokens, secs, bytes.load() / secs / 1e9, puts.load() * tokens / secs,
+              static_cast<unsigned long long>(stored.load()));
+  return 0;
+}
+
+int RunBenchAttend() {
+  const int batch = absl::GetFlag(FLAGS_batch);
+  const int context = absl::GetFlag(FLAGS_context);
+  const int iters = absl::GetFlag(FLAGS_iters);
+  if (batch <= 0 || context <= 0 || iters <= 0) {
+    std::fprintf(stderr, "bench attend: --batch, --context and --iters must be positive\n");
+    return 2;
+  }
+  std::unique_ptr<client::KvPoolClient> c =
+      client::KvPoolClient::Create(absl::GetFlag(FLAGS_target), Options());
+  absl::StatusOr<v1::NamespaceInfo> info = ResolveNamespace(*c);
+  if (!info.ok()) {
+    std::fprintf(stderr, "bench attend: %s\n", info.status().ToString().c_str());
+    return 1;
+  }
+  const v1::NamespaceSpec& spec = info->spec();
+  const uint64_t seed = absl::GetFlag(FLAGS_seed);
+  const client::SequenceKv kv = ToSequenceKv(
+      MakeLayeredKv(spec.num_layers(), context, spec.num_kv_heads(), spec.head_dim(), seed), 0,
+      context);
+  std::vector<uint64_t> leases;
+  absl::Status status;
+  for (int b = 0; b < batch && status.ok(); ++b) {
+    const std::vector<int32_t> ids = MakeTokenIds(context, seed * 104729 + b);
+    absl::StatusOr<v1::PutResponse> put = c->Put(spec.name(), ids, kv, Call());
+    if (!put.ok()) {
+      status = put.status();
+      break;
+    }
+    absl::StatusOr<v1::MatchResponse> m =
+        c->Match(spec.name(), ids, absl::ZeroDuration(), Call());
+    if (!m.ok()) {
+      status = m.status();
+      break;
+    }
+    leases.push_back(m->lease_id());
+  }
+  const int q_heads = spec.num_kv_heads() * absl::GetFlag(FLAGS_q_heads_per_kv_head);
+  const std::vector<uint16_t> q =
+      testing::ToHalf(testing::MakeNormal(size_t{1} * q_heads * spec.head_dim(), seed));
+  std::vector<double> latency_us;
+  uint32_t attended = 0;
+  for (int i = 0; i < iters + 10 && status.ok(); ++i) {
+    v1::AttendRequest req;
+    req.set_layer(i % spec.num_layers());
+    req.set_num_q_heads(q_heads);
+    for (uint64_t lease : leases) {
+      v1::AttendItem* item = req.add_items();
+      item->set_lease_id(lease);
+      item->set_q(q.data(), q.size() * sizeof(uint16_t));
+      item->set_new_token_id(-1);
+    }
+    const absl::Time start = absl::Now();
+    absl::StatusOr<v1::AttendResponse> r = c->Attend(req, Call());
+    const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    if (!r.ok()) {
+      status = r.status();
+      break;
+    }
+    if (i >= 10) latency_us.push_back(us);
+    if (r->context_tokens_size() > 0) attended = r->context_tokens(0);
+  }
+  for (uint64_t lease : leases) c->Release(lease, Call()).IgnoreError();
+  if (!status.ok()) {
+    std::fprintf(stderr, "bench attend: %s\n", status.ToString().c_str());
+    return 1;
+  }
+  std::printf("bench attend: batch %d x %u context tokens, %d q heads, %d RPCs: p50 %.0f us, "
+              "p99 %.0f us\n",
+              batch, attended, q_heads, iters, Percentile(latency_us, 0.5),
+              Percentile(latency_us, 0.99));
+  return 0;
+}
+
+}  // namespace kvpool::cli

@@ -1,0 +1,288 @@
+#include "client/kvpool_client.h"
+
+#include <algorithm>
+#include <map>
+#include <utility>
+
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "grpcpp/grpcpp.h"
+
+namespace kvpool::client {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+// fp16 bytes of a Span<const uint16_t>, as a proto bytes field wants them.
+std::string Bytes(const uint16_t* data, size_t elements) {
+  return std::string(reinterpret_cast<const char*>(data), elements * sizeof(uint16_t));
+}
+
+class GrpcAttendSession final : public AttendSession {
+ public:
+  GrpcAttendSession(v1::KvPool::Stub* stub, absl::Time deadline) {
+    context_.set_deadline(absl::ToChronoTime(deadline));
+    stream_ = stub->AttendStream(&context_);
+  }
+  ~GrpcAttendSession() override {
+    if (!finished_) {
+      context_.TryCancel();
+      stream_->Finish().IgnoreError();
+    }
+  }
+
+  absl::StatusOr<v1::AttendResponse> Step(const v1::AttendRequest& request) override {
+    if (finished_) return final_status_.ok() ? absl::FailedPreconditionError("session finished")
+                                             : final_status_;
+    v1::AttendResponse response;
+    if (!stream_->Write(request) || !stream_->Read(&response)) {
+      (void)Finish();
+      if (final_status_.ok()) {
+        final_status_ = absl::UnavailableError("AttendStream closed by the server");
+      }
+      return final_status_;
+    }
+    return response;
+  }
+
+  absl::Status Finish() override {
+    if (finished_) return final_status_;
+    finished_ = true;
+    stream_->WritesDone();
+    final_status_ = FromGrpc(stream_->Finish());
+    return final_status_;
+  }
+
+ private:
+  grpc::ClientContext context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream_;
+  bool finished_ = false;
+  absl::Status final_status_;
+};
+
+class GrpcKvPoolClient final : public KvPoolClient {
+ public:
+  GrpcKvPoolClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
+      : options_(options), stub_(v1::KvPool::NewStub(std::move(channel))) {}
+
+  const ClientOptions& options() const override { return options_; }
+
+  absl::StatusOr<v1::NamespaceInfo> CreateNamespace(const v1::NamespaceSpec& spec,
+                                                    const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::CreateNamespaceRequest req;
+    *req.mutable_spec() = spec;
+    v1::CreateNamespaceResponse resp;
+    absl::Status s = FromGrpc(stub_->CreateNamespace(&ctx, req, &resp));
+    if (!s.ok()) return s;
+    return std::move(*resp.mutable_info());
+  }
+
+  absl::StatusOr<std::vector<v1::NamespaceInfo>> ListNamespaces(
+      const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::ListNamespacesResponse resp;
+    absl::Status s = FromGrpc(stub_->ListNamespaces(&ctx, v1::ListNamespacesRequest(), &resp));
+    if (!s.ok()) return s;
+    return std::vector<v1::NamespaceInfo>(resp.namespaces().begin(), resp.namespaces().end());
+  }
+
+  absl::StatusOr<v1::NamespaceInfo> GetNamespace(std::string_view name,
+                                                 const CallOptions& call) override {
+    absl::StatusOr<std::vector<v1::NamespaceInfo>> all = ListNamespaces(call);
+    if (!all.ok()) return all.status();
+    for (v1::NamespaceInfo& info : *all) {
+      if (name.empty() || info.spec().name() == name) return std::move(info);
+    }
+    return absl::NotFoundError(absl::StrFormat("no namespace \"%s\"", name));
+  }
+
+  absl::StatusOr<v1::PutResponse> Put(std::string_view ns, absl::Span<const int32_t> token_ids,
+                                      const SequenceKv& kv, const CallOptions& call) override {
+    const size_t layer_elems = kv.LayerElements();
+    if (kv.k.size() != layer_elems * kv.num_layers || kv.v.size() != kv.k.size()) {
+      return absl::InvalidArgumentError("SequenceKv: k/v sizes do not match its shape");
+    }
+    if (size_t{kv.token_begin} + kv.num_tokens > token_ids.size()) {
+      return absl::InvalidArgumentError("SequenceKv: token range beyond token_ids");
+    }
+    const size_t token_elems = size_t{kv.num_kv_heads} * kv.head_dim;
+    const size_t token_bytes = 2 * token_elems * sizeof(uint16_t);  // k + v
+    const uint32_t chunk_tokens = static_cast<uint32_t>(
+        std::max<size_t>(1, options_.max_chunk_bytes / std::max<size_t>(1, token_bytes)));
+
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::PutResponse resp;
+    std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer = stub_->Put(&ctx, &resp);
+    v1::PutRequest msg;
+    v1::PutHeader* header = msg.mutable_header();
+    header->set_namespace_(std::string(ns));
+    header->mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+    bool open = writer->Write(msg);
+    for (uint32_t layer = 0; open && layer < kv.num_layers; ++layer) {
+      for (uint32_t t = 0; open && t < kv.num_tokens; t += chunk_tokens) {
+        const uint32_t n = std::min(chunk_tokens, kv.num_tokens - t);
+        const size_t offset = layer * layer_elems + t * token_elems;
+        v1::PutRequest chunk_msg;
+        v1::PutChunk* chunk = chunk_msg.mutable_chunk();
+        chunk->set_layer(layer);
+        chunk->set_token_begin(kv.token_begin + t);
+        chunk->set_num_tokens(n);
+        chunk->set_k(Bytes(kv.k.data() + offset, n * token_elems));
+        chunk->set_v(Bytes(kv.v.data() + offset, n * token_elems));
+        open = writer->Write(chunk_msg);
+      }
+    }
+    // A failed Write means the server ended the stream; Finish returns its status.
+    if (open) writer->WritesDone();
+    absl::Status s = FromGrpc(writer->Finish());
+    if (!s.ok()) return s;
+    return resp;
+  }
+
+  absl::StatusOr<v1::MatchResponse> Match(std::string_view ns,
+                                          absl::Span<const int32_t> token_ids,
+                                          absl::Duration ttl, const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::MatchRequest req;
+    req.set_namespace_(std::string(ns));
+    req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+    req.set_ttl_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(ttl)));
+    v1::MatchResponse resp;
+    absl::Status s = FromGrpc(stub_->Match(&ctx, req, &resp));
+    if (!s.ok()) return s;
+    return resp;
+  }
+
+  absl::Status Release(uint64_t lease_id, const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::ReleaseRequest req;
+    req.set_lease_id(lease_id);
+    v1::ReleaseResponse resp;
+    return FromGrpc(stub_->Release(&ctx, req, &resp));
+  }
+
+  absl::StatusOr<GetResult> Get(const v1::GetRequest& request, const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    std::unique_ptr<grpc::ClientReader<v1::GetResponse>> reader = stub_->Get(&ctx, request);
+    // Messages of a layer, keyed by block_begin, joined once the stream is complete.
+    std::map<uint32_t, std::map<uint32_t, v1::GetResponse>> parts;
+    GetResult result;
+    result.format = request.format() == v1::GET_FORMAT_RAW ? v1::GET_FORMAT_RAW
+                                                            : v1::GET_FORMAT_FP16;
+    v1::GetResponse msg;
+    while (reader->Read(&msg)) {
+      result.payload_bytes += msg.k().size() + msg.v().size();
+      parts[msg.layer()][msg.block_begin()] = std::move(msg);
+      msg.Clear();
+    }
+    absl::Status s = FromGrpc(reader->Finish());
+    if (!s.ok()) return s;
+    for (auto& [layer, blocks] : parts) {
+      GetLayer out;
+      out.layer = layer;
+      uint32_t next_block = blocks.begin()->first;
+      for (auto& [begin, part] : blocks) {
+        if (begin != next_block) {
+          return absl::DataLossError(
+              absl::StrFormat("Get: layer %d is missing blocks [%d, %d)", layer, next_block,
+                              begin));
+        }
+        next_block = begin + part.num_blocks();
+        out.num_blocks += part.num_blocks();
+        out.valid_tokens += part.valid_tokens();
+        if (part.has_layout()) out.layout = part.layout();
+        out.k.append(part.k());
+        out.v.append(part.v());
+      }
+      result.layers.push_back(std::move(out));
+    }
+    return result;
+  }
+
+  absl::StatusOr<uint32_t> Append(uint64_t lease_id, uint32_t layer,
+                                  absl::Span<const int32_t> token_ids, uint32_t num_tokens,
+                                  absl::Span<const uint16_t> k, absl::Span<const uint16_t> v,
+                                  const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::AppendRequest req;
+    req.set_lease_id(lease_id);
+    req.set_layer(layer);
+    req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+    req.set_num_tokens(num_tokens);
+    req.set_k(Bytes(k.data(), k.size()));
+    req.set_v(Bytes(v.data(), v.size()));
+    v1::AppendResponse resp;
+    absl::Status s = FromGrpc(stub_->Append(&ctx, req, &resp));
+    if (!s.ok()) return s;
+    return resp.layer_tokens();
+  }
+
+  absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
+                                            const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::AttendResponse resp;
+    absl::Status s = FromGrpc(stub_->Attend(&ctx, request, &resp));
+    if (!s.ok()) return s;
+    return resp;
+  }
+
+  absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendStream(
+      const CallOptions& call) override {
+    return std::make_unique<GrpcAttendSession>(stub_.get(), Deadline(call));
+  }
+
+  absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call) override {
+    grpc::ClientContext ctx;
+    SetDeadline(ctx, call);
+    v1::StatsResponse resp;
+    absl::Status s = FromGrpc(stub_->Stats(&ctx, v1::StatsRequest(), &resp));
+    if (!s.ok()) return s;
+    return resp;
+  }
+
+ private:
+  absl::Time Deadline(const CallOptions& call) const {
+    const absl::Duration d =
+        call.deadline > absl::ZeroDuration() ? call.deadline : options_.default_deadline;
+    return absl::Now() + d;
+  }
+  void SetDeadline(grpc::ClientContext& ctx, const CallOptions& call) const {
+    ctx.set_deadline(absl::ToChronoTime(Deadline(call)));
+  }
+
+  const ClientOptions options_;
+  const std::unique_ptr<v1::KvPool::Stub> stub_;
+};
+
+}  // namespace
+
+std::unique_ptr<KvPoolClient> KvPoolClient::Create(const std::string& target,
+                                                   const ClientOptions& options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  // A distinct argument set keeps channels from sharing one connection (subchannel).
+  args.SetInt("kvpool.channel_index", options.channel_index);
+  std::shared_ptr<grpc::ChannelCredentials> creds =
+      options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
+  return Create(grpc::CreateCustomChannel(target, creds, args), options);
+}
+
+std::unique_ptr<KvPoolClient> KvPoolClient::Create(std::shared_ptr<grpc::Channel> channel,
+                                                   const ClientOptions& options) {
+  return std::make_unique<GrpcKvPoolClient>(std::move(channel), options);
+}
+
+}  // namespace kvpool::client

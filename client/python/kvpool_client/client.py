@@ -1,0 +1,257 @@
+"""Python client of the kvpool gRPC service (proto/kvpool/v1/kvpool.proto).
+
+Tensors go in and out as numpy arrays; they travel as fp16. RPC failures raise grpc.RpcError
+with the server's status code (INVALID_ARGUMENT, NOT_FOUND, RESOURCE_EXHAUSTED, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from typing import Iterable, Iterator, List, Optional, Sequence
+
+import grpc
+import numpy as np
+
+try:
+    from .v1 import kvpool_pb2 as pb
+    from .v1 import kvpool_pb2_grpc as pb_grpc
+except ImportError as e:  # pragma: no cover - a checkout without generated stubs
+    raise ImportError(
+        "kvpool_client.v1 stubs are missing: run client/python/gen_proto.sh (or pip install "
+        "client/python)") from e
+
+_DTYPES = {
+    "": pb.KV_DTYPE_UNSPECIFIED,
+    "fp16": pb.KV_DTYPE_FP16,
+    "fp8_e4m3": pb.KV_DTYPE_FP8_E4M3,
+    "int8": pb.KV_DTYPE_INT8,
+    "int4": pb.KV_DTYPE_INT4,
+}
+
+
+def _fp16_bytes(x) -> bytes:
+    return np.ascontiguousarray(np.asarray(x), dtype=np.float16).tobytes()
+
+
+@dataclasses.dataclass
+class AttendItem:
+    """One sequence of a decode step: its lease, q [num_q_heads, head_dim], and optionally the
+    new token's k/v [num_kv_heads, head_dim], appended before attending."""
+    lease_id: int
+    q: np.ndarray
+    new_k: Optional[np.ndarray] = None
+    new_v: Optional[np.ndarray] = None
+    new_token_id: int = -1
+
+
+@dataclasses.dataclass
+class AttendResult:
+    out: np.ndarray                 # [items, num_q_heads, head_dim] float32
+    lse: Optional[np.ndarray]       # [items, num_q_heads] when asked
+    context_tokens: List[int]       # tokens attended per item
+
+
+@dataclasses.dataclass
+class GetResult:
+    """fp16: k, v are [layers, tokens, heads, head_dim] float16 (tokens = the lease's real
+    tokens). raw: pages[i] = (k bytes, v bytes) of layers[i], and layouts[i] its descriptor."""
+    layers: List[int]
+    k: Optional[np.ndarray] = None
+    v: Optional[np.ndarray] = None
+    pages: Optional[List[tuple]] = None
+    layouts: Optional[List[object]] = None
+
+
+def _attend_request(layer, items: Sequence[AttendItem], sm_scale, return_lse):
+    req = pb.AttendRequest(layer=layer, sm_scale=sm_scale, return_lse=return_lse,
+                           output_dtype=pb.OUTPUT_DTYPE_FP32)
+    for it in items:
+        q = np.asarray(it.q)
+        req.num_q_heads = q.shape[0]
+        item = req.items.add(lease_id=it.lease_id, q=_fp16_bytes(q),
+                             new_token_id=it.new_token_id)
+        if it.new_k is not None:
+            item.new_k = _fp16_bytes(it.new_k)
+            item.new_v = _fp16_bytes(it.new_v)
+    return req
+
+
+def _attend_result(resp, items: Sequence[AttendItem], return_lse) -> AttendResult:
+    q_heads, dim = np.asarray(items[0].q).shape
+    out = np.frombuffer(resp.out, dtype=np.float32).reshape(len(items), q_heads, dim)
+    lse = np.asarray(resp.lse, dtype=np.float32).reshape(len(items), q_heads) if return_lse \
+        else None
+    return AttendResult(out=out, lse=lse, context_tokens=list(resp.context_tokens))
+
+
+class AttendStream:
+    """One AttendStream RPC kept open for a decode loop: step() sends one request and returns
+    its response. Use as a context manager, or call close()."""
+
+    _END = object()
+
+    def __init__(self, stub, timeout):
+        self._requests: "queue.Queue" = queue.Queue()
+        self._responses = stub.AttendStream(iter(self._requests.get, self._END), timeout=timeout)
+
+    def step(self, layer: int, items: Sequence[AttendItem], sm_scale: float = 0.0,
+             return_lse: bool = False) -> AttendResult:
+        self._requests.put(_attend_request(layer, items, sm_scale, return_lse))
+        return _attend_result(next(self._responses), items, return_lse)
+
+    def close(self):
+        self._requests.put(self._END)
+        for _ in self._responses:  # drains and surfaces the final status
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+        else:
+            self._responses.cancel()
+
+
+class Client:
+    """Wraps every kvpool RPC. `timeout` (seconds) is the default deadline of each call and
+    stream; every method also takes its own `timeout`."""
+
+    def __init__(self, target: str, timeout: float = 60.0, max_message_bytes: int = 64 << 20,
+                 max_chunk_bytes: int = 4 << 20):
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.max_receive_message_length", max_message_bytes),
+        ])
+        self._stub = pb_grpc.KvPoolStub(self._channel)
+        self._timeout = timeout
+        self._max_chunk_bytes = max_chunk_bytes
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _t(self, timeout):
+        return self._timeout if timeout is None else timeout
+
+    # ---- namespaces -----------------------------------------------------------------------
+    def create_namespace(self, name: str, num_layers: int, num_kv_heads: int, head_dim: int,
+                         block_tokens: int = 16, dtype: str = "int4",
+                         layer_dtypes: Sequence[str] = (), rotation_block: int = 0,
+                         rotation_disabled: bool = False, rotation_seed: int = 0,
+                         group_size: int = 0, sink_tokens: int = 0, capacity_bytes: int = 0,
+                         timeout=None):
+        spec = pb.NamespaceSpec(
+            name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            block_tokens=block_tokens, default_dtype=_DTYPES[dtype],
+            layer_dtypes=[_DTYPES[d] for d in layer_dtypes], rotation_block=rotation_block,
+            rotation_disabled=rotation_disabled, rotation_seed=rotation_seed,
+            group_size=group_size, sink_tokens=sink_tokens, capacity_bytes=capacity_bytes)
+        return self._stub.CreateNamespace(pb.CreateNamespaceRequest(spec=spec),
+                                          timeout=self._t(timeout)).info
+
+    def list_namespaces(self, timeout=None):
+        return list(self._stub.ListNamespaces(pb.ListNamespacesRequest(),
+                                              timeout=self._t(timeout)).namespaces)
+
+    def namespace(self, name: str = "", timeout=None):
+        """NamespaceInfo of `name` ("" = the server's default, listed first)."""
+        for info in self.list_namespaces(timeout):
+            if not name or info.spec.name == name:
+                return info
+        raise KeyError(f"no namespace {name!r}")
+
+    # ---- put / match / get ----------------------------------------------------------------
+    def put(self, token_ids: Sequence[int], k, v, namespace: str = "", token_begin: int = 0,
+            timeout=None):
+        """Streams k, v [layers, tokens, heads, head_dim] (any float dtype; sent as fp16) of
+        tokens [token_begin, token_begin + tokens) of the sequence `token_ids`."""
+        k = np.asarray(k)
+        v = np.asarray(v)
+        if k.ndim != 4 or k.shape != v.shape:
+            raise ValueError("k and v must both be [layers, tokens, heads, head_dim]")
+        layers, tokens, heads, dim = k.shape
+        chunk = max(1, self._max_chunk_bytes // (2 * heads * dim * 2))
+
+        def messages() -> Iterator:
+            yield pb.PutRequest(header=pb.PutHeader(namespace=namespace,
+                                                    token_ids=list(token_ids)))
+            for layer in range(layers):
+                for t in range(0, tokens, chunk):
+                    n = min(chunk, tokens - t)
+                    yield pb.PutRequest(chunk=pb.PutChunk(
+                        layer=layer, token_begin=token_begin + t, num_tokens=n,
+                        k=_fp16_bytes(k[layer, t:t + n]), v=_fp16_bytes(v[layer, t:t + n])))
+
+        return self._stub.Put(messages(), timeout=self._t(timeout))
+
+    def match(self, token_ids: Sequence[int], namespace: str = "", ttl_ms: int = 0,
+              timeout=None):
+        return self._stub.Match(pb.MatchRequest(namespace=namespace, token_ids=list(token_ids),
+                                                ttl_ms=ttl_ms), timeout=self._t(timeout))
+
+    def release(self, lease_id: int, timeout=None):
+        self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._t(timeout))
+
+    def get(self, lease_id: int, namespace: str = "", layers: Optional[range] = None,
+            heads: Optional[range] = None, fmt: str = "fp16", max_chunk_bytes: int = 0,
+            timeout=None) -> GetResult:
+        """Reads a lease's blocks. `namespace` (the lease's) gives the geometry to shape fp16
+        arrays; layers/heads are contiguous ranges (None = all)."""
+        spec = self.namespace(namespace, timeout).spec
+        layers = layers if layers is not None else range(spec.num_layers)
+        heads = heads if heads is not None else range(spec.num_kv_heads)
+        req = pb.GetRequest(lease_id=lease_id, layer_begin=layers.start, layer_end=layers.stop,
+                            head_begin=heads.start, head_end=heads.stop,
+                            format=pb.GET_FORMAT_RAW if fmt == "raw" else pb.GET_FORMAT_FP16,
+                            max_chunk_bytes=max_chunk_bytes)
+        parts = {}
+        for msg in self._stub.Get(req, timeout=self._t(timeout)):
+            parts.setdefault(msg.layer, []).append(msg)
+        result = GetResult(layers=sorted(parts))
+        joined = []
+        for layer in result.layers:
+            msgs = sorted(parts[layer], key=lambda m: m.block_begin)
+            joined.append((b"".join(m.k for m in msgs), b"".join(m.v for m in msgs),
+                           sum(m.valid_tokens for m in msgs),
+                           next((m.layout for m in msgs if m.HasField("layout")), None)))
+        if fmt == "raw":
+            result.pages = [(k, v) for k, v, _, _ in joined]
+            result.layouts = [layout for _, _, _, layout in joined]
+            return result
+        shape = (-1, len(heads), spec.head_dim)
+
+        def tensor(i):
+            return np.stack([np.frombuffer(j[i], dtype=np.float16).reshape(shape)[:j[2]]
+                             for j in joined]) if joined else None
+        result.k, result.v = tensor(0), tensor(1)
+        return result
+
+    # ---- decode ---------------------------------------------------------------------------
+    def append(self, lease_id: int, layer: int, k, v, token_ids: Iterable[int] = (),
+               timeout=None) -> int:
+        """Appends k, v [tokens, heads, head_dim] to `layer` of the lease's tail; returns the
+        tokens now held for that layer."""
+        k = np.asarray(k)
+        return self._stub.Append(pb.AppendRequest(
+            lease_id=lease_id, layer=layer, token_ids=list(token_ids), num_tokens=k.shape[0],
+            k=_fp16_bytes(k), v=_fp16_bytes(v)), timeout=self._t(timeout)).layer_tokens
+
+    def attend(self, layer: int, items: Sequence[AttendItem], sm_scale: float = 0.0,
+               return_lse: bool = False, timeout=None) -> AttendResult:
+        resp = self._stub.Attend(_attend_request(layer, items, sm_scale, return_lse),
+                                 timeout=self._t(timeout))
+        return _attend_result(resp, items, return_lse)
+
+    def attend_stream(self, timeout=None) -> AttendStream:
+        return AttendStream(self._stub, self._t(timeout))
+
+    def stats(self, timeout=None):
+        return self._stub.Stats(pb.StatsRequest(), timeout=self._t(timeout))

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The README's run command. Installs dependencies, builds kvpool-server and kvpool into build/,
+# starts kvpool-server --backend=auto in the background, waits until its gRPC port answers, runs
+# `kvpool demo` against it (extra arguments go to the demo), stops the server with SIGTERM and
+# exits with the demo's status. KVPOOL_PORT / KVPOOL_METRICS_PORT override the ports.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${KVPOOL_BUILD_DIR:-$root/build}
+port=${KVPOOL_PORT:-50051}
+metrics_port=${KVPOOL_METRICS_PORT:-9464}
+
+"$root/deploy/local/install_deps.sh"
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build "$build" --target kvpool-server kvpool -j"$(nproc)"
+
+"$build/kvpool-server" --backend=auto --port="$port" --metrics_port="$metrics_port" &
+server=$!
+stop_server() {
+  kill -TERM "$server" 2>/dev/null || true
+  wait "$server" 2>/dev/null || true
+}
+trap stop_server EXIT
+
+# Ready when the port accepts a connection; give up after 60 s or if the server exits.
+deadline=$((SECONDS + 60))
+until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
+  kill -0 "$server" 2>/dev/null || { echo "kvpool-server exited before serving" >&2; exit 1; }
+  ((SECONDS < deadline)) || { echo "kvpool-server not serving on :$port after 60 s" >&2; exit 1; }
+  sleep 0.2
+done
+
+status=0
+"$build/kvpool" --target="127.0.0.1:$port" demo "$@" || status=$?
+trap - EXIT
+stop_server
+exit "$status"

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The README's test command. Installs dependencies, builds everything into build/, runs ctest
+# (GPU-labelled tests only when a GPU is visible; they are always built) and the Python client
+# tests against the real kvpool-server. Exits non-zero if any step fails.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+build=${KVPOOL_BUILD_DIR:-$root/build}
+
+"$root/deploy/local/install_deps.sh"
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
+cmake --build "$build" -j"$(nproc)"
+
+status=0
+ctest_args=(--output-on-failure)
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "no GPU visible: skipping ctest label gpu"
+  ctest_args+=(-LE gpu)
+fi
+(cd "$build" && ctest "${ctest_args[@]}") || status=1
+
+KVPOOL_SERVER_BIN="$build/kvpool-server" "${PYTHON:-python3}" -m pytest -q "$root/tests/python" \
+  || status=1
+exit "$status"

@@ -1,0 +1,287 @@
+// KvPoolClient against an in-process fake KvPool service (framing: chunking, reassembly,
+// deadlines, status mapping, AttendStream), and rendezvous placement of ShardedKvPoolClient.
+#include "client/kvpool_client.h"
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "gmock/gmock.h"
+#include "grpcpp/grpcpp.h"
+#include "gtest/gtest.h"
+
+namespace kvpool::client {
+namespace {
+
+constexpr uint32_t kHeads = 2, kDim = 16;
+
+// Records Put chunks; serves scripted Get messages; echoes AttendStream; blocks Stats until
+// released (for deadlines); fails Match with INVALID_ARGUMENT.
+class FakeKvPool final : public v1::KvPool::Service {
+ public:
+  grpc::Status Put(grpc::ServerContext*, grpc::ServerReader<v1::PutRequest>* reader,
+                   v1::PutResponse* response) override {
+    v1::PutRequest msg;
+    absl::MutexLock lock(&mu_);
+    while (reader->Read(&msg)) {
+      if (msg.has_header()) {
+        header_ = msg.header();
+        continue;
+      }
+      chunks_.push_back(msg.chunk());
+      response->set_bytes_received(response->bytes_received() + msg.chunk().k().size() +
+                                   msg.chunk().v().size());
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status Get(grpc::ServerContext*, const v1::GetRequest*,
+                   grpc::ServerWriter<v1::GetResponse>* writer) override {
+    for (const v1::GetResponse& m : get_script_) writer->Write(m);
+    return grpc::Status::OK;
+  }
+  grpc::Status Match(grpc::ServerContext*, const v1::MatchRequest*,
+                     v1::MatchResponse*) override {
+    return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "token ids must be non-negative");
+  }
+  grpc::Status AttendStream(
+      grpc::ServerContext*,
+      grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream) override {
+    v1::AttendRequest req;
+    while (stream->Read(&req)) {
+      v1::AttendResponse resp;
+      resp.add_context_tokens(req.layer());
+      resp.set_out(req.items(0).q());
+      stream->Write(resp);
+    }
+    return grpc::Status::OK;
+  }
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*,
+                     v1::StatsResponse*) override {
+    stats_release_.WaitForNotification();
+    return grpc::Status::OK;
+  }
+
+  absl::Mutex mu_;
+  v1::PutHeader header_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::PutChunk> chunks_ ABSL_GUARDED_BY(mu_);
+  std::vector<v1::GetResponse> get_script_;  // set before the call
+  absl::Notification stats_release_;
+};
+
+class KvPoolClientTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder builder;
+    builder.RegisterService(&fake_);
+    server_ = builder.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+  }
+  void TearDown() override {
+    fake_.stats_release_.Notify();
+    server_->Shutdown();
+  }
+  std::unique_ptr<KvPoolClient> Client(size_t max_chunk_bytes) {
+    ClientOptions options;
+    options.max_chunk_bytes = max_chunk_bytes;
+    return KvPoolClient::Create(server_->InProcessChannel(grpc::ChannelArguments()), options);
+  }
+
+  FakeKvPool fake_;
+  std::unique_ptr<grpc::Server> server_;
+};
+
+SequenceKv RandomKv(uint32_t layers, uint32_t token_begin, uint32_t tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  SequenceKv kv{layers, token_begin, tokens, kHeads, kDim, {}, {}};
+  kv.k.resize(kv.LayerElements() * layers);
+  kv.v.resize(kv.k.size());
+  for (uint16_t& x : kv.k) x = static_cast<uint16_t>(rng());
+  for (uint16_t& x : kv.v) x = static_cast<uint16_t>(rng());
+  return kv;
+}
+
+TEST_F(KvPoolClientTest, PutSplitsEveryLayerIntoBoundedChunksCoveringItsTokens) {
+  const size_t token_bytes = 2 * kHeads * kDim * 2;
+  const size_t max_chunk = 3 * token_bytes + token_bytes / 2;  // 3 tokens per chunk
+  const SequenceKv kv = RandomKv(3, 16, 10, 7);
+  std::vector<int32_t> ids(26);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(1000 + i);
+
+  absl::StatusOr<v1::PutResponse> r = Client(max_chunk)->Put("ns", ids, kv);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->bytes_received(), (kv.k.size() + kv.v.size()) * 2);
+
+  absl::MutexLock lock(&fake_.mu_);
+  EXPECT_EQ(fake_.header_.namespace_(), "ns");
+  EXPECT_THAT(fake_.header_.token_ids(), ::testing::ElementsAreArray(ids));
+  ASSERT_EQ(fake_.chunks_.size(), 3u * 4u);  // ceil(10 / 3) chunks per layer
+  std::vector<uint16_t> k(kv.k.size()), v(kv.v.size());
+  for (const v1::PutChunk& c : fake_.chunks_) {
+    EXPECT_LE(c.k().size() + c.v().size(), max_chunk);
+    ASSERT_GE(c.token_begin(), 16u);
+    ASSERT_LE(c.token_begin() + c.num_tokens(), 26u);
+    const size_t at = c.layer() * kv.LayerElements() + (c.token_begin() - 16) * kHeads * kDim;
+    ASSERT_EQ(c.k().size(), c.num_tokens() * kHeads * kDim * 2);
+    std::memcpy(&k[at], c.k().data(), c.k().size());
+    std::memcpy(&v[at], c.v().data(), c.v().size());
+  }
+  EXPECT_EQ(k, kv.k);
+  EXPECT_EQ(v, kv.v);
+}
+
+TEST_F(KvPoolClientTest, PutRejectsKvWhoseSizeDoesNotMatchItsShape) {
+  SequenceKv kv = RandomKv(2, 0, 4, 3);
+  kv.v.pop_back();
+  absl::StatusOr<v1::PutResponse> r = Client(1 << 20)->Put("", std::vector<int32_t>(4, 1), kv);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  absl::MutexLock lock(&fake_.mu_);
+  EXPECT_TRUE(fake_.chunks_.empty());
+}
+
+v1::GetResponse Part(uint32_t layer, uint32_t begin, uint32_t blocks, const std::string& bytes) {
+  v1::GetResponse m;
+  m.set_layer(layer);
+  m.set_block_begin(begin);
+  m.set_num_blocks(blocks);
+  m.set_valid_tokens(blocks * 16);
+  m.set_k(bytes);
+  m.set_v(bytes + "v");
+  return m;
+}
+
+TEST_F(KvPoolClientTest, GetReassemblesOutOfOrderMessagesPerLayerInBlockOrder) {
+  fake_.get_script_ = {Part(1, 2, 1, "C"), Part(0, 0, 2, "AB"), Part(1, 0, 2, "ab"),
+                       Part(0, 2, 1, "c")};
+  v1::GetRequest req;
+  req.set_lease_id(5);
+  absl::StatusOr<GetResult> r = Client(1 << 20)->Get(req);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->layers.size(), 2u);
+  EXPECT_EQ(r->layers[0].layer, 0u);
+  EXPECT_EQ(r->layers[0].k, "ABc");
+  EXPECT_EQ(r->layers[0].v, "ABvcv");
+  EXPECT_EQ(r->layers[0].num_blocks, 3u);
+  EXPECT_EQ(r->layers[0].valid_tokens, 48u);
+  EXPECT_EQ(r->layers[1].k, "abC");
+  EXPECT_EQ(r->payload_bytes, (1u + 2) + (2 + 3) + (2 + 3) + (1 + 2));
+}
+
+TEST_F(KvPoolClientTest, GetReportsAGapInALayersBlocksAsDataLoss) {
+  fake_.get_script_ = {Part(0, 0, 1, "A"), Part(0, 2, 1, "C")};
+  absl::StatusOr<GetResult> r = Client(1 << 20)->Get(v1::GetRequest());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST_F(KvPoolClientTest, ServerStatusCodeAndMessageReachTheCaller) {
+  absl::StatusOr<v1::MatchResponse> r = Client(1 << 20)->Match("ns", {-1});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.status().message(), "token ids must be non-negative");
+}
+
+TEST_F(KvPoolClientTest, CallDeadlineEndsACallTheServerNeverAnswers) {
+  CallOptions call;
+  call.deadline = absl::Milliseconds(20);
+  absl::StatusOr<v1::StatsResponse> r = Client(1 << 20)->Stats(call);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_F(KvPoolClientTest, AttendSessionAnswersEachStepInOrderOnOneStream) {
+  absl::StatusOr<std::unique_ptr<AttendSession>> session = Client(1 << 20)->OpenAttendStream();
+  ASSERT_TRUE(session.ok()) << session.status();
+  for (uint32_t layer = 0; layer < 5; ++layer) {
+    v1::AttendRequest req;
+    req.set_layer(layer);
+    req.add_items()->set_q("q" + std::to_string(layer));
+    absl::StatusOr<v1::AttendResponse> resp = (*session)->Step(req);
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    EXPECT_EQ(resp->context_tokens(0), layer);
+    EXPECT_EQ(resp->out(), "q" + std::to_string(layer));
+  }
+  EXPECT_TRUE((*session)->Finish().ok());
+  EXPECT_FALSE((*session)->Step(v1::AttendRequest()).ok());
+}
+
+std::vector<int32_t> RandomIds(std::mt19937_64& rng, int n) {
+  std::vector<int32_t> ids(n);
+  for (int32_t& x : ids) x = static_cast<int32_t>(rng() % 128000);
+  return ids;
+}
+
+TEST(RendezvousShard, SequencesSharingTheFirstBlockLandOnOneShard) {
+  const std::vector<std::string> targets = {"a:1", "b:1", "c:1", "d:1"};
+  std::mt19937_64 rng(11);
+  const std::vector<int32_t> system = RandomIds(rng, 16);
+  for (int r = 0; r < 20; ++r) {
+    std::vector<int32_t> ids = system;
+    const std::vector<int32_t> user = RandomIds(rng, 40);
+    ids.insert(ids.end(), user.begin(), user.end());
+    EXPECT_EQ(RendezvousShard(targets, "ns", absl::MakeConstSpan(ids).subspan(0, 16)),
+              RendezvousShard(targets, "ns", system));
+  }
+}
+
+TEST(RendezvousShard, IsStableAcrossBuildsForAFixedInput) {
+  const std::vector<std::string> targets = {"kvpool-0:50051", "kvpool-1:50051", "kvpool-2:50051"};
+  const std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+  // Pinned: a changed hash would move every cached prefix of a running fleet.
+  EXPECT_EQ(RendezvousShard(targets, "other", ids), 1u);
+}
+
+TEST(RendezvousShard, SpreadsPrefixesEvenlyAndRemovingAShardMovesOnlyItsOwn) {
+  const std::vector<std::string> four = {"a:1", "b:1", "c:1", "d:1"};
+  const std::vector<std::string> three = {"a:1", "b:1", "d:1"};  // c:1 removed
+  std::mt19937_64 rng(5);
+  std::map<size_t, int> count;
+  for (int i = 0; i < 4000; ++i) {
+    const std::vector<int32_t> ids = RandomIds(rng, 16);
+    const size_t s4 = RendezvousShard(four, "ns", ids);
+    ++count[s4];
+    const std::string& before = four[s4];
+    const std::string& after = three[RendezvousShard(three, "ns", ids)];
+    if (before != "c:1") {
+      EXPECT_EQ(after, before);
+    }
+  }
+  for (size_t s = 0; s < 4; ++s) {
+    EXPECT_GT(count[s], 800) << "shard " << s;
+    EXPECT_LT(count[s], 1200) << "shard " << s;
+  }
+}
+
+TEST(RendezvousShard, NamespaceIsPartOfThePlacement) {
+  const std::vector<std::string> targets = {"a:1", "b:1", "c:1", "d:1", "e:1", "f:1"};
+  std::mt19937_64 rng(9);
+  int differ = 0;
+  for (int i = 0; i < 200; ++i) {
+    const std::vector<int32_t> ids = RandomIds(rng, 16);
+    differ += RendezvousShard(targets, "llama", ids) != RendezvousShard(targets, "qwen", ids);
+  }
+  EXPECT_GT(differ, 100);
+}
+
+TEST(ShardedKvPoolClient, RejectsNoTargetsAndDuplicateTargets) {
+  EXPECT_EQ(ShardedKvPoolClient::Create({}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ShardedKvPoolClient::Create({"a:1", "a:1"}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ShardedKvPoolClient, PlacesASequenceByItsFirstBlockOnly) {
+  absl::StatusOr<std::unique_ptr<ShardedKvPoolClient>> c =
+      ShardedKvPoolClient::Create({"a:1", "b:1", "c:1"});
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::mt19937_64 rng(3);
+  const std::vector<int32_t> ids = RandomIds(rng, 64);
+  const size_t shard = (*c)->ShardFor("ns", ids, 16);
+  EXPECT_EQ(shard, RendezvousShard({"a:1", "b:1", "c:1"}, "ns",
+                                   absl::MakeConstSpan(ids).subspan(0, 16)));
+  EXPECT_EQ(&(*c)->ForSequence("ns", ids, 16), &(*c)->shard(shard));
+}
+
+}  // namespace
+}  // namespace kvpool::client
