@@ -13,6 +13,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "kernels/kv_kernels.h"
 
 namespace kvpool {
@@ -45,6 +46,27 @@ class ComputeBackend {
   [[nodiscard]] virtual absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) = 0;
   // Waits for all work queued so far.
   [[nodiscard]] virtual absl::Status Synchronize() = 0;
+
+  // ---- Transfer paths (NCCL data plane): inputs and outputs in ARENA memory ---------------------
+  // Staging buffers for these are arenas too (AllocateArena). The defaults return UNIMPLEMENTED;
+  // a backend that serves NCCL transfers overrides all four. All are synchronous: they return
+  // after the work finished, so the caller may reuse or send the buffers at once.
+
+  // One contiguous run of arena bytes.
+  struct ArenaRun {
+    const uint8_t* src = nullptr;
+    size_t bytes = 0;
+  };
+  // Copies the runs, in order and back to back, to arena memory at `dst`. Runs are many and
+  // small (one per block and K|V half), so a device backend must do this in one launch.
+  [[nodiscard]] virtual absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst);
+  // Dequantize with k_out and v_out in arena memory (block_ids stay host memory).
+  [[nodiscard]] virtual absl::Status DequantizeToArena(const DequantizeParams& p);
+  // QuantizeAppend with k and v in arena memory (slot_mapping and positions stay host memory).
+  [[nodiscard]] virtual absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p);
+  // INVALID_ARGUMENT naming `what` when one of the n fp16 values at arena `x` is NaN or Inf.
+  [[nodiscard]] virtual absl::Status CheckFiniteArena(const uint16_t* x, size_t n,
+                                                      const char* what);
 
   virtual ComputeBackendStats Stats() const = 0;
 };

@@ -1,4 +1,5 @@
 // The CPU reference backend: arenas in host memory, kernels from kvpool::cpu, all synchronous.
+// Arena memory is host memory, so the transfer paths are the host paths.
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -12,6 +13,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kernels/kv_kernels.h"
 #include "service/store/compute_backend.h"
+#include "service/store/kv_store_impl.h"
 
 namespace kvpool {
 namespace {
@@ -71,6 +73,21 @@ class CpuBackend final : public ComputeBackend {
     return absl::OkStatus();
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
+
+  absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
+    for (const ArenaRun& run : runs) {
+      if (absl::Status s = ReadArena(run.src, run.bytes, dst); !s.ok()) return s;
+      dst += run.bytes;
+    }
+    return absl::OkStatus();
+  }
+  absl::Status DequantizeToArena(const DequantizeParams& p) override { return Dequantize(p); }
+  absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
+    return QuantizeAppend(p);
+  }
+  absl::Status CheckFiniteArena(const uint16_t* x, size_t n, const char* what) override {
+    return store_internal::CheckFinite(x, n, what);
+  }
 
   ComputeBackendStats Stats() const override {
     absl::MutexLock l(&mu_);

@@ -37,10 +37,10 @@ absl::Status CudaError(cudaError_t err, const char* what) {
       absl::StrFormat("%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err)));
 }
 
-#define KVPOOL_RETURN_IF_CUDA_ERROR(expr)                          \
-  do {                                                             \
+#define KVPOOL_RETURN_IF_CUDA_ERROR(expr)                              \
+  do {                                                                 \
     const absl::Status kvpool_cuda_status_ = CudaError((expr), #expr); \
-    if (!kvpool_cuda_status_.ok()) return kvpool_cuda_status_;     \
+    if (!kvpool_cuda_status_.ok()) return kvpool_cuda_status_;         \
   } while (0)
 
 // FromKernelStatus, plus the CUDA error text for kCudaError.
@@ -66,7 +66,7 @@ class StagingLayout {
 };
 
 struct StagingSlot {
-  uint8_t* host = nullptr;    // pinned
+  uint8_t* host = nullptr;  // pinned
   uint8_t* device = nullptr;
   size_t capacity = 0;
   cudaEvent_t free = nullptr;  // recorded after the last work using the buffers
@@ -163,8 +163,7 @@ class CudaBackend final : public ComputeBackend {
       if (slot < 0) continue;
       if (slot >= num_slots || (sinks && p.positions[t] < 0)) {
         return absl::InvalidArgumentError(
-            absl::StrFormat("QuantizeAppend: token %d: slot %d or position out of range", t,
-                            slot));
+            absl::StrFormat("QuantizeAppend: token %d: slot %d or position out of range", t, slot));
       }
     }
     const size_t kv_bytes =
@@ -226,14 +225,12 @@ class CudaBackend final : public ComputeBackend {
     return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
       std::memcpy(slot.host + ids_off, p.block_ids, ids_bytes);
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device + ids_off, slot.host + ids_off,
-                                                  ids_bytes, cudaMemcpyHostToDevice,
-                                                  lane.stream));
+                                                  ids_bytes, cudaMemcpyHostToDevice, lane.stream));
       DequantizeParams d = p;
       d.block_ids = reinterpret_cast<const int32_t*>(slot.device + ids_off);
       d.k_out = reinterpret_cast<uint16_t*>(slot.device + k_off);
       d.v_out = reinterpret_cast<uint16_t*>(slot.device + v_off);
-      if (absl::Status s = KernelResult(cuda::Dequantize(d, lane.stream), "Dequantize");
-          !s.ok()) {
+      if (absl::Status s = KernelResult(cuda::Dequantize(d, lane.stream), "Dequantize"); !s.ok()) {
         return s;
       }
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + k_off, slot.device + k_off,
@@ -252,8 +249,7 @@ class CudaBackend final : public ComputeBackend {
       return absl::InvalidArgumentError("PagedDecodeAttention: bad batch shape");
     }
     if (p.num_seqs == 0) return absl::OkStatus();
-    if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
-        p.out == nullptr) {
+    if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr || p.out == nullptr) {
       return absl::InvalidArgumentError("PagedDecodeAttention: null argument");
     }
     for (int s = 0; s < p.num_seqs; ++s) {
@@ -303,8 +299,8 @@ class CudaBackend final : public ComputeBackend {
       d.lse = p.lse != nullptr ? reinterpret_cast<float*>(slot.device + lse_off) : nullptr;
       d.workspace = workspace_bytes > 0 ? slot.device + ws_off : nullptr;
       d.workspace_bytes = workspace_bytes;
-      if (absl::Status s = KernelResult(cuda::PagedDecodeAttention(d, lane.stream),
-                                        "PagedDecodeAttention");
+      if (absl::Status s =
+              KernelResult(cuda::PagedDecodeAttention(d, lane.stream), "PagedDecodeAttention");
           !s.ok()) {
         return s;
       }

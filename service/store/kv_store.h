@@ -107,6 +107,12 @@ class KvStore {
     [[nodiscard]] virtual absl::Status AddChunk(uint32_t layer, uint32_t token_begin,
                                                 uint32_t num_tokens, const uint16_t* k,
                                                 const uint16_t* v) = 0;
+    // AddChunk with k and v in backend (arena) memory, e.g. a transfer staging buffer the
+    // fused kernel reads directly. The NaN/Inf check runs on the backend, before any write.
+    // Returns after k and v were consumed.
+    [[nodiscard]] virtual absl::Status AddChunkFromArena(uint32_t layer, uint32_t token_begin,
+                                                         uint32_t num_tokens, const uint16_t* k,
+                                                         const uint16_t* v) = 0;
     // Publishes every stored block. FAILED_PRECONDITION (and nothing published) if some
     // (block, layer) was not fully written.
     [[nodiscard]] virtual absl::StatusOr<PutResult> Commit() = 0;
@@ -145,6 +151,18 @@ class KvStore {
   virtual absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                                uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                uint8_t* k, uint8_t* v) = 0;
+  // ReadFp16 into backend (arena) memory, e.g. a transfer staging buffer: same checks and
+  // shapes, synchronous.
+  virtual absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                                       uint32_t num_blocks, uint32_t head_begin,
+                                       uint32_t head_end, uint16_t* k, uint16_t* v) = 0;
+  // The raw pages of layers [layer_begin, layer_end) gathered, in one backend call, into
+  // backend (arena) memory at `dst`: for each layer ascending, K then V, each
+  // [num_blocks][heads] head pages of that layer's layout. Synchronous.
+  virtual absl::Status ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
+                                      uint32_t layer_end, uint32_t block_begin,
+                                      uint32_t num_blocks, uint32_t head_begin,
+                                      uint32_t head_end, uint8_t* dst) = 0;
 
   // ---- Decode ---------------------------------------------------------------------------------
   // Appends fp16 K/V [num_tokens][num_kv_heads][head_dim] to `layer` of the lease's tail.

@@ -44,25 +44,70 @@ absl::StatusOr<std::vector<int32_t>> StoreImpl::CheckReadLocked(
   return ids;
 }
 
-absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
-                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
-                                 uint16_t* k, uint16_t* v) {
-  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
-  LeaseUse use(this);
-  const BlockPool* pool = nullptr;
+namespace {
+
+// The runs of one half (kv: 0 = K, 1 = V) of heads [head_begin, head_end) of `layer`'s pages of
+// blocks `ids`, appended to `runs`. The selected heads' pages of one half are contiguous.
+void AppendRawRuns(const BlockPool& pool, uint32_t layer, int kv, absl::Span<const int32_t> ids,
+                   uint32_t head_begin, uint32_t head_end,
+                   std::vector<ComputeBackend::ArenaRun>* runs) {
+  const PageLayout& layout = pool.layout(layer);
+  const size_t run = (head_end - head_begin) * layout.head_page_bytes();
+  for (int32_t id : ids) {
+    const uint8_t* page = pool.layer_base(layer) + id * layout.layer_page_bytes();
+    runs->push_back({page + layout.head_page_offset(kv, head_begin), run});
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::pair<const BlockPool*, std::vector<int32_t>>> StoreImpl::BeginRead(
+    LeaseUse& use, uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
+    uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin, uint32_t head_end) {
+  absl::MutexLock l(&mu_);
+  ExpireLocked();
+  absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+  if (!lease.ok()) return lease.status();
+  if (layer_begin >= layer_end) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layers [%d, %d) empty", layer_begin, layer_end));
+  }
   std::vector<int32_t> ids;
-  {
-    absl::MutexLock l(&mu_);
-    ExpireLocked();
-    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
-    if (!lease.ok()) return lease.status();
+  for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
     absl::StatusOr<std::vector<int32_t>> checked =
         CheckReadLocked(**lease, layer, block_begin, num_blocks, head_begin, head_end);
     if (!checked.ok()) return checked.status();
     ids = *std::move(checked);
-    pool = namespaces_[(*lease)->namespace_index]->pool.get();
-    use.Add(*std::move(lease));
   }
+  const BlockPool* pool = namespaces_[(*lease)->namespace_index]->pool.get();
+  use.Add(*std::move(lease));
+  return std::make_pair(pool, std::move(ids));
+}
+
+absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
+                                 uint16_t* k, uint16_t* v) {
+  return ReadFp16Into(ReadDst::kHost, lease_id, layer, block_begin, num_blocks, head_begin,
+                      head_end, k, v);
+}
+
+absl::Status StoreImpl::ReadFp16ToArena(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                                        uint32_t num_blocks, uint32_t head_begin,
+                                        uint32_t head_end, uint16_t* k, uint16_t* v) {
+  return ReadFp16Into(ReadDst::kArena, lease_id, layer, block_begin, num_blocks, head_begin,
+                      head_end, k, v);
+}
+
+absl::Status StoreImpl::ReadFp16Into(ReadDst dst, uint64_t lease_id, uint32_t layer,
+                                     uint32_t block_begin, uint32_t num_blocks,
+                                     uint32_t head_begin, uint32_t head_end, uint16_t* k,
+                                     uint16_t* v) {
+  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
+  LeaseUse use(this);
+  auto read = BeginRead(use, lease_id, layer, layer + 1, block_begin, num_blocks, head_begin,
+                        head_end);
+  if (!read.ok()) return read.status();
+  const auto& [pool, ids] = *read;
   DequantizeParams p;
   p.layout = pool->layout(layer);
   p.pages = pool->layer_base(layer);
@@ -73,7 +118,7 @@ absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t blo
   p.k_out = k;
   p.v_out = v;
   p.num_blocks = pool->num_blocks();
-  return backend()->Dequantize(p);
+  return dst == ReadDst::kArena ? backend()->DequantizeToArena(p) : backend()->Dequantize(p);
 }
 
 absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
@@ -81,37 +126,40 @@ absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t bloc
                                 uint8_t* k, uint8_t* v) {
   if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
   LeaseUse use(this);
-  const BlockPool* pool = nullptr;
-  std::vector<int32_t> ids;
-  {
-    absl::MutexLock l(&mu_);
-    ExpireLocked();
-    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
-    if (!lease.ok()) return lease.status();
-    absl::StatusOr<std::vector<int32_t>> checked =
-        CheckReadLocked(**lease, layer, block_begin, num_blocks, head_begin, head_end);
-    if (!checked.ok()) return checked.status();
-    ids = *std::move(checked);
-    pool = namespaces_[(*lease)->namespace_index]->pool.get();
-    use.Add(*std::move(lease));
-  }
-  const PageLayout& layout = pool->layout(layer);
-  // The selected heads' pages of one half (K or V) are contiguous in a layer page.
-  const size_t run = (head_end - head_begin) * layout.head_page_bytes();
-  for (size_t i = 0; i < ids.size(); ++i) {
-    const uint8_t* page = pool->layer_base(layer) + ids[i] * layout.layer_page_bytes();
-    if (absl::Status s = backend()->ReadArena(page + layout.head_page_offset(0, head_begin),
-                                              run, k + i * run);
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = backend()->ReadArena(page + layout.head_page_offset(1, head_begin),
-                                              run, v + i * run);
-        !s.ok()) {
-      return s;
+  auto read = BeginRead(use, lease_id, layer, layer + 1, block_begin, num_blocks, head_begin,
+                        head_end);
+  if (!read.ok()) return read.status();
+  const auto& [pool, ids] = *read;
+  for (int kv = 0; kv < 2; ++kv) {
+    std::vector<ComputeBackend::ArenaRun> runs;
+    AppendRawRuns(*pool, layer, kv, ids, head_begin, head_end, &runs);
+    uint8_t* out = kv == 0 ? k : v;
+    for (const ComputeBackend::ArenaRun& run : runs) {
+      if (absl::Status s = backend()->ReadArena(run.src, run.bytes, out); !s.ok()) return s;
+      out += run.bytes;
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
+                                       uint32_t layer_end, uint32_t block_begin,
+                                       uint32_t num_blocks, uint32_t head_begin,
+                                       uint32_t head_end, uint8_t* dst) {
+  if (dst == nullptr) return absl::InvalidArgumentError("null output buffer");
+  LeaseUse use(this);
+  auto read = BeginRead(use, lease_id, layer_begin, layer_end, block_begin, num_blocks,
+                        head_begin, head_end);
+  if (!read.ok()) return read.status();
+  const auto& [pool, ids] = *read;
+  std::vector<ComputeBackend::ArenaRun> runs;
+  runs.reserve(size_t{2} * (layer_end - layer_begin) * ids.size());
+  for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
+    for (int kv = 0; kv < 2; ++kv) {
+      AppendRawRuns(*pool, layer, kv, ids, head_begin, head_end, &runs);
+    }
+  }
+  return backend()->GatherArena(runs, dst);
 }
 
 absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,

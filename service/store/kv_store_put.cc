@@ -44,10 +44,20 @@ class PutSessionImpl final : public KvStore::PutSession {
   }
 
   absl::Status AddChunk(uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
-                        const uint16_t* k, const uint16_t* v) override;
+                        const uint16_t* k, const uint16_t* v) override {
+    return AddChunkFrom(Src::kHost, layer, token_begin, num_tokens, k, v);
+  }
+  absl::Status AddChunkFromArena(uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
+                                 const uint16_t* k, const uint16_t* v) override {
+    return AddChunkFrom(Src::kArena, layer, token_begin, num_tokens, k, v);
+  }
   absl::StatusOr<KvStore::PutResult> Commit() override;
 
  private:
+  // Where a chunk's k and v live: host memory, or arena memory (AddChunkFromArena).
+  enum class Src { kHost, kArena };
+  absl::Status AddChunkFrom(Src src, uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
+                            const uint16_t* k, const uint16_t* v);
   size_t CoverIndex(size_t block, uint32_t layer, size_t offset) const {
     return (block * ns_->num_layers() + layer) * ns_->block_tokens() + offset;
   }
@@ -72,8 +82,9 @@ class PutSessionImpl final : public KvStore::PutSession {
   bool done_ = false;                   // committed, or released after a failed commit
 };
 
-absl::Status PutSessionImpl::AddChunk(uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
-                                      const uint16_t* k, const uint16_t* v) {
+absl::Status PutSessionImpl::AddChunkFrom(Src src, uint32_t layer, uint32_t token_begin,
+                                          uint32_t num_tokens, const uint16_t* k,
+                                          const uint16_t* v) {
   if (done_) return absl::FailedPreconditionError("put session already committed");
   const NamespaceConfig& config = ns_->info.config;
   if (layer >= static_cast<uint32_t>(config.num_layers)) {
@@ -89,8 +100,15 @@ absl::Status PutSessionImpl::AddChunk(uint32_t layer, uint32_t token_begin, uint
                         static_cast<uint64_t>(token_begin) + num_tokens, token_ids_.size()));
   }
   const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
-  if (absl::Status s = CheckFinite(k, num_tokens * per_token, "k"); !s.ok()) return s;
-  if (absl::Status s = CheckFinite(v, num_tokens * per_token, "v"); !s.ok()) return s;
+  ComputeBackend* backend = store_->backend();
+  const size_t elems = num_tokens * per_token;
+  if (src == Src::kArena) {
+    if (absl::Status s = backend->CheckFiniteArena(k, elems, "k"); !s.ok()) return s;
+    if (absl::Status s = backend->CheckFiniteArena(v, elems, "v"); !s.ok()) return s;
+  } else {
+    if (absl::Status s = CheckFinite(k, elems, "k"); !s.ok()) return s;
+    if (absl::Status s = CheckFinite(v, elems, "v"); !s.ok()) return s;
+  }
 
   const size_t bt = config.block_tokens;
   const size_t store_begin = cached_ * bt;
@@ -118,7 +136,11 @@ absl::Status PutSessionImpl::AddChunk(uint32_t layer, uint32_t token_begin, uint
   p.pages = pool.layer_base(layer);
   p.sink_pages = pool.sink_base(layer);
   p.num_blocks = pool.num_blocks();
-  if (absl::Status s = store_->backend()->QuantizeAppend(p); !s.ok()) return s;
+  if (absl::Status s = src == Src::kArena ? backend->QuantizeAppendFromArena(p)
+                                           : backend->QuantizeAppend(p);
+      !s.ok()) {
+    return s;
+  }
   for (size_t t = begin; t < end; ++t) covered_[CoverIndex(t / bt - cached_, layer, t % bt)] = true;
 
   const int every = store_->options().quality_sample_every;
@@ -130,8 +152,25 @@ absl::Status PutSessionImpl::AddChunk(uint32_t layer, uint32_t token_begin, uint
   }
   if (!sample || !p.layout.quantized()) return absl::OkStatus();
   const size_t first_block_end = (begin / bt + 1) * bt;
-  return SampleError(layer, begin / bt - cached_, begin % bt,
-                     std::min(end, first_block_end) - begin, p.k, p.v);
+  const size_t count = std::min(end, first_block_end) - begin;
+  if (src == Src::kHost) {
+    return SampleError(layer, begin / bt - cached_, begin % bt, count, p.k, p.v);
+  }
+  // The sampled tokens' input, brought to the host for the comparison.
+  std::vector<uint16_t> k_host(count * per_token), v_host(count * per_token);
+  const size_t bytes = k_host.size() * sizeof(uint16_t);
+  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(p.k), bytes,
+                                          k_host.data());
+      !s.ok()) {
+    return s;
+  }
+  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(p.v), bytes,
+                                          v_host.data());
+      !s.ok()) {
+    return s;
+  }
+  return SampleError(layer, begin / bt - cached_, begin % bt, count, k_host.data(),
+                     v_host.data());
 }
 
 absl::Status PutSessionImpl::SampleError(uint32_t layer, size_t block, size_t first,

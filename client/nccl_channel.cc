@@ -1,0 +1,240 @@
+#include "client/nccl_channel.h"
+
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#include "grpcpp/client_context.h"
+
+namespace kvpool::client {
+namespace {
+
+constexpr int kServerRank = 0;
+constexpr absl::Duration kPollInterval = absl::Microseconds(20);
+
+absl::Status FromGrpc(const grpc::Status& s) {
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
+}
+
+struct Segment {
+  void* data;
+  uint64_t bytes;
+};
+
+class NcclChannelImpl final : public NcclChannel {
+ public:
+  NcclChannelImpl(std::unique_ptr<v1::KvPoolTransport::Stub> stub, uint64_t id, int device)
+      : stub_(std::move(stub)), id_(id), device_(device) {}
+
+  ~NcclChannelImpl() override {
+    absl::MutexLock l(&mu_);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    v1::CloseChannelRequest req;
+    req.set_channel_id(id_);
+    v1::CloseChannelResponse resp;
+    stub_->CloseChannel(&ctx, req, &resp);
+    cudaSetDevice(device_);
+    AbortLocked();
+    if (done_ != nullptr) cudaEventDestroy(done_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  // Creates the stream and event and joins as rank 1.
+  absl::Status Join(const std::string& unique_id, absl::Time deadline) {
+    absl::MutexLock l(&mu_);
+    if (unique_id.size() != sizeof(ncclUniqueId::internal)) {
+      return absl::InvalidArgumentError("the server's ncclUniqueId has the wrong size");
+    }
+    if (cudaSetDevice(device_) != cudaSuccess ||
+        cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+        cudaEventCreateWithFlags(&done_, cudaEventDisableTiming) != cudaSuccess) {
+      return absl::FailedPreconditionError(
+          absl::StrFormat("CUDA device %d unusable for NCCL", device_));
+    }
+    ncclUniqueId id;
+    std::memcpy(id.internal, unique_id.data(), sizeof(id.internal));
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm_, 2, id, 1, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      AbortLocked();
+      return absl::UnavailableError(
+          absl::StrFormat("ncclCommInitRankConfig: %s", ncclGetErrorString(r)));
+    }
+    return PollCommLocked(deadline, "joining");
+  }
+
+  bool healthy() const override {
+    absl::MutexLock l(&mu_);
+    return comm_ != nullptr;
+  }
+  uint64_t channel_id() const override { return id_; }
+
+  absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,
+                                            uint64_t capacity, absl::Duration timeout) override {
+    absl::MutexLock l(&mu_);
+    if (comm_ == nullptr) return absl::UnavailableError("NCCL channel aborted");
+    request.set_channel_id(id_);
+    request.set_buffer_bytes(capacity);
+    request.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
+    const absl::Time deadline = absl::Now() + timeout;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(5)));
+    auto reader = stub_->NcclGet(&ctx, request);
+    v1::NcclGetResponse msg;
+    if (!reader->Read(&msg) || !msg.has_header()) return FromGrpc(reader->Finish());
+    const v1::NcclGetDescriptor header = msg.header();
+    std::vector<Segment> segments;
+    auto* base = static_cast<uint8_t*>(dst);
+    for (const v1::NcclLayerSegments& s : header.layers()) {
+      segments.push_back({base + s.k_offset(), s.bytes()});
+      segments.push_back({base + s.v_offset(), s.bytes()});
+    }
+    const absl::Status moved = RunLocked(segments, /*send=*/false, deadline);
+    if (!moved.ok()) ctx.TryCancel();
+    while (reader->Read(&msg)) {
+    }
+    if (absl::Status s = FromGrpc(reader->Finish()); !s.ok()) {
+      if (moved.ok()) AbortLocked();  // the server failed after its sends: out of step
+      return s;
+    }
+    if (!moved.ok()) return moved;
+    return header;
+  }
+
+  absl::StatusOr<v1::PutResponse> Put(std::string_view ns, absl::Span<const int32_t> token_ids,
+                                      const void* k, const void* v, uint64_t token_bytes,
+                                      absl::Duration timeout) override {
+    absl::MutexLock l(&mu_);
+    if (comm_ == nullptr) return absl::UnavailableError("NCCL channel aborted");
+    v1::NcclPutRequest request;
+    request.set_channel_id(id_);
+    request.set_namespace_(std::string(ns));
+    request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
+    request.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
+    const absl::Time deadline = absl::Now() + timeout;
+    grpc::ClientContext ctx;
+    ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(5)));
+    auto reader = stub_->NcclPut(&ctx, request);
+    v1::NcclPutResponse msg;
+    if (!reader->Read(&msg) || !msg.has_plan()) return FromGrpc(reader->Finish());
+    const v1::NcclPutPlan plan = msg.plan();
+    if (plan.layer_bytes() != uint64_t{plan.num_tokens()} * token_bytes) {
+      ctx.TryCancel();
+      reader->Finish();
+      return absl::InvalidArgumentError("token_bytes does not match the namespace's geometry");
+    }
+    std::vector<Segment> segments;
+    const uint64_t layer_stride = token_ids.size() * token_bytes;
+    for (uint32_t layer = 0; layer < plan.num_layers() && plan.num_tokens() > 0; ++layer) {
+      const uint64_t at = layer * layer_stride + plan.token_begin() * token_bytes;
+      segments.push_back(
+          {const_cast<uint8_t*>(static_cast<const uint8_t*>(k)) + at, plan.layer_bytes()});
+      segments.push_back(
+          {const_cast<uint8_t*>(static_cast<const uint8_t*>(v)) + at, plan.layer_bytes()});
+    }
+    const absl::Status moved = RunLocked(segments, /*send=*/true, deadline);
+    if (!moved.ok()) ctx.TryCancel();
+    const bool got_result = reader->Read(&msg) && msg.has_result();
+    if (absl::Status s = FromGrpc(reader->Finish()); !s.ok()) return s;
+    if (!moved.ok()) return moved;
+    if (!got_result) return absl::InternalError("NcclPut ended without a result");
+    return msg.result();
+  }
+
+ private:
+  // ncclSend (send) or ncclRecv of every segment to/from the server in one group, then polls
+  // until done; any failure aborts the communicator.
+  absl::Status RunLocked(const std::vector<Segment>& segments, bool send, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (segments.empty()) return absl::OkStatus();
+    cudaSetDevice(device_);
+    ncclResult_t r = ncclGroupStart();
+    for (const Segment& s : segments) {
+      if (r != ncclSuccess && r != ncclInProgress) break;
+      r = send ? ncclSend(s.data, s.bytes, ncclUint8, kServerRank, comm_, stream_)
+               : ncclRecv(s.data, s.bytes, ncclUint8, kServerRank, comm_, stream_);
+    }
+    const ncclResult_t end = ncclGroupEnd();
+    if (r == ncclSuccess || r == ncclInProgress) r = end;
+    if (r != ncclSuccess && r != ncclInProgress) {
+      AbortLocked();
+      return absl::UnavailableError(absl::StrFormat("NCCL enqueue: %s", ncclGetErrorString(r)));
+    }
+    if (absl::Status s = PollCommLocked(deadline, "enqueueing"); !s.ok()) return s;
+    if (cudaEventRecord(done_, stream_) != cudaSuccess) {
+      AbortLocked();
+      return absl::InternalError("cudaEventRecord failed");
+    }
+    while (true) {
+      const cudaError_t q = cudaEventQuery(done_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      ncclResult_t state = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &state);
+      if (q != cudaErrorNotReady || (state != ncclSuccess && state != ncclInProgress) ||
+          absl::Now() > deadline) {
+        AbortLocked();
+        return absl::UnavailableError("NCCL transfer failed or timed out; channel aborted");
+      }
+      absl::SleepFor(kPollInterval);
+    }
+  }
+
+  absl::Status PollCommLocked(absl::Time deadline, const char* phase)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    while (true) {
+      ncclResult_t state = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &state) != ncclSuccess) state = ncclInternalError;
+      if (state == ncclSuccess) return absl::OkStatus();
+      if (state != ncclInProgress || absl::Now() > deadline) {
+        AbortLocked();
+        return absl::UnavailableError(absl::StrFormat("NCCL %s failed or timed out", phase));
+      }
+      absl::SleepFor(kPollInterval);
+    }
+  }
+
+  void AbortLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (comm_ != nullptr) ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+
+  const std::unique_ptr<v1::KvPoolTransport::Stub> stub_;
+  const uint64_t id_;
+  const int device_;
+  mutable absl::Mutex mu_;
+  cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
+  cudaEvent_t done_ ABSL_GUARDED_BY(mu_) = nullptr;
+  ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Open(
+    std::shared_ptr<grpc::Channel> channel, int device, absl::Duration join_timeout) {
+  auto stub = v1::KvPoolTransport::NewStub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + join_timeout));
+  v1::OpenChannelRequest req;
+  req.set_join_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(join_timeout)));
+  v1::OpenChannelResponse resp;
+  if (grpc::Status s = stub->OpenChannel(&ctx, req, &resp); !s.ok()) return FromGrpc(s);
+  auto impl = std::make_unique<NcclChannelImpl>(std::move(stub), resp.channel_id(), device);
+  if (absl::Status s = impl->Join(resp.nccl_unique_id(), absl::Now() + join_timeout); !s.ok()) {
+    return s;
+  }
+  return std::unique_ptr<NcclChannel>(std::move(impl));
+}
+
+}  // namespace kvpool::client

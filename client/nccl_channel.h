@@ -1,0 +1,50 @@
+// The worker side of the NCCL data plane (proto/kvpool/v1/kvpool.proto, KvPoolTransport): opens a
+// channel, joins the server's communicator as rank 1 on the worker's GPU, and runs NcclGet /
+// NcclPut with the payload in the worker's device memory. Built only with NCCL
+// (KVPOOL_ENABLE_NCCL). Any transport failure aborts the communicator (ncclCommAbort, never
+// waiting on the server) and leaves the channel unusable: open a new one, or fall back to the
+// gRPC streaming Get/Put of KvPoolClient.
+//
+// Thread safety: one transfer at a time (the protocol requires it); calls are serialized by mu_.
+#ifndef KVPOOL_CLIENT_NCCL_CHANNEL_H_
+#define KVPOOL_CLIENT_NCCL_CHANNEL_H_
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "grpcpp/channel.h"
+#include "kvpool/v1/kvpool.grpc.pb.h"
+
+namespace kvpool::client {
+
+class NcclChannel {
+ public:
+  // OpenChannel on the server behind `channel`, then a blocking join as rank 1 on CUDA device
+  // `device` (bounded by join_timeout through a non-blocking init).
+  static absl::StatusOr<std::unique_ptr<NcclChannel>> Open(std::shared_ptr<grpc::Channel> channel,
+                                                           int device, absl::Duration join_timeout);
+  virtual ~NcclChannel() = default;
+
+  virtual bool healthy() const = 0;
+  virtual uint64_t channel_id() const = 0;
+
+  // NcclGet into device memory `dst` of `capacity` bytes; the descriptor says where each
+  // layer's K and V landed.
+  virtual absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,
+                                                    uint64_t capacity, absl::Duration timeout) = 0;
+  // NcclPut of a sequence whose fp16 K and V sit in device memory as
+  // [num_layers][token_ids.size()][num_kv_heads][head_dim]; `token_bytes` is
+  // num_kv_heads * head_dim * 2. The server says which tokens it needs; only those move.
+  virtual absl::StatusOr<v1::PutResponse> Put(std::string_view ns,
+                                              absl::Span<const int32_t> token_ids, const void* k,
+                                              const void* v, uint64_t token_bytes,
+                                              absl::Duration timeout) = 0;
+};
+
+}  // namespace kvpool::client
+
+#endif  // KVPOOL_CLIENT_NCCL_CHANNEL_H_

@@ -1,0 +1,38 @@
+// Defaults of ComputeBackend's transfer paths: a backend that does not serve NCCL transfers says
+// so instead of pretending.
+#include "service/store/compute_backend.h"
+
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvpool {
+namespace {
+
+absl::Status NoTransferPath(const ComputeBackend& backend, const char* what) {
+  return absl::UnimplementedError(absl::StrCat("the ", backend.name(),
+                                               " backend does not implement ", what,
+                                               " (needed by the NCCL transfer paths)"));
+}
+
+}  // namespace
+
+absl::Status ComputeBackend::GatherArena(absl::Span<const ArenaRun> /*runs*/, uint8_t* /*dst*/) {
+  return NoTransferPath(*this, "GatherArena");
+}
+
+absl::Status ComputeBackend::DequantizeToArena(const DequantizeParams& /*p*/) {
+  return NoTransferPath(*this, "DequantizeToArena");
+}
+
+absl::Status ComputeBackend::QuantizeAppendFromArena(const QuantizeAppendParams& /*p*/) {
+  return NoTransferPath(*this, "QuantizeAppendFromArena");
+}
+
+absl::Status ComputeBackend::CheckFiniteArena(const uint16_t* /*x*/, size_t /*n*/,
+                                              const char* /*what*/) {
+  return NoTransferPath(*this, "CheckFiniteArena");
+}
+
+}  // namespace kvpool

@@ -1,0 +1,243 @@
+// The NCCL PeerTransport: rank 0 of a 2-rank communicator on the CUDA backend's device, created
+// non-blocking (ncclConfig_t.blocking = 0) so that no call ever waits on the worker: every
+// operation is enqueued on the transport's own stream and then polled (communicator async error,
+// stream completion, Abort, deadline); any failure ends in ncclCommAbort.
+#include <memory>
+
+#include "absl/status/status.h"
+#include "service/transport/peer_transport.h"
+
+#if defined(KVPOOL_WITH_NCCL)
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <string>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/strings/str_format.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
+#endif
+
+namespace kvpool {
+
+#if defined(KVPOOL_WITH_NCCL)
+namespace {
+
+constexpr int kWorkerRank = 1;
+// Pause between polls of a pending operation.
+constexpr absl::Duration kPollInterval = absl::Microseconds(20);
+
+absl::Status NcclError(ncclResult_t r, const char* what) {
+  return absl::UnavailableError(absl::StrFormat("%s: %s", what, ncclGetErrorString(r)));
+}
+
+absl::Status CudaError(cudaError_t e, const char* what) {
+  return absl::InternalError(
+      absl::StrFormat("%s: %s (%s)", what, cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+class NcclPeerTransport final : public PeerTransport {
+ public:
+  NcclPeerTransport(int device, ncclComm_t comm, cudaStream_t stream, cudaEvent_t done,
+                    absl::Time join_deadline)
+      : device_(device), stream_(stream), done_(done), join_deadline_(join_deadline), comm_(comm) {}
+
+  ~NcclPeerTransport() override {
+    absl::MutexLock l(&op_mu_);
+    cudaSetDevice(device_);
+    AbortLocked();
+    cudaEventDestroy(done_);
+    cudaStreamDestroy(stream_);
+  }
+
+  absl::Status Send(absl::Span<const SendSegment> segments, absl::Time deadline) override {
+    return Run(segments.size(), deadline, [&] {
+      for (const SendSegment& s : segments) {
+        const ncclResult_t r = ncclSend(s.data, s.bytes, ncclUint8, kWorkerRank, comm_, stream_);
+        if (r != ncclSuccess && r != ncclInProgress) return r;
+      }
+      return ncclSuccess;
+    });
+  }
+
+  absl::Status Recv(absl::Span<const RecvSegment> segments, absl::Time deadline) override {
+    return Run(segments.size(), deadline, [&] {
+      for (const RecvSegment& s : segments) {
+        const ncclResult_t r = ncclRecv(s.data, s.bytes, ncclUint8, kWorkerRank, comm_, stream_);
+        if (r != ncclSuccess && r != ncclInProgress) return r;
+      }
+      return ncclSuccess;
+    });
+  }
+
+  // An operation in flight sees abort_requested_ at its next poll and aborts the communicator
+  // itself; otherwise it is aborted here.
+  void Abort() override {
+    abort_requested_.store(true);
+    if (op_mu_.TryLock()) {
+      cudaSetDevice(device_);
+      AbortLocked();
+      op_mu_.Unlock();
+    }
+  }
+
+ private:
+  template <typename Enqueue>
+  absl::Status Run(size_t n, absl::Time deadline, Enqueue enqueue) {
+    absl::MutexLock l(&op_mu_);
+    if (comm_ == nullptr || abort_requested_.load()) {
+      return absl::UnavailableError("NCCL channel aborted");
+    }
+    if (n == 0) return absl::OkStatus();
+    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
+      AbortLocked();
+      return CudaError(e, "cudaSetDevice");
+    }
+    // The communicator finishes initializing once the worker joined.
+    if (absl::Status s = PollComm(std::min(deadline, join_deadline_), "joining"); !s.ok()) {
+      return s;
+    }
+    ncclResult_t r = ncclGroupStart();
+    if (r == ncclSuccess || r == ncclInProgress) r = enqueue();
+    const ncclResult_t end = ncclGroupEnd();
+    if (r == ncclSuccess || r == ncclInProgress) r = end;
+    if (r != ncclSuccess && r != ncclInProgress) {
+      AbortLocked();
+      return NcclError(r, "enqueueing NCCL send/recv");
+    }
+    if (absl::Status s = PollComm(deadline, "enqueueing"); !s.ok()) return s;
+    if (cudaError_t e = cudaEventRecord(done_, stream_); e != cudaSuccess) {
+      AbortLocked();
+      return CudaError(e, "cudaEventRecord");
+    }
+    while (true) {
+      const cudaError_t q = cudaEventQuery(done_);
+      if (q == cudaSuccess) return absl::OkStatus();
+      if (q != cudaErrorNotReady) {
+        AbortLocked();
+        return CudaError(q, "NCCL transfer");
+      }
+      if (absl::Status s = CheckLocked(deadline, "transferring"); !s.ok()) return s;
+      absl::SleepFor(kPollInterval);
+    }
+  }
+
+  // Polls ncclCommGetAsyncError until it is no longer in progress.
+  absl::Status PollComm(absl::Time deadline, const char* phase)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) {
+    while (true) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) state = r;
+      if (state == ncclSuccess) return absl::OkStatus();
+      if (state != ncclInProgress) {
+        AbortLocked();
+        return NcclError(state, phase);
+      }
+      if (absl::Status s = CheckLocked(deadline, phase); !s.ok()) return s;
+      absl::SleepFor(kPollInterval);
+    }
+  }
+
+  // Aborts on Abort(), an asynchronous communicator error or a passed deadline.
+  absl::Status CheckLocked(absl::Time deadline, const char* phase)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) {
+    if (abort_requested_.load()) {
+      AbortLocked();
+      return absl::UnavailableError(absl::StrFormat("NCCL channel aborted while %s", phase));
+    }
+    ncclResult_t state = ncclSuccess;
+    if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
+        state != ncclInProgress) {
+      AbortLocked();
+      return NcclError(state, phase);
+    }
+    if (absl::Now() > deadline) {
+      AbortLocked();
+      return absl::DeadlineExceededError(
+          absl::StrFormat("NCCL peer not done %s by the deadline; channel aborted", phase));
+    }
+    return absl::OkStatus();
+  }
+
+  void AbortLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) {
+    abort_requested_.store(true);
+    if (comm_ != nullptr) ncclCommAbort(comm_);
+    comm_ = nullptr;
+  }
+
+  const int device_;
+  const cudaStream_t stream_;  // this transport's own stream
+  const cudaEvent_t done_;     // recorded after each operation's enqueue
+  const absl::Time join_deadline_;
+  std::atomic<bool> abort_requested_{false};
+  // Held by the one operation in flight; guards comm_.
+  absl::Mutex op_mu_;
+  ncclComm_t comm_ ABSL_GUARDED_BY(op_mu_);
+};
+
+class NcclTransportFactory final : public PeerTransportFactory {
+ public:
+  explicit NcclTransportFactory(int device) : device_(device) {}
+
+  absl::StatusOr<OpenedTransport> Open(absl::Time join_deadline) override {
+    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
+      return CudaError(e, "cudaSetDevice");
+    }
+    ncclUniqueId id;
+    if (ncclResult_t r = ncclGetUniqueId(&id); r != ncclSuccess) {
+      return NcclError(r, "ncclGetUniqueId");
+    }
+    cudaStream_t stream = nullptr;
+    if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+        e != cudaSuccess) {
+      return CudaError(e, "cudaStreamCreate");
+    }
+    cudaEvent_t done = nullptr;
+    if (cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming); e != cudaSuccess) {
+      cudaStreamDestroy(stream);
+      return CudaError(e, "cudaEventCreate");
+    }
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t comm = nullptr;
+    const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      if (comm != nullptr) ncclCommAbort(comm);
+      cudaEventDestroy(done);
+      cudaStreamDestroy(stream);
+      return NcclError(r, "ncclCommInitRankConfig");
+    }
+    OpenedTransport opened;
+    opened.transport =
+        std::make_unique<NcclPeerTransport>(device_, comm, stream, done, join_deadline);
+    opened.join_id.assign(id.internal, sizeof(id.internal));
+    return opened;
+  }
+
+ private:
+  const int device_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int device) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("NCCL transport: CUDA device %d not present", device));
+  }
+  return std::unique_ptr<PeerTransportFactory>(std::make_unique<NcclTransportFactory>(device));
+}
+
+#else
+
+absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int /*device*/) {
+  return absl::UnimplementedError("this server was built without NCCL (KVPOOL_ENABLE_NCCL)");
+}
+
+#endif
+
+}  // namespace kvpool

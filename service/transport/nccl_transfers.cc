@@ -1,0 +1,317 @@
+#include "service/transport/nccl_transfers.h"
+
+#include <algorithm>
+#include <memory>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
+#include "kernels/page_layout.h"
+#include "service/proto_convert.h"
+#include "service/store/namespace_config.h"
+
+namespace kvpool {
+
+void TransferCancel::Set(std::function<void()> abort) {
+  absl::MutexLock l(&mu_);
+  if (cancelled_) {
+    abort();
+    return;
+  }
+  abort_ = std::move(abort);
+}
+
+void TransferCancel::Clear() {
+  absl::MutexLock l(&mu_);
+  abort_ = nullptr;
+}
+
+void TransferCancel::Cancel() {
+  absl::MutexLock l(&mu_);
+  cancelled_ = true;
+  if (abort_) abort_();
+}
+
+// A staging buffer taken from the pool (or allocated for one oversized round); returned or
+// freed on destruction.
+class NcclTransfers::Staging {
+ public:
+  Staging(NcclTransfers* owner, uint8_t* data, uint64_t bytes)
+      : owner_(owner), data_(data), bytes_(bytes) {}
+  Staging(Staging&& o) noexcept : owner_(o.owner_), data_(o.data_), bytes_(o.bytes_) {
+    o.data_ = nullptr;
+  }
+  Staging& operator=(Staging&&) = delete;
+  ~Staging() {
+    if (data_ != nullptr) owner_->ReturnStaging(data_, bytes_);
+  }
+  uint8_t* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  NcclTransfers* owner_;
+  uint8_t* data_;
+  uint64_t bytes_;
+};
+
+namespace {
+
+// Clears a TransferCancel hook when the transfer leaves the data phase.
+class CancelScope {
+ public:
+  CancelScope(TransferCancel* cancel, PeerTransport* transport) : cancel_(cancel) {
+    if (cancel_ != nullptr) cancel_->Set([transport] { transport->Abort(); });
+  }
+  ~CancelScope() {
+    if (cancel_ != nullptr) cancel_->Clear();
+  }
+
+ private:
+  TransferCancel* const cancel_;
+};
+
+// Consecutive layers [begin, end) moved in one round.
+struct Round {
+  uint32_t begin = 0;
+  uint32_t end = 0;
+};
+
+// Splits layers into rounds of at most `capacity` bytes, each layer taking 2 * layer_bytes[i]
+// (K and V); a layer larger than capacity is a round of its own.
+std::vector<Round> PlanRounds(uint32_t first_layer, const std::vector<uint64_t>& layer_bytes,
+                              uint64_t capacity) {
+  std::vector<Round> rounds;
+  uint64_t used = 0;
+  for (uint32_t i = 0; i < layer_bytes.size(); ++i) {
+    const uint64_t need = 2 * layer_bytes[i];
+    if (rounds.empty() || used + need > capacity) {
+      rounds.push_back({first_layer + i, first_layer + i});
+      used = 0;
+    }
+    rounds.back().end++;
+    used += need;
+  }
+  return rounds;
+}
+
+uint64_t RoundBytes(const Round& r, uint32_t first_layer, const std::vector<uint64_t>& bytes) {
+  uint64_t total = 0;
+  for (uint32_t l = r.begin; l < r.end; ++l) total += 2 * bytes[l - first_layer];
+  return total;
+}
+
+}  // namespace
+
+NcclTransfers::NcclTransfers(KvStore* store, ComputeBackend* backend, ChannelManager* channels,
+                             Clock* clock, const TransportOptions& options)
+    : store_(store), backend_(backend), channels_(channels), clock_(clock), options_(options) {}
+
+NcclTransfers::~NcclTransfers() {
+  absl::MutexLock l(&mu_);
+  for (uint8_t* buffer : idle_staging_) backend_->FreeArena(buffer);
+}
+
+size_t NcclTransfers::staging_buffers() const {
+  absl::MutexLock l(&mu_);
+  return staging_allocated_;
+}
+
+absl::StatusOr<NcclTransfers::Staging> NcclTransfers::TakeStaging(uint64_t bytes) {
+  const uint64_t size = std::max(bytes, options_.staging_bytes);
+  if (size == options_.staging_bytes) {
+    absl::MutexLock l(&mu_);
+    if (!idle_staging_.empty()) {
+      uint8_t* buffer = idle_staging_.back();
+      idle_staging_.pop_back();
+      return Staging(this, buffer, size);
+    }
+  }
+  absl::StatusOr<uint8_t*> buffer = backend_->AllocateArena(size);
+  if (!buffer.ok()) return buffer.status();
+  absl::MutexLock l(&mu_);
+  ++staging_allocated_;
+  return Staging(this, *buffer, size);
+}
+
+void NcclTransfers::ReturnStaging(uint8_t* buffer, uint64_t bytes) {
+  {
+    absl::MutexLock l(&mu_);
+    if (bytes == options_.staging_bytes && idle_staging_.size() < options_.max_idle_staging) {
+      idle_staging_.push_back(buffer);
+      return;
+    }
+    --staging_allocated_;
+  }
+  backend_->FreeArena(buffer);
+}
+
+absl::Time NcclTransfers::Deadline(uint32_t timeout_ms) const {
+  absl::Duration t =
+      timeout_ms == 0 ? options_.default_transfer_timeout : absl::Milliseconds(timeout_ms);
+  return clock_->Now() + std::min(t, options_.max_transfer_timeout);
+}
+
+absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
+                                const Emit<v1::NcclGetResponse>& emit, TransferCancel* cancel) {
+  const bool raw = request.format() == v1::GET_FORMAT_RAW;
+  if (!raw && request.format() != v1::GET_FORMAT_FP16 &&
+      request.format() != v1::GET_FORMAT_UNSPECIFIED) {
+    return absl::InvalidArgumentError("unknown Get format");
+  }
+  absl::StatusOr<ChannelManager::Use> use = channels_->Acquire(request.channel_id());
+  if (!use.ok()) return use.status();
+  absl::StatusOr<KvStore::LeaseView> lease = store_->DescribeLease(request.lease_id());
+  if (!lease.ok()) return lease.status();
+  const NamespaceConfig& config = lease->info.config;
+  const uint32_t layer_end = request.layer_end() == 0 ? config.num_layers : request.layer_end();
+  const uint32_t head_end = request.head_end() == 0 ? config.num_kv_heads : request.head_end();
+  const uint32_t layer_begin = request.layer_begin();
+  const uint32_t head_begin = request.head_begin();
+  if (layer_begin >= layer_end || layer_end > static_cast<uint32_t>(config.num_layers) ||
+      head_begin >= head_end || head_end > static_cast<uint32_t>(config.num_kv_heads)) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "layers [%d, %d) / KV heads [%d, %d) not non-empty ranges of %d layers / %d heads",
+        layer_begin, layer_end, head_begin, head_end, config.num_layers, config.num_kv_heads));
+  }
+  const uint32_t num_blocks = lease->num_blocks;
+  if (num_blocks == 0) return absl::InvalidArgumentError("the lease holds no blocks");
+  const uint32_t heads = head_end - head_begin;
+
+  v1::NcclGetResponse first;
+  v1::NcclGetDescriptor& d = *first.mutable_header();
+  d.set_num_blocks(num_blocks);
+  d.set_block_tokens(config.block_tokens);
+  d.set_num_heads(heads);
+  uint32_t valid = lease->layer_tokens.empty() ? 0 : lease->layer_tokens[layer_begin];
+  std::vector<uint64_t> layer_bytes;
+  uint64_t offset = 0;
+  for (uint32_t l = layer_begin; l < layer_end; ++l) {
+    valid = std::min(valid, lease->layer_tokens[l]);
+    const PageLayout layout = LayerLayout(config, static_cast<int>(l));
+    const uint64_t bytes =
+        raw ? uint64_t{num_blocks} * heads * layout.head_page_bytes()
+            : uint64_t{num_blocks} * config.block_tokens * heads * config.head_dim * 2;
+    v1::NcclLayerSegments* seg = d.add_layers();
+    seg->set_layer(l);
+    seg->set_k_offset(offset);
+    seg->set_v_offset(offset + bytes);
+    seg->set_bytes(bytes);
+    if (raw) ToProtoLayout(layout, seg->mutable_layout());
+    layer_bytes.push_back(bytes);
+    offset += 2 * bytes;
+  }
+  d.set_valid_tokens(valid);
+  d.set_total_bytes(offset);
+  if (offset > request.buffer_bytes()) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "the payload is %d bytes, the worker's buffer %d", offset, request.buffer_bytes()));
+  }
+  const uint64_t largest = 2 * *std::max_element(layer_bytes.begin(), layer_bytes.end());
+  absl::StatusOr<Staging> staging = TakeStaging(largest);
+  if (!staging.ok()) return staging.status();
+  if (absl::Status s = emit(first); !s.ok()) return s;
+
+  // From here the worker waits for data: any failure breaks the channel.
+  const absl::Time deadline = Deadline(request.timeout_ms());
+  CancelScope scope(cancel, &use->transport());
+  for (const Round& r : PlanRounds(layer_begin, layer_bytes, staging->bytes())) {
+    uint8_t* base = staging->data();
+    absl::Status s;
+    if (raw) {
+      s = store_->ReadRawToArena(request.lease_id(), r.begin, r.end, 0, num_blocks, head_begin,
+                                 head_end, base);
+    } else {
+      uint8_t* at = base;
+      for (uint32_t l = r.begin; l < r.end && s.ok(); ++l) {
+        const uint64_t bytes = layer_bytes[l - layer_begin];
+        s = store_->ReadFp16ToArena(request.lease_id(), l, 0, num_blocks, head_begin, head_end,
+                                    reinterpret_cast<uint16_t*>(at),
+                                    reinterpret_cast<uint16_t*>(at + bytes));
+        at += 2 * bytes;
+      }
+    }
+    std::vector<SendSegment> segments;
+    uint8_t* at = base;
+    for (uint32_t l = r.begin; l < r.end; ++l) {
+      const uint64_t bytes = layer_bytes[l - layer_begin];
+      segments.push_back({at, bytes});
+      segments.push_back({at + bytes, bytes});
+      at += 2 * bytes;
+    }
+    if (s.ok()) s = use->transport().Send(segments, deadline);
+    if (!s.ok()) {
+      use->Fail();
+      return s;
+    }
+  }
+  v1::NcclGetResponse last;
+  last.mutable_done()->set_bytes(offset);
+  return emit(last);
+}
+
+absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
+                                const Emit<v1::NcclPutResponse>& emit, TransferCancel* cancel) {
+  absl::StatusOr<ChannelManager::Use> use = channels_->Acquire(request.channel_id());
+  if (!use.ok()) return use.status();
+  const std::vector<int32_t> ids(request.token_ids().begin(), request.token_ids().end());
+  absl::StatusOr<std::unique_ptr<KvStore::PutSession>> session =
+      store_->BeginPut(request.namespace_(), ids);
+  if (!session.ok()) return session.status();
+  const NamespaceConfig& config = (*session)->info().config;
+  const uint32_t token_begin = (*session)->tokens_cached();
+  const uint32_t num_tokens = (*session)->tokens_to_store();
+  const uint64_t bytes = Fp16KvBytes(config, num_tokens);
+  const std::vector<uint64_t> layer_bytes(config.num_layers, bytes);
+
+  v1::NcclPutResponse first;
+  v1::NcclPutPlan& plan = *first.mutable_plan();
+  plan.set_tokens_cached(token_begin);
+  plan.set_token_begin(token_begin);
+  plan.set_num_tokens(num_tokens);
+  plan.set_num_layers(config.num_layers);
+  plan.set_layer_bytes(bytes);
+  std::optional<Staging> staging;
+  if (num_tokens > 0) {
+    absl::StatusOr<Staging> taken = TakeStaging(2 * bytes);
+    if (!taken.ok()) return taken.status();
+    staging.emplace(*std::move(taken));
+  }
+  if (absl::Status s = emit(first); !s.ok()) return s;
+
+  absl::Status content;  // the first error of the store on the received data
+  if (num_tokens > 0) {
+    const absl::Time deadline = Deadline(request.timeout_ms());
+    CancelScope scope(cancel, &use->transport());
+    for (const Round& r : PlanRounds(0, layer_bytes, staging->bytes())) {
+      std::vector<RecvSegment> segments;
+      for (uint32_t l = r.begin; l < r.end; ++l) {
+        uint8_t* at = staging->data() + uint64_t{2} * bytes * (l - r.begin);
+        segments.push_back({at, bytes});
+        segments.push_back({at + bytes, bytes});
+      }
+      if (absl::Status s = use->transport().Recv(segments, deadline); !s.ok()) {
+        use->Fail();
+        return s;
+      }
+      for (uint32_t l = r.begin; l < r.end && content.ok(); ++l) {
+        const auto* k = static_cast<const uint16_t*>(segments[2 * (l - r.begin)].data);
+        const auto* v = static_cast<const uint16_t*>(segments[2 * (l - r.begin) + 1].data);
+        content = (*session)->AddChunkFromArena(l, token_begin, num_tokens, k, v);
+      }
+    }
+  }
+  if (!content.ok()) return content;
+  absl::StatusOr<KvStore::PutResult> result = (*session)->Commit();
+  if (!result.ok()) return result.status();
+  v1::NcclPutResponse last;
+  v1::PutResponse& r = *last.mutable_result();
+  r.set_tokens_cached(result->tokens_cached);
+  r.set_tokens_stored(result->tokens_stored);
+  r.set_tokens_ignored(result->tokens_ignored);
+  r.set_bytes_received(2 * bytes * config.num_layers);
+  return emit(last);
+}
+
+}  // namespace kvpool

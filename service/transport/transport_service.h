@@ -1,0 +1,53 @@
+// The kvpool.v1.KvPoolTransport gRPC service (the NCCL data plane) on the callback API. Handlers
+// are thin: OpenChannel / CloseChannel call the ChannelManager; NcclGet / NcclPut run
+// NcclTransfers on a thread of their own (a transfer blocks on NCCL for as long as the payload
+// takes, which must not hold gRPC's callback threads) and stream what it emits. A cancelled call
+// (the worker went away) aborts its channel's transport at once.
+//
+// Registration in the server (service/server.cc), with the CUDA backend's device:
+//   factory = NewNcclTransportFactory(device);
+//   transport = std::make_unique<KvPoolTransportService>(store, backend, factory.get(),
+//                                                        SystemClock(), TransportOptions{});
+//   builder.RegisterService(transport.get());
+#ifndef KVPOOL_SERVICE_TRANSPORT_TRANSPORT_SERVICE_H_
+#define KVPOOL_SERVICE_TRANSPORT_TRANSPORT_SERVICE_H_
+
+#include "kvpool/v1/kvpool.grpc.pb.h"
+#include "service/store/clock.h"
+#include "service/store/compute_backend.h"
+#include "service/store/kv_store.h"
+#include "service/transport/channel_manager.h"
+#include "service/transport/nccl_transfers.h"
+#include "service/transport/peer_transport.h"
+
+namespace kvpool {
+
+class KvPoolTransportService final : public v1::KvPoolTransport::CallbackService {
+ public:
+  // Not owned: store, backend (the store's), factory and clock must outlive the service and
+  // every call it started.
+  KvPoolTransportService(KvStore* store, ComputeBackend* backend, PeerTransportFactory* factory,
+                         Clock* clock, const TransportOptions& options);
+
+  ChannelManager& channels() { return channels_; }
+  const NcclTransfers& transfers() const { return transfers_; }
+
+  grpc::ServerUnaryReactor* OpenChannel(grpc::CallbackServerContext* ctx,
+                                        const v1::OpenChannelRequest* request,
+                                        v1::OpenChannelResponse* response) override;
+  grpc::ServerUnaryReactor* CloseChannel(grpc::CallbackServerContext* ctx,
+                                         const v1::CloseChannelRequest* request,
+                                         v1::CloseChannelResponse* response) override;
+  grpc::ServerWriteReactor<v1::NcclGetResponse>* NcclGet(
+      grpc::CallbackServerContext* ctx, const v1::NcclGetRequest* request) override;
+  grpc::ServerWriteReactor<v1::NcclPutResponse>* NcclPut(
+      grpc::CallbackServerContext* ctx, const v1::NcclPutRequest* request) override;
+
+ private:
+  ChannelManager channels_;
+  NcclTransfers transfers_;
+};
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_TRANSPORT_TRANSPORT_SERVICE_H_

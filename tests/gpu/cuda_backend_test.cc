@@ -1,0 +1,229 @@
+// KvStore over NewCudaBackend against KvStore over NewCpuBackend: the same puts give nearly
+// identical raw pages (codes equal but for rare round-half ties, scales/zeros within one fp16
+// ulp) and fp16 reads within tolerance. Also the backend's own errors and stats.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "gtest/gtest.h"
+#include "kernels/cpu/page_codec.h"
+#include "kernels/fp16.h"
+#include "kernels/kv_kernels.h"
+#include "service/store/compute_backend.h"
+#include "service/store/kv_store.h"
+#include "service/store/namespace_config.h"
+#include "tests/common/kv_test_data.h"
+
+namespace kvpool {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                     \
+  do {                                                                         \
+    if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: skipped"; \
+  } while (0)
+
+constexpr int kTokens = 16 * 6 + 9;  // six full blocks and a partial one (ignored)
+
+NamespaceConfig TestConfig() {
+  NamespaceConfig c;
+  c.name = "gpu-test";
+  c.num_layers = 4;
+  c.num_kv_heads = 4;
+  c.head_dim = 128;
+  c.block_tokens = 16;
+  c.layer_dtypes = {KvDtype::kFp8E4M3, KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp16};
+  c.rotation_block = 64;
+  c.rotation_seed = 77;
+  c.group_size = 32;
+  c.sink_tokens = 4;
+  c.capacity_bytes = 32 << 20;
+  return c;
+}
+
+// A store over `backend` holding one put of `tokens` with per-layer K/V `data`.
+std::unique_ptr<KvStore> MakeStoreWithPut(ComputeBackend* backend,
+                                          const std::vector<int32_t>& tokens,
+                                          const std::vector<testing::KvData>& data) {
+  KvStore::Options options;
+  options.pool_bytes = 64 << 20;
+  options.backend = backend;
+  auto store = KvStore::Create(options);
+  EXPECT_TRUE(store.ok()) << store.status();
+  if (!store.ok()) return nullptr;
+  const auto info = (*store)->CreateNamespace(TestConfig());
+  EXPECT_TRUE(info.ok()) << info.status();
+  auto put = (*store)->BeginPut("gpu-test", tokens);
+  EXPECT_TRUE(put.ok()) << put.status();
+  if (!put.ok()) return nullptr;
+  for (int layer = 0; layer < TestConfig().num_layers; ++layer) {
+    const std::vector<uint16_t> k = testing::ToHalf(data[layer].k);
+    const std::vector<uint16_t> v = testing::ToHalf(data[layer].v);
+    // Two chunks per layer, the second starting mid-block.
+    const uint32_t split = 37;
+    const size_t row = static_cast<size_t>(TestConfig().num_kv_heads) * TestConfig().head_dim;
+    EXPECT_TRUE((*put)->AddChunk(layer, 0, split, k.data(), v.data()).ok());
+    EXPECT_TRUE((*put)
+                    ->AddChunk(layer, split, kTokens - split, k.data() + split * row,
+                               v.data() + split * row)
+                    .ok());
+  }
+  const auto committed = (*put)->Commit();
+  EXPECT_TRUE(committed.ok()) << committed.status();
+  return std::move(*store);
+}
+
+TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
+  SKIP_WITHOUT_GPU();
+  auto gpu_backend = NewCudaBackend(0);
+  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
+  EXPECT_EQ((*gpu_backend)->name(), "cuda");
+  std::unique_ptr<ComputeBackend> cpu_backend = NewCpuBackend();
+
+  const NamespaceConfig config = TestConfig();
+  std::mt19937 rng(2024);
+  std::vector<int32_t> tokens(kTokens);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 32000);
+  std::vector<testing::KvData> data;
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    data.push_back(testing::MakeKv(kTokens, config.num_kv_heads, config.head_dim,
+                                   static_cast<testing::Outliers>(1 + layer % 4), 100 + layer));
+  }
+  auto cpu_store = MakeStoreWithPut(cpu_backend.get(), tokens, data);
+  auto gpu_store = MakeStoreWithPut(gpu_backend->get(), tokens, data);
+  ASSERT_NE(cpu_store, nullptr);
+  ASSERT_NE(gpu_store, nullptr);
+
+  const auto cpu_match = cpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
+  const auto gpu_match = gpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
+  ASSERT_TRUE(cpu_match.ok() && gpu_match.ok());
+  ASSERT_EQ(gpu_match->cached_tokens, 96u);
+  ASSERT_EQ(gpu_match->num_blocks, cpu_match->num_blocks);
+  const uint32_t blocks = gpu_match->num_blocks;
+  const uint32_t heads = config.num_kv_heads;
+
+  uint64_t codes = 0, off_by_one = 0;
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    SCOPED_TRACE(::testing::Message() << "layer " << layer);
+    const PageLayout l = LayerLayout(config, layer);
+    const size_t raw_bytes = blocks * heads * l.head_page_bytes();
+    std::vector<uint8_t> ck(raw_bytes), cv(raw_bytes), gk(raw_bytes), gv(raw_bytes);
+    ASSERT_TRUE(
+        cpu_store->ReadRaw(cpu_match->lease_id, layer, 0, blocks, 0, heads, ck.data(), cv.data())
+            .ok());
+    ASSERT_TRUE(
+        gpu_store->ReadRaw(gpu_match->lease_id, layer, 0, blocks, 0, heads, gk.data(), gv.data())
+            .ok());
+    // Per (block, head) row: codes within one, meta within one ulp; the largest scale of the
+    // row bounds how far its fp16 read may move when a code differs.
+    std::vector<float> row_scale(blocks * l.block_tokens, 0.0f);
+    for (int kv = 0; kv < 2; ++kv) {
+      const std::vector<uint8_t>& c = kv == 0 ? ck : cv;
+      const std::vector<uint8_t>& g = kv == 0 ? gk : gv;
+      for (size_t page = 0; page < blocks * heads; ++page) {
+        const uint8_t* cp = c.data() + page * l.head_page_bytes();
+        const uint8_t* gp = g.data() + page * l.head_page_bytes();
+        for (int t = 0; t < l.block_tokens; ++t) {
+          const size_t row = t * l.code_bytes_per_token();
+          if (!l.quantized()) {
+            ASSERT_EQ(std::memcmp(cp + row, gp + row, l.code_bytes_per_token()), 0);
+            continue;
+          }
+          for (int grp = 0; grp < l.groups(); ++grp) {
+            const cpu::GroupMeta cm = cpu::ReadGroupMeta(l, cp, t, grp);
+            const cpu::GroupMeta gm = cpu::ReadGroupMeta(l, gp, t, grp);
+            ASSERT_LE(std::fabs(cm.scale - gm.scale), std::fabs(cm.scale) * 1e-3f + 1e-7f);
+            ASSERT_LE(std::fabs(cm.zero - gm.zero), std::fabs(cm.zero) * 1e-3f + 1e-7f);
+            float& s = row_scale[(page / heads) * l.block_tokens + t];
+            s = std::max(s, std::max(cm.scale, gm.scale));
+          }
+          std::vector<float> cc(l.head_dim), gc(l.head_dim);
+          cpu::UnpackCodes(l, cp, t, cc.data());
+          cpu::UnpackCodes(l, gp, t, gc.data());
+          for (int ch = 0; ch < l.head_dim; ++ch) {
+            if (cc[ch] == gc[ch]) continue;
+            ++off_by_one;
+            if (l.dtype != KvDtype::kFp8E4M3) {
+              ASSERT_EQ(std::fabs(cc[ch] - gc[ch]), 1.0f);
+            }
+          }
+          codes += l.head_dim;
+        }
+      }
+    }
+
+    const size_t elems = static_cast<size_t>(blocks) * l.block_tokens * heads * l.head_dim;
+    std::vector<uint16_t> cfk(elems), cfv(elems), gfk(elems), gfv(elems);
+    ASSERT_TRUE(
+        cpu_store->ReadFp16(cpu_match->lease_id, layer, 0, blocks, 0, heads, cfk.data(), cfv.data())
+            .ok());
+    ASSERT_TRUE(
+        gpu_store->ReadFp16(gpu_match->lease_id, layer, 0, blocks, 0, heads, gfk.data(), gfv.data())
+            .ok());
+    const size_t token_elems = static_cast<size_t>(heads) * l.head_dim;
+    for (size_t i = 0; i < elems; ++i) {
+      const float tol = row_scale[i / token_elems];
+      for (int kv = 0; kv < 2; ++kv) {
+        const float a = HalfToFloat((kv == 0 ? cfk : cfv)[i]);
+        const float b = HalfToFloat((kv == 0 ? gfk : gfv)[i]);
+        ASSERT_LE(std::fabs(a - b), 2e-3f * std::fabs(a) + 1e-3f + tol)
+            << "fp16 read element " << i << ": cpu " << a << " gpu " << b;
+      }
+    }
+  }
+  std::printf("%llu codes compared, %llu differ by one step\n",
+              static_cast<unsigned long long>(codes), static_cast<unsigned long long>(off_by_one));
+  EXPECT_GT(codes, 0u);
+  EXPECT_LE(off_by_one, codes / 1000);
+
+  const ComputeBackendStats stats = (*gpu_backend)->Stats();
+  EXPECT_GT(stats.device_total_bytes, 0u);
+  EXPECT_GT(stats.arena_bytes, 0u);
+}
+
+TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
+  SKIP_WITHOUT_GPU();
+  auto backend = NewCudaBackend(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  const PageLayout l = LayerLayout(TestConfig(), 1);
+  const int64_t num_blocks = 2;
+  auto arena = (*backend)->AllocateArena(num_blocks * l.layer_page_bytes());
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const testing::KvData d =
+      testing::MakeKv(2, l.num_kv_heads, l.head_dim, testing::Outliers::kOffset, 5);
+  const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
+  const std::vector<int64_t> slots = {3, num_blocks * l.block_tokens};
+  const std::vector<int32_t> positions = {0, 1};
+  QuantizeAppendParams p;
+  p.layout = l;
+  p.layout.sink_tokens = 0;
+  p.k = k.data();
+  p.v = v.data();
+  p.slot_mapping = slots.data();
+  p.positions = positions.data();
+  p.num_tokens = 2;
+  p.pages = *arena;
+  p.num_blocks = num_blocks;
+  const absl::Status s = (*backend)->QuantizeAppend(p);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  ASSERT_TRUE((*backend)->Synchronize().ok());
+  // Nothing was written: the arena is still zero.
+  std::vector<uint8_t> host(l.layer_page_bytes(), 0xFF);
+  ASSERT_TRUE((*backend)->ReadArena(*arena, host.size(), host.data()).ok());
+  EXPECT_TRUE(std::all_of(host.begin(), host.end(), [](uint8_t b) { return b == 0; }));
+  (*backend)->FreeArena(*arena);
+}
+
+TEST(CudaBackend, ReportsMissingDevice) {
+  SKIP_WITHOUT_GPU();
+  const auto backend = NewCudaBackend(4096);
+  EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvpool

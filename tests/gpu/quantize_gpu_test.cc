@@ -1,0 +1,399 @@
+// CUDA QuantizeAppend / Dequantize against the CPU reference (kvpool::cpu) on fresh random K/V
+// with outlier channels, over dtype x rot block x head_dim x block_tokens, with scattered slot
+// mappings, skipped slots, odd token counts, many sequences and sinks.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/page_codec.h"
+#include "kernels/fp16.h"
+#include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
+#include "tests/common/kv_test_data.h"
+
+namespace kvpool {
+namespace {
+
+constexpr uint8_t kPoison = 0xAB;
+
+#define SKIP_WITHOUT_GPU()                                                     \
+  do {                                                                         \
+    if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: skipped"; \
+  } while (0)
+
+// Device memory for the duration of a test.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(size_t bytes) : bytes_(bytes) {
+    EXPECT_EQ(cudaMalloc(&ptr_, std::max<size_t>(bytes, 16)), cudaSuccess);
+  }
+  ~DeviceBuffer() { cudaFree(ptr_); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  template <typename T>
+  T* as() const {
+    return static_cast<T*>(ptr_);
+  }
+  void Upload(const void* src) {
+    ASSERT_EQ(cudaMemcpy(ptr_, src, bytes_, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void Download(void* dst) const {
+    ASSERT_EQ(cudaMemcpy(dst, ptr_, bytes_, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_;
+};
+
+struct Case {
+  KvDtype dtype;
+  int rot_block;
+  int head_dim;
+  int block_tokens;
+  int group_size = 0;  // 0 = head_dim
+  int sink_tokens = 0;
+  int num_kv_heads = 3;
+  int num_tokens = 157;
+};
+
+std::string Name(const Case& c) {
+  return "dtype=" + std::to_string(static_cast<int>(c.dtype)) +
+         " rot=" + std::to_string(c.rot_block) + " head_dim=" + std::to_string(c.head_dim) +
+         " block_tokens=" + std::to_string(c.block_tokens) +
+         " group=" + std::to_string(c.group_size) + " sinks=" + std::to_string(c.sink_tokens);
+}
+
+// Codes compared over all cases of a test.
+struct CodeStats {
+  uint64_t codes = 0;
+  uint64_t off_by_one = 0;
+};
+
+// The inputs of one QuantizeAppend: several sequences of random lengths, their tokens given
+// slots scattered over the arena (some skipped with -1).
+struct Inputs {
+  PageLayout layout;
+  std::vector<uint16_t> k, v;
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions;
+  int64_t num_blocks = 0;
+};
+
+Inputs MakeInputs(const Case& c, uint64_t seed) {
+  Inputs in;
+  PageLayout& l = in.layout;
+  l.num_kv_heads = c.num_kv_heads;
+  l.head_dim = c.head_dim;
+  l.block_tokens = c.block_tokens;
+  l.dtype = c.dtype;
+  l.group_size = c.group_size > 0 ? c.group_size : c.head_dim;
+  l.rot_block = c.rot_block;
+  l.sign_seed = seed * 7919 + 1;
+  l.sink_tokens = c.sink_tokens;
+  const auto kind = static_cast<testing::Outliers>(1 + seed % 4);
+  const testing::KvData d = testing::MakeKv(c.num_tokens, c.num_kv_heads, c.head_dim, kind, seed);
+  in.k = testing::ToHalf(d.k);
+  in.v = testing::ToHalf(d.v);
+
+  // Sequences of random lengths, each on its own blocks (as a store allocates them), the blocks
+  // scattered randomly over an arena with spare blocks; 5% of the tokens are skipped (slot -1).
+  std::mt19937_64 rng(seed ^ 0x5eed);
+  std::uniform_int_distribution<int> seq_len(1, 3 * c.block_tokens);
+  std::uniform_int_distribution<int> percent(0, 99);
+  std::vector<int64_t> logical_block;
+  int position = 0, remaining = seq_len(rng), blocks_used = 0;
+  for (int t = 0; t < c.num_tokens; ++t) {
+    if (remaining-- == 0) {
+      position = 0;
+      remaining = seq_len(rng) - 1;
+    }
+    if (position % c.block_tokens == 0) ++blocks_used;
+    in.positions.push_back(position++);
+    logical_block.push_back(blocks_used - 1);
+  }
+  in.num_blocks = blocks_used + 5;
+  std::vector<int64_t> block_of(in.num_blocks);
+  std::iota(block_of.begin(), block_of.end(), 0);
+  std::shuffle(block_of.begin(), block_of.end(), rng);
+  for (int t = 0; t < c.num_tokens; ++t) {
+    const int64_t slot =
+        block_of[logical_block[t]] * c.block_tokens + in.positions[t] % c.block_tokens;
+    in.slots.push_back(percent(rng) < 5 ? -1 : slot);
+  }
+  return in;
+}
+
+// Runs one case on both backends and checks every byte of the arena (and sink arena).
+void CheckCase(const Case& c, uint64_t seed, CodeStats* stats) {
+  SCOPED_TRACE(Name(c));
+  const Inputs in = MakeInputs(c, seed);
+  const PageLayout& l = in.layout;
+  const size_t page_bytes = in.num_blocks * l.layer_page_bytes();
+  const size_t sink_bytes = in.num_blocks * l.sink_page_bytes();
+
+  std::vector<uint8_t> cpu_pages(page_bytes, kPoison), cpu_sinks(sink_bytes, kPoison);
+  QuantizeAppendParams p;
+  p.layout = l;
+  p.k = in.k.data();
+  p.v = in.v.data();
+  p.slot_mapping = in.slots.data();
+  p.positions = in.positions.data();
+  p.num_tokens = c.num_tokens;
+  p.pages = cpu_pages.data();
+  p.sink_pages = l.sink_tokens > 0 ? cpu_sinks.data() : nullptr;
+  p.num_blocks = in.num_blocks;
+  ASSERT_EQ(cpu::QuantizeAppend(p), KernelStatus::kOk);
+
+  DeviceBuffer k(in.k.size() * 2), v(in.v.size() * 2), slots(in.slots.size() * 8),
+      positions(in.positions.size() * 4), pages(page_bytes), sinks(sink_bytes);
+  k.Upload(in.k.data());
+  v.Upload(in.v.data());
+  slots.Upload(in.slots.data());
+  positions.Upload(in.positions.data());
+  ASSERT_EQ(cudaMemset(pages.as<void>(), kPoison, page_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(sinks.as<void>(), kPoison, std::max<size_t>(sink_bytes, 1)), cudaSuccess);
+  QuantizeAppendParams d = p;
+  d.k = k.as<uint16_t>();
+  d.v = v.as<uint16_t>();
+  d.slot_mapping = slots.as<int64_t>();
+  d.positions = positions.as<int32_t>();
+  d.pages = pages.as<uint8_t>();
+  d.sink_pages = l.sink_tokens > 0 ? sinks.as<uint8_t>() : nullptr;
+  ASSERT_EQ(cuda::QuantizeAppend(d, nullptr), KernelStatus::kOk) << cuda::LastErrorMessage();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint8_t> gpu_pages(page_bytes), gpu_sinks(sink_bytes);
+  pages.Download(gpu_pages.data());
+  sinks.Download(gpu_sinks.data());
+
+  // Sinks are fp16 copies: identical bytes, untouched ones still poisoned in both.
+  EXPECT_TRUE(gpu_sinks == cpu_sinks) << "sink pages differ";
+
+  std::vector<bool> written(in.num_blocks * l.block_tokens, false);
+  for (int64_t s : in.slots) {
+    if (s >= 0) written[s] = true;
+  }
+  std::vector<float> cpu_codes(l.head_dim), gpu_codes(l.head_dim);
+  for (int64_t b = 0; b < in.num_blocks; ++b) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int h = 0; h < l.num_kv_heads; ++h) {
+        const uint8_t* cp = cpu::HeadPage(l, cpu_pages.data(), b, kv, h);
+        const uint8_t* gp = cpu::HeadPage(l, gpu_pages.data(), b, kv, h);
+        for (int t = 0; t < l.block_tokens; ++t) {
+          const size_t row = t * l.code_bytes_per_token();
+          if (!written[b * l.block_tokens + t]) {
+            for (size_t i = 0; i < l.code_bytes_per_token(); ++i) {
+              ASSERT_EQ(gp[row + i], kPoison) << "unwritten slot touched, block " << b;
+            }
+            continue;
+          }
+          if (!l.quantized()) {
+            ASSERT_EQ(std::memcmp(cp + row, gp + row, l.code_bytes_per_token()), 0);
+            continue;
+          }
+          for (int g = 0; g < l.groups(); ++g) {
+            const size_t meta = l.codes_bytes() + (static_cast<size_t>(t) * l.groups() + g) * 4;
+            for (int half = 0; half < 2; ++half) {
+              uint16_t ch, gh;
+              std::memcpy(&ch, cp + meta + 2 * half, 2);
+              std::memcpy(&gh, gp + meta + 2 * half, 2);
+              ASSERT_LE(std::abs(int{ch} - int{gh}), 1)
+                  << (half == 0 ? "scale" : "zero") << " differs by more than 1 ulp";
+            }
+          }
+          // Raw bytes for FP8 (adjacent e4m3 values are adjacent bytes of the same sign).
+          for (size_t i = 0; i < l.code_bytes_per_token(); ++i) {
+            if (cp[row + i] == gp[row + i]) continue;
+            if (l.dtype == KvDtype::kInt4) {
+              const int lo = std::abs((cp[row + i] & 15) - (gp[row + i] & 15));
+              const int hi = std::abs((cp[row + i] >> 4) - (gp[row + i] >> 4));
+              ASSERT_LE(std::max(lo, hi), 1) << "INT4 code differs by more than one";
+              stats->off_by_one += (lo != 0) + (hi != 0);
+            } else {
+              ASSERT_EQ(std::abs(int{cp[row + i]} - int{gp[row + i]}), 1)
+                  << "code differs by more than one";
+              ++stats->off_by_one;
+            }
+          }
+          stats->codes += l.head_dim;
+        }
+        // Padding after the codes and the meta stays poisoned.
+        const size_t codes_used = l.block_tokens * l.code_bytes_per_token();
+        for (size_t i = codes_used; i < l.codes_bytes(); ++i) ASSERT_EQ(gp[i], kPoison);
+        const size_t meta_used = l.codes_bytes() + l.block_tokens * l.meta_bytes_per_token();
+        for (size_t i = meta_used; i < l.head_page_bytes(); ++i) ASSERT_EQ(gp[i], kPoison);
+      }
+    }
+  }
+
+  // Dequantize: the GPU over the CPU's pages matches the reference within fp16 rounding; the
+  // GPU round trip reconstructs the inputs within the dtype's error.
+  std::vector<int32_t> ids(in.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  const int head_begin = l.num_kv_heads > 1 ? 1 : 0;
+  const int heads = l.num_kv_heads - head_begin;
+  const size_t out_elems = ids.size() * l.block_tokens * heads * l.head_dim;
+  std::vector<uint16_t> cpu_k(out_elems), cpu_v(out_elems), gpu_k(out_elems), gpu_v(out_elems);
+  DequantizeParams dq;
+  dq.layout = l;
+  dq.pages = cpu_pages.data();
+  dq.block_ids = ids.data();
+  dq.num_out_blocks = static_cast<int>(ids.size());
+  dq.head_begin = head_begin;
+  dq.head_end = l.num_kv_heads;
+  dq.k_out = cpu_k.data();
+  dq.v_out = cpu_v.data();
+  dq.num_blocks = in.num_blocks;
+  ASSERT_EQ(cpu::Dequantize(dq), KernelStatus::kOk);
+
+  DeviceBuffer dev_ids(ids.size() * 4), dev_k(out_elems * 2), dev_v(out_elems * 2);
+  dev_ids.Upload(ids.data());
+  pages.Upload(cpu_pages.data());
+  DequantizeParams gq = dq;
+  gq.pages = pages.as<uint8_t>();
+  gq.block_ids = dev_ids.as<int32_t>();
+  gq.k_out = dev_k.as<uint16_t>();
+  gq.v_out = dev_v.as<uint16_t>();
+  ASSERT_EQ(cuda::Dequantize(gq, nullptr), KernelStatus::kOk) << cuda::LastErrorMessage();
+  dev_k.Download(gpu_k.data());
+  dev_v.Download(gpu_v.data());
+  // Unwritten rows decode the same poison bytes on both sides, so every element is compared.
+  for (size_t i = 0; i < out_elems; ++i) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const float a = HalfToFloat((kv == 0 ? cpu_k : cpu_v)[i]);
+      const float b = HalfToFloat((kv == 0 ? gpu_k : gpu_v)[i]);
+      ASSERT_LE(std::fabs(a - b), 2e-3f * std::fabs(a) + 1e-3f)
+          << "dequantized element " << i << ": cpu " << a << " gpu " << b;
+    }
+  }
+
+  // Round trip of the GPU's own pages: the relative L2 error of the written K rows is that of
+  // the CPU round trip (codes differ only at rare ties).
+  pages.Upload(gpu_pages.data());
+  ASSERT_EQ(cuda::Dequantize(gq, nullptr), KernelStatus::kOk) << cuda::LastErrorMessage();
+  dev_k.Download(gpu_k.data());
+  const size_t row_elems = static_cast<size_t>(heads) * l.head_dim;
+  auto rel_error = [&](const std::vector<uint16_t>& out) {
+    double err = 0, norm = 0;
+    for (size_t r = 0; r < ids.size() * l.block_tokens; ++r) {
+      const int64_t slot = ids[r / l.block_tokens] * l.block_tokens + r % l.block_tokens;
+      const auto it = std::find(in.slots.begin(), in.slots.end(), slot);
+      if (it == in.slots.end()) continue;
+      const size_t t = it - in.slots.begin();
+      for (size_t e = 0; e < row_elems; ++e) {
+        const double x = HalfToFloat(in.k[(t * l.num_kv_heads + head_begin) * l.head_dim + e]);
+        const double y = HalfToFloat(out[r * row_elems + e]);
+        err += (x - y) * (x - y);
+        norm += x * x;
+      }
+    }
+    return std::sqrt(err / norm);
+  };
+  const double cpu_error = rel_error(cpu_k);
+  const double gpu_error = rel_error(gpu_k);
+  EXPECT_LE(gpu_error, cpu_error * 1.02 + 1e-6) << "round-trip relative L2 error";
+  if (l.dtype == KvDtype::kFp16) {
+    EXPECT_EQ(gpu_error, 0.0);
+  }
+}
+
+void ExpectFewTies(const CodeStats& s, const char* what) {
+  std::printf("%s: %llu codes, %llu off by one (%.2e)\n", what,
+              static_cast<unsigned long long>(s.codes),
+              static_cast<unsigned long long>(s.off_by_one),
+              s.codes ? static_cast<double>(s.off_by_one) / s.codes : 0.0);
+  EXPECT_GT(s.codes, 0u);
+  EXPECT_LE(s.off_by_one, s.codes / 1000) << what << ": too many codes differ from the reference";
+}
+
+TEST(QuantizeGpu, MatchesCpuReferenceOverDtypeRotHeadDimBlockTokens) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 1;
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3, KvDtype::kFp16}) {
+    CodeStats stats;
+    for (int rot : {0, 16, 32, 64, 128}) {
+      for (int head_dim : {64, 128, 256}) {
+        if (rot > head_dim) continue;
+        for (int block_tokens : {16, 32, 64}) {
+          CheckCase(Case{dtype, rot, head_dim, block_tokens}, seed++, &stats);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+      }
+    }
+    if (dtype != KvDtype::kFp16) ExpectFewTies(stats, "all cases");
+  }
+}
+
+TEST(QuantizeGpu, MatchesCpuReferenceWithGroupsSinksAndManyTokens) {
+  SKIP_WITHOUT_GPU();
+  CodeStats stats;
+  uint64_t seed = 1000;
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3, KvDtype::kFp16}) {
+    for (int group : {8, 32, 64}) {
+      Case c{dtype,
+             64,
+             128,
+             16,
+             group,
+             /*sink_tokens=*/4,
+             /*num_kv_heads=*/8,
+             /*num_tokens=*/1023};
+      CheckCase(c, seed++, &stats);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  ExpectFewTies(stats, "groups and sinks");
+}
+
+TEST(QuantizeGpu, RejectsBadArgumentsAndUnsupportedSizes) {
+  SKIP_WITHOUT_GPU();
+  const Inputs in = MakeInputs(Case{KvDtype::kInt4, 128, 128, 16}, 7);
+  DeviceBuffer pages(in.num_blocks * in.layout.layer_page_bytes()), k(in.k.size() * 2),
+      slots(in.slots.size() * 8);
+  QuantizeAppendParams p;
+  p.layout = in.layout;
+  p.k = k.as<uint16_t>();
+  p.v = k.as<uint16_t>();
+  p.slot_mapping = slots.as<int64_t>();
+  p.num_tokens = 4;
+  p.pages = pages.as<uint8_t>();
+  p.num_blocks = in.num_blocks;
+
+  QuantizeAppendParams bad = p;
+  bad.pages = nullptr;
+  EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kInvalidArgument);
+  bad = p;
+  bad.layout.rot_block = 48;
+  EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kInvalidArgument);
+  bad = p;
+  bad.layout.sink_tokens = 2;  // sinks need positions and a sink arena
+  EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kInvalidArgument);
+  bad = p;
+  bad.layout.head_dim = 96;
+  bad.layout.group_size = 96;
+  bad.layout.rot_block = 32;
+  EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kUnsupported);
+  bad = p;
+  bad.layout.group_size = 4;
+  EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kUnsupported);
+  bad = p;
+  bad.layout.block_tokens = 8;
+  EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kUnsupported);
+  bad = p;
+  bad.num_tokens = 0;
+  EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kOk);
+}
+
+}  // namespace
+}  // namespace kvpool
