@@ -4,12 +4,18 @@
 // buffer + device buffer + an event marking the slot free again). QuantizeAppend copies the
 // caller's inputs into a free slot, enqueues the upload and the fused kernel on its lane and
 // returns, so the host copy of the next chunk overlaps the kernel of this one, and lanes overlap
-// each other on the GPU. Synchronous calls (Dequantize, PagedDecodeAttention, ReadArena) first
-// make their lane's stream wait, on the GPU, for every append queued so far on every lane.
+// each other on the GPU. Synchronous calls (Dequantize, PagedDecodeAttention, ReadArena and the
+// four transfer paths) first make their lane's stream wait, on the GPU, for every append queued
+// so far on every lane.
+//
+// The transfer paths (NCCL data plane) keep their bulk inputs and outputs in device memory; only
+// their small host-side tables (run list, block ids, slot mapping, positions) and results go
+// through a staging slot. GatherArena is one kernel over the whole run list.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -20,6 +26,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "kernels/cuda/transfer_kernels.h"
 #include "kernels/kv_kernels.h"
 #include "service/store/compute_backend.h"
 
@@ -49,6 +57,50 @@ absl::Status KernelResult(KernelStatus s, const char* what) {
     return absl::InternalError(absl::StrFormat("%s: %s", what, cuda::LastErrorMessage()));
   }
   return FromKernelStatus(s, what);
+}
+
+// Host-side checks of QuantizeAppend's arguments (slot_mapping and positions are host memory):
+// the kernels must never see an out-of-range slot.
+absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
+  const PageLayout& l = p.layout;
+  if (p.num_tokens < 0) return absl::InvalidArgumentError("QuantizeAppend: num_tokens < 0");
+  if (p.num_tokens == 0) return absl::OkStatus();
+  if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr) {
+    return absl::InvalidArgumentError("QuantizeAppend: null input");
+  }
+  const bool sinks = l.sink_tokens > 0;
+  if (sinks && p.positions == nullptr) {
+    return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
+  }
+  const int64_t num_slots = p.num_blocks * l.block_tokens;
+  for (int t = 0; t < p.num_tokens; ++t) {
+    const int64_t slot = p.slot_mapping[t];
+    if (slot < 0) continue;
+    if (slot >= num_slots || (sinks && p.positions[t] < 0)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("QuantizeAppend: token %d: slot %d or position out of range", t, slot));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Host-side checks of Dequantize's arguments (block_ids is host memory).
+absl::Status ValidateDequantize(const DequantizeParams& p) {
+  if (p.num_out_blocks < 0 || p.head_begin < 0 || p.head_end <= p.head_begin ||
+      p.head_end > p.layout.num_kv_heads) {
+    return absl::InvalidArgumentError("Dequantize: bad block count or head range");
+  }
+  if (p.num_out_blocks == 0) return absl::OkStatus();
+  if (p.block_ids == nullptr || p.k_out == nullptr || p.v_out == nullptr) {
+    return absl::InvalidArgumentError("Dequantize: null argument");
+  }
+  for (int i = 0; i < p.num_out_blocks; ++i) {
+    if (p.block_ids[i] < 0 || p.block_ids[i] >= p.num_blocks) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("Dequantize: block id %d out of range", p.block_ids[i]));
+    }
+  }
+  return absl::OkStatus();
 }
 
 // Offsets of consecutive 16-byte aligned regions in one staging buffer.
@@ -148,24 +200,8 @@ class CudaBackend final : public ComputeBackend {
 
   absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
     const PageLayout& l = p.layout;
-    if (p.num_tokens < 0) return absl::InvalidArgumentError("QuantizeAppend: num_tokens < 0");
-    if (p.num_tokens == 0) return absl::OkStatus();
-    if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr) {
-      return absl::InvalidArgumentError("QuantizeAppend: null input");
-    }
+    if (absl::Status s = ValidateQuantizeAppend(p); !s.ok() || p.num_tokens == 0) return s;
     const bool sinks = l.sink_tokens > 0;
-    if (sinks && p.positions == nullptr) {
-      return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
-    }
-    const int64_t num_slots = p.num_blocks * l.block_tokens;
-    for (int t = 0; t < p.num_tokens; ++t) {
-      const int64_t slot = p.slot_mapping[t];
-      if (slot < 0) continue;
-      if (slot >= num_slots || (sinks && p.positions[t] < 0)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("QuantizeAppend: token %d: slot %d or position out of range", t, slot));
-      }
-    }
     const size_t kv_bytes =
         static_cast<size_t>(p.num_tokens) * l.num_kv_heads * l.head_dim * sizeof(uint16_t);
     const size_t slot_bytes = static_cast<size_t>(p.num_tokens) * sizeof(int64_t);
@@ -200,20 +236,7 @@ class CudaBackend final : public ComputeBackend {
 
   absl::Status Dequantize(const DequantizeParams& p) override {
     const PageLayout& l = p.layout;
-    if (p.num_out_blocks < 0 || p.head_begin < 0 || p.head_end <= p.head_begin ||
-        p.head_end > l.num_kv_heads) {
-      return absl::InvalidArgumentError("Dequantize: bad block count or head range");
-    }
-    if (p.num_out_blocks == 0) return absl::OkStatus();
-    if (p.block_ids == nullptr || p.k_out == nullptr || p.v_out == nullptr) {
-      return absl::InvalidArgumentError("Dequantize: null argument");
-    }
-    for (int i = 0; i < p.num_out_blocks; ++i) {
-      if (p.block_ids[i] < 0 || p.block_ids[i] >= p.num_blocks) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("Dequantize: block id %d out of range", p.block_ids[i]));
-      }
-    }
+    if (absl::Status s = ValidateDequantize(p); !s.ok() || p.num_out_blocks == 0) return s;
     const size_t ids_bytes = static_cast<size_t>(p.num_out_blocks) * sizeof(int32_t);
     const size_t out_bytes = static_cast<size_t>(p.num_out_blocks) * l.block_tokens *
                              (p.head_end - p.head_begin) * l.head_dim * sizeof(uint16_t);
@@ -324,6 +347,94 @@ class CudaBackend final : public ComputeBackend {
           cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, lane.stream));
       return CudaError(cudaStreamSynchronize(lane.stream), "ReadArena");
     });
+  }
+
+  absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
+    if (runs.empty()) return absl::OkStatus();
+    if (dst == nullptr) return absl::InvalidArgumentError("GatherArena: null destination");
+    const size_t table_bytes = runs.size() * sizeof(cuda::GatherRun);
+    return RunSynchronous(table_bytes, [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      auto* table = reinterpret_cast<cuda::GatherRun*>(slot.host);
+      uint64_t offset = 0;
+      for (size_t i = 0; i < runs.size(); ++i) {
+        if (runs[i].bytes > 0 && runs[i].src == nullptr) {
+          return absl::InvalidArgumentError("GatherArena: null run");
+        }
+        table[i] = {runs[i].src, offset, runs[i].bytes};
+        offset += runs[i].bytes;
+      }
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, table_bytes,
+                                                  cudaMemcpyHostToDevice, lane.stream));
+      const KernelStatus ks =
+          cuda::GatherRuns(reinterpret_cast<const cuda::GatherRun*>(slot.device),
+                           static_cast<int64_t>(runs.size()), dst, lane.stream);
+      if (absl::Status s = KernelResult(ks, "GatherArena"); !s.ok()) return s;
+      return CudaError(cudaStreamSynchronize(lane.stream), "GatherArena");
+    });
+  }
+
+  absl::Status DequantizeToArena(const DequantizeParams& p) override {
+    if (absl::Status s = ValidateDequantize(p); !s.ok() || p.num_out_blocks == 0) return s;
+    const size_t ids_bytes = static_cast<size_t>(p.num_out_blocks) * sizeof(int32_t);
+    return RunSynchronous(ids_bytes, [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      std::memcpy(slot.host, p.block_ids, ids_bytes);
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, ids_bytes,
+                                                  cudaMemcpyHostToDevice, lane.stream));
+      DequantizeParams d = p;
+      d.block_ids = reinterpret_cast<const int32_t*>(slot.device);
+      if (absl::Status s = KernelResult(cuda::Dequantize(d, lane.stream), "DequantizeToArena");
+          !s.ok()) {
+        return s;
+      }
+      return CudaError(cudaStreamSynchronize(lane.stream), "DequantizeToArena");
+    });
+  }
+
+  absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
+    if (absl::Status s = ValidateQuantizeAppend(p); !s.ok() || p.num_tokens == 0) return s;
+    const bool sinks = p.layout.sink_tokens > 0;
+    StagingLayout layout;
+    const size_t slot_off = layout.Add(static_cast<size_t>(p.num_tokens) * sizeof(int64_t));
+    const size_t pos_off = layout.Add(sinks ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t)
+                                            : 0);
+    return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      std::memcpy(slot.host + slot_off, p.slot_mapping, p.num_tokens * sizeof(int64_t));
+      if (sinks) std::memcpy(slot.host + pos_off, p.positions, p.num_tokens * sizeof(int32_t));
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
+                                                  cudaMemcpyHostToDevice, lane.stream));
+      QuantizeAppendParams d = p;
+      d.slot_mapping = reinterpret_cast<const int64_t*>(slot.device + slot_off);
+      d.positions = sinks ? reinterpret_cast<const int32_t*>(slot.device + pos_off) : nullptr;
+      if (absl::Status s =
+              KernelResult(cuda::QuantizeAppend(d, lane.stream), "QuantizeAppendFromArena");
+          !s.ok()) {
+        return s;
+      }
+      return CudaError(cudaStreamSynchronize(lane.stream), "QuantizeAppendFromArena");
+    });
+  }
+
+  absl::Status CheckFiniteArena(const uint16_t* x, size_t n, const char* what) override {
+    if (n == 0) return absl::OkStatus();
+    unsigned long long first_bad = 0;
+    absl::Status s = RunSynchronous(
+        sizeof(first_bad), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+          auto* result = reinterpret_cast<unsigned long long*>(slot.device);
+          if (absl::Status k = KernelResult(
+                  cuda::FindFirstNonFiniteHalf(x, n, result, lane.stream), "CheckFiniteArena");
+              !k.ok()) {
+            return k;
+          }
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host, result, sizeof(first_bad),
+                                                      cudaMemcpyDeviceToHost, lane.stream));
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
+          std::memcpy(&first_bad, slot.host, sizeof(first_bad));
+          return absl::OkStatus();
+        });
+    if (!s.ok()) return s;
+    if (first_bad == ULLONG_MAX) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        absl::StrFormat("%s holds NaN or Inf at element %d", what, first_bad));
   }
 
   absl::Status Synchronize() override {

@@ -1,0 +1,94 @@
+#include "service/attend_runner.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/fp16.h"
+
+namespace kvpool {
+
+absl::Status AttendRunner::ResolveGeometry(uint64_t lease_id) {
+  if (geometry_valid_ && geometry_lease_ == lease_id) return absl::OkStatus();
+  absl::StatusOr<KvStore::LeaseView> lease = store_->DescribeLease(lease_id);
+  if (!lease.ok()) return lease.status();
+  geometry_lease_ = lease_id;
+  geometry_valid_ = true;
+  num_kv_heads_ = lease->info.config.num_kv_heads;
+  head_dim_ = lease->info.config.head_dim;
+  return absl::OkStatus();
+}
+
+absl::Status AttendRunner::Run(const v1::AttendRequest& request, v1::AttendResponse* response) {
+  response->Clear();
+  const int n = request.items_size();
+  if (n == 0) return absl::InvalidArgumentError("Attend needs at least one item");
+  if (request.num_q_heads() == 0) return absl::InvalidArgumentError("num_q_heads is 0");
+  const v1::OutputDtype out_dtype = request.output_dtype();
+  if (out_dtype != v1::OUTPUT_DTYPE_UNSPECIFIED && out_dtype != v1::OUTPUT_DTYPE_FP16 &&
+      out_dtype != v1::OUTPUT_DTYPE_FP32) {
+    return absl::InvalidArgumentError("unknown OutputDtype");
+  }
+  if (absl::Status s = ResolveGeometry(request.items(0).lease_id()); !s.ok()) return s;
+  const size_t q_values = static_cast<size_t>(request.num_q_heads()) * head_dim_;
+  const size_t kv_bytes = static_cast<size_t>(num_kv_heads_) * head_dim_ * 2;
+
+  items_.resize(n);
+  for (int i = 0; i < n; ++i) {
+    const v1::AttendItem& in = request.items(i);
+    if (in.q().size() != q_values * 2) {
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": q has ", in.q().size(),
+                                                     " bytes; ", request.num_q_heads(), " heads x ",
+                                                     head_dim_, " dims fp16 need ", q_values * 2));
+    }
+    const bool has_k = !in.new_k().empty();
+    if (has_k != !in.new_v().empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("item ", i, ": new_k and new_v go together"));
+    }
+    if (has_k && (in.new_k().size() != kv_bytes || in.new_v().size() != kv_bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "item ", i, ": new_k/new_v have ", in.new_k().size(), "/", in.new_v().size(), " bytes; ",
+          num_kv_heads_, " heads x ", head_dim_, " dims fp16 need ", kv_bytes));
+    }
+    KvStore::AttendItem& item = items_[i];
+    item.lease_id = in.lease_id();
+    item.q = reinterpret_cast<const uint16_t*>(in.q().data());
+    item.new_k = has_k ? reinterpret_cast<const uint16_t*>(in.new_k().data()) : nullptr;
+    item.new_v = has_k ? reinterpret_cast<const uint16_t*>(in.new_v().data()) : nullptr;
+    item.new_token_id = in.new_token_id();
+  }
+
+  const size_t out_values = q_values * n;
+  const size_t lse_values = static_cast<size_t>(request.num_q_heads()) * n;
+  out_.resize(out_values);
+  lse_.resize(request.return_lse() ? lse_values : 0);
+  context_tokens_.resize(n);
+  const float sm_scale = request.sm_scale() != 0.0f
+                             ? request.sm_scale()
+                             : 1.0f / std::sqrt(static_cast<float>(head_dim_));
+  absl::Status s =
+      store_->Attend(request.layer(), request.num_q_heads(), sm_scale, items_, out_.data(),
+                     request.return_lse() ? lse_.data() : nullptr, context_tokens_.data());
+  if (!s.ok()) return s;
+
+  std::string* out = response->mutable_out();
+  if (out_dtype == v1::OUTPUT_DTYPE_FP32) {
+    out->resize(out_values * sizeof(float));
+    std::memcpy(out->data(), out_.data(), out->size());
+  } else {
+    out->resize(out_values * 2);
+    uint16_t* h = reinterpret_cast<uint16_t*>(out->data());
+    for (size_t i = 0; i < out_values; ++i) h[i] = FloatToHalf(out_[i]);
+  }
+  if (request.return_lse()) {
+    response->mutable_lse()->Resize(static_cast<int>(lse_values), 0.0f);
+    std::memcpy(response->mutable_lse()->mutable_data(), lse_.data(), lse_values * sizeof(float));
+  }
+  response->mutable_context_tokens()->Resize(n, 0);
+  std::memcpy(response->mutable_context_tokens()->mutable_data(), context_tokens_.data(),
+              n * sizeof(uint32_t));
+  return absl::OkStatus();
+}
+
+}  // namespace kvpool

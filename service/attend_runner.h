@@ -1,0 +1,42 @@
+// One Attend step: framing checks, the store call and the response encoding, on buffers that are
+// reused from one call to the next so that a decode loop on one stream allocates nothing per
+// step once the batch shape is stable.
+#ifndef KVPOOL_SERVICE_ATTEND_RUNNER_H_
+#define KVPOOL_SERVICE_ATTEND_RUNNER_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kvpool/v1/kvpool.pb.h"
+#include "service/store/kv_store.h"
+
+namespace kvpool {
+
+// Not thread-safe: one runner per stream (or per unary call).
+class AttendRunner {
+ public:
+  explicit AttendRunner(KvStore* store) : store_(store) {}
+
+  // Runs `request` and fills `response` (cleared first; its fields' capacity is reused).
+  absl::Status Run(const v1::AttendRequest& request, v1::AttendResponse* response);
+
+ private:
+  // Geometry of the namespace of the last first-item lease seen, so that a stream describes
+  // its lease once rather than every step.
+  absl::Status ResolveGeometry(uint64_t lease_id);
+
+  KvStore* const store_;
+  uint64_t geometry_lease_ = 0;
+  bool geometry_valid_ = false;
+  int num_kv_heads_ = 0;
+  int head_dim_ = 0;
+  std::vector<KvStore::AttendItem> items_;
+  std::vector<float> out_;  // [items][num_q_heads][head_dim]
+  std::vector<float> lse_;  // [items][num_q_heads]
+  std::vector<uint32_t> context_tokens_;
+};
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_ATTEND_RUNNER_H_

@@ -1,0 +1,163 @@
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "service/proto_convert.h"
+#include "service/stream_reactors.h"
+
+namespace kvpool {
+namespace {
+
+// Walks (layer, block run) in order with one message in flight: the next message is read from
+// the store in OnWriteDone of the previous one, into the same response object, so its payload
+// strings keep their capacity.
+class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
+ public:
+  GetReactor(KvStore* store, const ServiceOptions* options, RpcMetrics::Method* metrics,
+             const v1::GetRequest* request)
+      : store_(store), options_(options), metrics_(metrics), request_(*request) {
+    metrics_->Received(request->ByteSizeLong());
+    const absl::Status s = Plan();
+    if (!s.ok()) {
+      FinishWith(s);
+      return;
+    }
+    Next();
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      FinishWith(absl::CancelledError("Get stream closed by the client"));
+      return;
+    }
+    Next();
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  absl::Status Plan() {
+    absl::StatusOr<KvStore::LeaseView> lease = store_->DescribeLease(request_.lease_id());
+    if (!lease.ok()) return lease.status();
+    lease_ = *std::move(lease);
+    const NamespaceConfig& c = lease_.info.config;
+    layer_ = request_.layer_begin();
+    layer_end_ = request_.layer_end() == 0 ? c.num_layers : request_.layer_end();
+    head_begin_ = request_.head_begin();
+    head_end_ = request_.head_end() == 0 ? c.num_kv_heads : request_.head_end();
+    if (layer_ >= layer_end_ || layer_end_ > static_cast<uint32_t>(c.num_layers)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layers [", layer_, ", ", layer_end_, ") out of range for ", c.num_layers));
+    }
+    if (head_begin_ >= head_end_ || head_end_ > static_cast<uint32_t>(c.num_kv_heads)) {
+      return absl::InvalidArgumentError(absl::StrCat("KV heads [", head_begin_, ", ", head_end_,
+                                                     ") out of range for ", c.num_kv_heads));
+    }
+    switch (request_.format()) {
+      case v1::GET_FORMAT_UNSPECIFIED:
+      case v1::GET_FORMAT_FP16:
+        raw_ = false;
+        break;
+      case v1::GET_FORMAT_RAW:
+        raw_ = true;
+        break;
+      default:
+        return absl::InvalidArgumentError("unknown GetFormat");
+    }
+    chunk_bytes_ = request_.max_chunk_bytes() == 0
+                       ? options_->get_chunk_bytes
+                       : std::min(request_.max_chunk_bytes(), options_->get_chunk_bytes);
+    block_ = 0;
+    return absl::OkStatus();
+  }
+
+  // Tokens held for `layer`: the lease's per-layer count when the store reports one.
+  uint32_t LayerTokens(uint32_t layer) const {
+    if (layer < lease_.layer_tokens.size()) return lease_.layer_tokens[layer];
+    return lease_.num_blocks * static_cast<uint32_t>(lease_.info.config.block_tokens);
+  }
+
+  void Next() {
+    const NamespaceConfig& c = lease_.info.config;
+    const uint32_t bt = static_cast<uint32_t>(c.block_tokens);
+    // Skip layers with nothing (left) to send.
+    while (layer_ < layer_end_ && block_ * bt >= LayerTokens(layer_)) {
+      ++layer_;
+      block_ = 0;
+    }
+    if (layer_ >= layer_end_) {
+      FinishWith(absl::OkStatus());
+      return;
+    }
+    const uint32_t layer_tokens = LayerTokens(layer_);
+    const uint32_t layer_blocks = (layer_tokens + bt - 1) / bt;
+    const uint32_t heads = head_end_ - head_begin_;
+    const PageLayout layout = LayerLayout(c, static_cast<int>(layer_));
+    const uint64_t block_bytes = raw_ ? uint64_t{heads} * layout.head_page_bytes()
+                                      : Fp16KvBytes(c, bt) / c.num_kv_heads * heads;
+    const uint32_t per_msg =
+        static_cast<uint32_t>(std::max<uint64_t>(1, chunk_bytes_ / (2 * block_bytes)));
+    const uint32_t n = std::min(per_msg, layer_blocks - block_);
+
+    response_.Clear();
+    response_.set_layer(layer_);
+    response_.set_block_begin(block_);
+    response_.set_num_blocks(n);
+    response_.set_valid_tokens(std::min(n * bt, layer_tokens - block_ * bt));
+    if (raw_ && block_ == 0) ToProtoLayout(layout, response_.mutable_layout());
+    std::string* k = response_.mutable_k();
+    std::string* v = response_.mutable_v();
+    k->resize(n * block_bytes);
+    v->resize(n * block_bytes);
+    const absl::Status s =
+        raw_ ? store_->ReadRaw(request_.lease_id(), layer_, block_, n, head_begin_, head_end_,
+                               reinterpret_cast<uint8_t*>(k->data()),
+                               reinterpret_cast<uint8_t*>(v->data()))
+             : store_->ReadFp16(request_.lease_id(), layer_, block_, n, head_begin_, head_end_,
+                                reinterpret_cast<uint16_t*>(k->data()),
+                                reinterpret_cast<uint16_t*>(v->data()));
+    if (!s.ok()) {
+      FinishWith(s);
+      return;
+    }
+    block_ += n;
+    metrics_->Sent(response_.ByteSizeLong());
+    StartWrite(&response_);
+  }
+
+  void FinishWith(const absl::Status& s) {
+    const grpc::Status g = ToGrpcStatus(s);
+    // Recorded before Finish: a client that has the status also sees it counted.
+    metrics_->Finished(g.error_code(), absl::Now() - start_);
+    Finish(g);
+  }
+
+  KvStore* const store_;
+  const ServiceOptions* const options_;
+  RpcMetrics::Method* const metrics_;
+  const v1::GetRequest request_;
+  const absl::Time start_ = absl::Now();
+  KvStore::LeaseView lease_;
+  bool raw_ = false;
+  uint32_t chunk_bytes_ = 0;
+  uint32_t layer_ = 0;  // next (layer, block) to send
+  uint32_t layer_end_ = 0;
+  uint32_t block_ = 0;
+  uint32_t head_begin_ = 0;
+  uint32_t head_end_ = 0;
+  v1::GetResponse response_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(KvStore* store,
+                                                         const ServiceOptions* options,
+                                                         RpcMetrics::Method* metrics,
+                                                         const v1::GetRequest* request) {
+  return new GetReactor(store, options, metrics, request);
+}
+
+}  // namespace kvpool

@@ -1,0 +1,52 @@
+// Per-method RPC metrics: kvpool_rpc_duration_seconds{method,code} and the payload byte
+// counters kvpool_rpc_{received,sent}_bytes_total{method}.
+#ifndef KVPOOL_SERVICE_RPC_METRICS_H_
+#define KVPOOL_SERVICE_RPC_METRICS_H_
+
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#include "absl/time/time.h"
+#include "grpcpp/support/status.h"
+#include "service/metrics/metrics_registry.h"
+
+namespace kvpool {
+
+class RpcMetrics {
+ public:
+  // Registers the three families in `registry`, which must outlive this object.
+  explicit RpcMetrics(metrics::Registry* registry);
+
+  // The series of one method, resolved once. Thread-safe.
+  class Method {
+   public:
+    void Received(uint64_t bytes) { received_->Increment(static_cast<double>(bytes)); }
+    void Sent(uint64_t bytes) { sent_->Increment(static_cast<double>(bytes)); }
+    // Records one finished call of this method.
+    void Finished(grpc::StatusCode code, absl::Duration elapsed);
+
+   private:
+    friend class RpcMetrics;
+    Method(std::string name, metrics::Counter* received, metrics::Counter* sent,
+           metrics::HistogramFamily* duration)
+        : name_(std::move(name)), received_(received), sent_(sent), duration_(duration) {}
+    std::string name_;
+    metrics::Counter* received_;
+    metrics::Counter* sent_;
+    metrics::HistogramFamily* duration_;
+  };
+  Method ForMethod(const std::string& name);
+
+ private:
+  metrics::HistogramFamily& duration_;
+  metrics::CounterFamily& received_;
+  metrics::CounterFamily& sent_;
+};
+
+// The gRPC name of a status code, e.g. "RESOURCE_EXHAUSTED".
+const char* StatusCodeName(grpc::StatusCode code);
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_RPC_METRICS_H_

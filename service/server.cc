@@ -1,0 +1,104 @@
+#include "service/server.h"
+
+#include <chrono>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "service/store_metrics.h"
+
+namespace kvpool {
+
+absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
+                                                      std::unique_ptr<ComputeBackend> backend) {
+  if (backend == nullptr) return absl::InvalidArgumentError("Server needs a compute backend");
+  std::unique_ptr<Server> s(new Server());
+  s->backend_ = std::move(backend);
+  options.store.backend = s->backend_.get();
+  absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Create(options.store);
+  if (!store.ok()) return store.status();
+  s->store_ = *std::move(store);
+  for (const NamespaceConfig& ns : options.namespaces) {
+    absl::StatusOr<NamespaceInfo> info = s->store_->CreateNamespace(ns);
+    if (!info.ok()) return info.status();
+  }
+
+  s->registry_
+      .AddGauge("kvpool_build_info", "Build of the running server (value 1).",
+                {"version", "backend"})
+      .WithLabels({kServerVersion, s->backend_->name()})
+      .Set(1);
+  s->rpc_metrics_ = std::make_unique<RpcMetrics>(&s->registry_);
+  RegisterStoreMetrics(s->store_.get(), &s->registry_);
+  s->service_ =
+      std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(), options.service);
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  if (!options.grpc_address.empty()) {
+    builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &s->port_);
+  }
+  builder.SetMaxReceiveMessageSize(options.max_message_bytes);
+  builder.SetMaxSendMessageSize(options.max_message_bytes);
+  builder.RegisterService(s->service_.get());
+  s->max_message_bytes_ = options.max_message_bytes;
+  s->grpc_server_ = builder.BuildAndStart();
+  if (s->grpc_server_ == nullptr || (!options.grpc_address.empty() && s->port_ == 0)) {
+    return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", options.grpc_address));
+  }
+  s->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
+
+  if (!options.metrics_address.empty()) {
+    absl::StatusOr<std::unique_ptr<metrics::MetricsExposer>> exposer =
+        metrics::MetricsExposer::Start(options.metrics_address, &s->registry_);
+    if (!exposer.ok()) {
+      s->Shutdown(absl::ZeroDuration());
+      return exposer.status();
+    }
+    s->exposer_ = *std::move(exposer);
+  }
+  if (options.lease_sweep_interval > absl::ZeroDuration()) {
+    const absl::Duration interval = options.lease_sweep_interval;
+    Server* raw = s.get();
+    s->sweeper_ = std::thread([raw, interval] { raw->SweepLeases(interval); });
+  }
+  return s;
+}
+
+Server::~Server() { Shutdown(absl::ZeroDuration()); }
+
+int Server::metrics_port() const { return exposer_ == nullptr ? 0 : exposer_->port(); }
+
+std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(max_message_bytes_);
+  args.SetMaxSendMessageSize(-1);
+  return grpc_server_->InProcessChannel(args);
+}
+
+void Server::SweepLeases(absl::Duration interval) {
+  while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) store_->ExpireLeases();
+}
+
+void Server::Shutdown(absl::Duration grace) {
+  absl::MutexLock l(&shutdown_mu_);
+  if (shut_down_) return;
+  shut_down_ = true;
+  if (grpc_server_ != nullptr) {
+    grpc_server_->GetHealthCheckService()->SetServingStatus(false);
+    grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
+    grpc_server_->Wait();
+  }
+  if (!stop_sweeper_.HasBeenNotified()) stop_sweeper_.Notify();
+  if (sweeper_.joinable()) sweeper_.join();
+  exposer_.reset();
+}
+
+}  // namespace kvpool

@@ -1,0 +1,128 @@
+// kvpool-server: the pool as a process. Flags configure the backend, pool size, limits and
+// ports; SIGTERM or SIGINT shuts it down gracefully (drain for --shutdown_grace_ms).
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <utility>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "service/server.h"
+#include "service/store/compute_backend.h"
+#include "service/store/namespace_config.h"
+
+ABSL_FLAG(int, port, 50051, "gRPC port (0 = pick a free one)");
+ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port (0 = pick a free one, -1 = off)");
+ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda (auto: cuda when a device works)");
+ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(uint64_t, pool_bytes, 0,
+          "pool arena bytes; 0 = 1 GiB on cpu, --pool_memory_fraction of free memory on cuda");
+ABSL_FLAG(double, pool_memory_fraction, 0.8,
+          "cuda with --pool_bytes=0: fraction of free device memory for the pool");
+ABSL_FLAG(double, default_namespace_fraction, 0.5,
+          "fraction of the pool reserved for the default namespace");
+ABSL_FLAG(int64_t, default_lease_ttl_ms, 30000, "lease lifetime when a Match asks for 0");
+ABSL_FLAG(int64_t, max_lease_ttl_ms, 600000, "longest lease lifetime granted");
+ABSL_FLAG(uint64_t, max_leases, 65536, "leases alive at once");
+ABSL_FLAG(int, max_message_bytes, 64 << 20, "largest gRPC message, either direction");
+ABSL_FLAG(uint64_t, max_put_stream_bytes, uint64_t{4} << 30, "largest Put stream");
+ABSL_FLAG(uint32_t, max_sequence_tokens, 1 << 20, "tokens per Put or lease sequence");
+ABSL_FLAG(uint32_t, max_attend_batch, 1024, "items per Attend request");
+ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
+ABSL_FLAG(int64_t, shutdown_grace_ms, 10000, "time in-flight RPCs get to finish on shutdown");
+ABSL_FLAG(int64_t, lease_sweep_ms, 1000, "period of the expired-lease sweep (0 = off)");
+
+namespace kvpool {
+namespace {
+
+absl::StatusOr<std::unique_ptr<ComputeBackend>> MakeBackend(const std::string& kind, int device) {
+  if (kind == "cpu") return NewCpuBackend();
+  if (kind == "cuda") return NewCudaBackend(device);
+  if (kind != "auto") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--backend must be auto, cpu or cuda, not ", kind));
+  }
+  absl::StatusOr<std::unique_ptr<ComputeBackend>> cuda = NewCudaBackend(device);
+  if (cuda.ok()) return cuda;
+  std::fprintf(stderr, "kvpool-server: CUDA backend unavailable (%s); using cpu\n",
+               std::string(cuda.status().message()).c_str());
+  return NewCpuBackend();
+}
+
+uint64_t PoolBytes(const ComputeBackend& backend) {
+  const uint64_t flag = absl::GetFlag(FLAGS_pool_bytes);
+  if (flag != 0) return flag;
+  if (backend.name() != "cuda") return uint64_t{1} << 30;
+  return static_cast<uint64_t>(absl::GetFlag(FLAGS_pool_memory_fraction) *
+                               static_cast<double>(backend.Stats().device_free_bytes));
+}
+
+int Run() {
+  // Block the shutdown signals in every thread (threads inherit the mask) and take them
+  // synchronously in this one.
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
+  absl::StatusOr<std::unique_ptr<ComputeBackend>> backend =
+      MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device));
+  if (!backend.ok()) {
+    std::fprintf(stderr, "kvpool-server: %s\n", backend.status().ToString().c_str());
+    return 2;
+  }
+  ServerOptions options;
+  options.grpc_address = absl::StrCat("0.0.0.0:", absl::GetFlag(FLAGS_port));
+  const int metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.metrics_address = metrics_port < 0 ? "" : absl::StrCat("0.0.0.0:", metrics_port);
+  options.store.pool_bytes = PoolBytes(**backend);
+  options.store.default_lease_ttl = absl::Milliseconds(absl::GetFlag(FLAGS_default_lease_ttl_ms));
+  options.store.max_lease_ttl = absl::Milliseconds(absl::GetFlag(FLAGS_max_lease_ttl_ms));
+  options.store.max_leases = absl::GetFlag(FLAGS_max_leases);
+  options.store.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+  options.store.max_attend_batch = absl::GetFlag(FLAGS_max_attend_batch);
+  options.namespaces.push_back(
+      DefaultNamespaceConfig(static_cast<uint64_t>(absl::GetFlag(FLAGS_default_namespace_fraction) *
+                                                   static_cast<double>(options.store.pool_bytes))));
+  options.service.max_put_stream_bytes = absl::GetFlag(FLAGS_max_put_stream_bytes);
+  options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
+  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.lease_sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_lease_sweep_ms));
+  const uint64_t pool_bytes = options.store.pool_bytes;
+
+  absl::StatusOr<std::unique_ptr<Server>> server =
+      Server::Start(std::move(options), *std::move(backend));
+  if (!server.ok()) {
+    std::fprintf(stderr, "kvpool-server: %s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::fprintf(stderr,
+               "kvpool-server %s listening: grpc port %d, metrics port %d, backend %s, "
+               "pool %llu bytes\n",
+               kServerVersion, (*server)->port(), (*server)->metrics_port(),
+               (*server)->backend().name().c_str(), static_cast<unsigned long long>(pool_bytes));
+
+  int sig = 0;
+  sigwait(&signals, &sig);
+  std::fprintf(stderr, "kvpool-server: signal %d, draining for up to %lld ms\n", sig,
+               static_cast<long long>(absl::GetFlag(FLAGS_shutdown_grace_ms)));
+  (*server)->Shutdown(absl::Milliseconds(absl::GetFlag(FLAGS_shutdown_grace_ms)));
+  std::fprintf(stderr, "kvpool-server: stopped\n");
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvpool
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return kvpool::Run();
+}

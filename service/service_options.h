@@ -1,0 +1,18 @@
+// Limits the RPC layer enforces on framing (the store enforces its own on content).
+#ifndef KVPOOL_SERVICE_SERVICE_OPTIONS_H_
+#define KVPOOL_SERVICE_SERVICE_OPTIONS_H_
+
+#include <cstdint>
+
+namespace kvpool {
+
+struct ServiceOptions {
+  // Total request bytes one Put stream may carry (RESOURCE_EXHAUSTED beyond).
+  uint64_t max_put_stream_bytes = uint64_t{4} << 30;
+  // Upper bound on K+V payload bytes of one GetResponse (a single block may exceed it).
+  uint32_t get_chunk_bytes = 4u << 20;
+};
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_SERVICE_OPTIONS_H_

@@ -1,0 +1,34 @@
+// The reactors of the streaming RPCs, one class per RPC, each in its own file. Each reactor
+// deletes itself in OnDone and records its call in the method's metrics.
+#ifndef KVPOOL_SERVICE_STREAM_REACTORS_H_
+#define KVPOOL_SERVICE_STREAM_REACTORS_H_
+
+#include "grpcpp/support/server_callback.h"
+#include "kvpool/v1/kvpool.pb.h"
+#include "service/rpc_metrics.h"
+#include "service/service_options.h"
+#include "service/store/kv_store.h"
+
+namespace kvpool {
+
+// Put: a header, then chunks; commits when the client half-closes. `store`, `options` and
+// `metrics` must outlive the call; `ctx` is the call's.
+grpc::ServerReadReactor<v1::PutRequest>* NewPutReactor(grpc::CallbackServerContext* ctx,
+                                                       KvStore* store,
+                                                       const ServiceOptions* options,
+                                                       RpcMetrics::Method* metrics,
+                                                       v1::PutResponse* response);
+
+// Get: streams the lease's blocks layer by layer, one message in flight.
+grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(KvStore* store,
+                                                         const ServiceOptions* options,
+                                                         RpcMetrics::Method* metrics,
+                                                         const v1::GetRequest* request);
+
+// AttendStream: one response per request, in order, on per-stream reusable buffers.
+grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* NewAttendStreamReactor(
+    KvStore* store, RpcMetrics::Method* metrics);
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_STREAM_REACTORS_H_

@@ -1,0 +1,206 @@
+// The real kvpool-server binary: starts on free ports, answers health, Put/Match/Get and a
+// /metrics scrape over the network, and exits 0 on SIGTERM.
+//
+// The binary is $KVPOOL_SERVER_BIN, or kvpool-server next to this test's executable.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "gtest/gtest.h"
+#include "kvpool/v1/kvpool.grpc.pb.h"
+#include "service/store/namespace_config.h"
+#include "tests/integration/test_server.h"
+
+extern char** environ;
+
+namespace kvpool::testing {
+namespace {
+
+std::string ServerBinary() {
+  if (const char* env = std::getenv("KVPOOL_SERVER_BIN")) return env;
+  std::string self(4096, '\0');
+  const ssize_t n = readlink("/proc/self/exe", self.data(), self.size());
+  self.resize(n > 0 ? n : 0);
+  return self.substr(0, self.rfind('/') + 1) + "kvpool-server";
+}
+
+// A child kvpool-server whose stderr is read until its start-up line names the ports.
+class ServerProcess {
+ public:
+  bool Start(const std::vector<std::string>& flags) {
+    int fds[2];
+    if (pipe(fds) != 0) return false;
+    posix_spawn_file_actions_t actions;
+    posix_spawn_file_actions_init(&actions);
+    posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+    posix_spawn_file_actions_addclose(&actions, fds[0]);
+    std::vector<std::string> args = {ServerBinary()};
+    args.insert(args.end(), flags.begin(), flags.end());
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    const int rc = posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&actions);
+    close(fds[1]);
+    if (rc != 0) {
+      close(fds[0]);
+      ADD_FAILURE() << "cannot start " << argv[0];
+      return false;
+    }
+    err_ = fdopen(fds[0], "r");
+    char line[1024];
+    while (std::fgets(line, sizeof(line), err_) != nullptr) {
+      log_ += line;
+      if (std::sscanf(line, "kvpool-server %*s listening: grpc port %d, metrics port %d", &port_,
+                      &metrics_port_) == 2) {
+        return true;
+      }
+    }
+    return false;  // exited before listening
+  }
+
+  // Sends SIGTERM and returns the exit status (-1 if it did not exit normally).
+  int Terminate() {
+    kill(pid_, SIGTERM);
+    return Wait();
+  }
+
+  ~ServerProcess() {
+    if (pid_ > 0) {
+      kill(pid_, SIGKILL);
+      Wait();
+    }
+  }
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_port_; }
+  const std::string& log() const { return log_; }
+
+ private:
+  int Wait() {
+    int status = 0;
+    waitpid(pid_, &status, 0);
+    pid_ = -1;
+    char line[1024];
+    while (err_ != nullptr && std::fgets(line, sizeof(line), err_) != nullptr) log_ += line;
+    if (err_ != nullptr) fclose(err_);
+    err_ = nullptr;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  }
+
+  pid_t pid_ = -1;
+  FILE* err_ = nullptr;
+  std::string log_;
+  int port_ = 0;
+  int metrics_port_ = 0;
+};
+
+// grpc.health.v1.Health/Check for the whole server, through the generic stub (an empty
+// HealthCheckRequest; a response of {status: SERVING} is the bytes 08 01).
+bool HealthServing(const std::shared_ptr<grpc::Channel>& channel) {
+  grpc::GenericStub stub(channel);
+  grpc::ClientContext ctx;
+  ctx.set_wait_for_ready(true);
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  grpc::CompletionQueue cq;
+  grpc::ByteBuffer request(nullptr, 0);
+  auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
+  call->StartCall();
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag = nullptr;
+  bool ok = false;
+  if (!cq.Next(&tag, &ok) || !ok || !status.ok()) return false;
+  std::vector<grpc::Slice> slices;
+  if (!response.Dump(&slices).ok()) return false;
+  std::string bytes;
+  for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  return bytes == std::string("\x08\x01", 2);
+}
+
+// GET http://127.0.0.1:port/metrics; the whole HTTP response.
+std::string HttpGetMetrics(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::string out;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) {
+    const std::string req = "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    if (write(fd, req.data(), req.size()) == static_cast<ssize_t>(req.size())) {
+      char buf[8192];
+      ssize_t n;
+      while ((n = read(fd, buf, sizeof(buf))) > 0) out.append(buf, n);
+    }
+  }
+  close(fd);
+  return out;
+}
+
+TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
+  ServerProcess server;
+  ASSERT_TRUE(server.Start({"--port=0", "--metrics_port=0", "--backend=cpu",
+                            "--pool_bytes=67108864", "--shutdown_grace_ms=2000"}))
+      << server.log();
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server.port()),
+                                     grpc::InsecureChannelCredentials());
+  ASSERT_TRUE(HealthServing(channel));
+  auto stub = v1::KvPool::NewStub(channel);
+
+  const NamespaceConfig c = DefaultNamespaceConfig(0);
+  const int pt = c.num_kv_heads * c.head_dim;
+  const Sequence s = MakeSequence(c, 40, 1, 12);
+  v1::PutResponse put;
+  const grpc::Status st = PutSequence(stub.get(), "", s, pt, 40, &put);
+  ASSERT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(put.tokens_stored(), 32u);
+  EXPECT_EQ(put.tokens_ignored(), 8u);
+
+  grpc::ClientContext ctx;
+  v1::MatchRequest m;
+  for (int32_t t : s.tokens) m.add_token_ids(t);
+  v1::MatchResponse mr;
+  ASSERT_TRUE(stub->Match(&ctx, m, &mr).ok());
+  EXPECT_EQ(mr.cached_tokens(), 32u);
+  v1::GetRequest get;
+  get.set_lease_id(mr.lease_id());
+  get.set_layer_begin(3);
+  get.set_layer_end(5);
+  std::vector<v1::GetResponse> msgs;
+  ASSERT_TRUE(ReadAll(stub.get(), get, &msgs).ok());
+  size_t k_bytes = 0;
+  for (const auto& r : msgs) k_bytes += r.k().size();
+  EXPECT_EQ(k_bytes, 2u * 32 * pt * 2);
+
+  const std::string scrape = HttpGetMetrics(server.metrics_port());
+  EXPECT_EQ(scrape.rfind("HTTP/1.1 200", 0), 0u) << scrape;
+  EXPECT_NE(scrape.find("text/plain; version=0.0.4"), std::string::npos);
+  EXPECT_NE(scrape.find("kvpool_rpc_duration_seconds_count{method=\"Put\",code=\"OK\"} 1\n"),
+            std::string::npos);
+  EXPECT_NE(scrape.find("kvpool_tokens_stored{namespace=\"default\"} 32\n"), std::string::npos);
+  EXPECT_NE(scrape.find("kvpool_build_info{version=\"0.1.0\",backend=\"cpu\"} 1\n"),
+            std::string::npos);
+
+  EXPECT_EQ(server.Terminate(), 0) << server.log();
+  EXPECT_NE(server.log().find("stopped"), std::string::npos) << server.log();
+}
+
+}  // namespace
+}  // namespace kvpool::testing
