@@ -1,0 +1,345 @@
+// kvpool::cuda::PagedDecodeAttention and AttentionWorkspaceBytes: validation, the split plan,
+// and the query-rotation and merge kernels around the split kernel (paged_attention.cuh).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/paged_attention.cuh"
+#include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
+
+namespace kvpool::cuda {
+namespace {
+
+// Auto split count: enough CTAs for ~8 per SM on a 132-SM part, but no split under 512 tokens.
+constexpr int kTargetCtas = 132 * 8;
+constexpr int kMinTokensPerSplit = 512;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Workspace carving: q' [num_seqs][num_q_heads][head_dim] fp32, then the split partials.
+struct Workspace {
+  float* q_rot;
+  float* part_o;
+  float2* part_ml;
+};
+struct WorkspaceSizes {
+  size_t q_rot, part_o, part_ml;
+  size_t total() const { return q_rot + part_o + part_ml; }
+};
+WorkspaceSizes SizeWorkspace(const PageLayout& layout, int num_seqs, int num_q_heads,
+                             int num_splits) {
+  const size_t rows = static_cast<size_t>(num_seqs) * num_q_heads;
+  return {AlignUp16(rows * layout.head_dim * sizeof(float)),
+          AlignUp16(rows * num_splits * layout.head_dim * sizeof(float)),
+          AlignUp16(rows * num_splits * sizeof(float2))};
+}
+
+// Vectors of head_dim channels as 8 channels per lane: kLanes lanes per vector, kVecs per CTA.
+template <int kHeadDim>
+struct LaneVector {
+  static constexpr int kLanes = kHeadDim / 8;
+  static constexpr int kVecs = kAttnThreads / kLanes;
+};
+
+// q' = H(sign . q) in fp32 for every (sequence, query head); a plain conversion when kRot == 0.
+// Grid (num_seqs, ceil(num_q_heads / kVecs)), kAttnThreads threads; lane group `vec` serves query
+// head blockIdx.y * kVecs + vec.
+//   q      [num_seqs][num_q_heads][kHeadDim] fp16
+//   q_rot  [num_seqs][num_q_heads][kHeadDim] fp32
+template <int kHeadDim, int kRot>
+__global__ void __launch_bounds__(kAttnThreads)
+    RotateQueryKernel(const uint16_t* q, int num_q_heads, RotationSigns signs, float* q_rot) {
+  using V = LaneVector<kHeadDim>;
+  const int chunk = threadIdx.x % V::kLanes;
+  const int head = blockIdx.y * V::kVecs + threadIdx.x / V::kLanes;
+  const bool active = head < num_q_heads;
+  const size_t row = (static_cast<size_t>(blockIdx.x) * num_q_heads + head) * kHeadDim;
+  float x[8] = {};
+  if (active) UnpackHalf8(*reinterpret_cast<const uint4*>(q + row + chunk * 8), x);
+  if constexpr (kRot > 0) {
+    ApplySigns8(SignByte(signs, chunk), x);
+    Hadamard8PerLane<kRot>(x, chunk);
+  }
+  if (active) {
+    float4* dst = reinterpret_cast<float4*>(q_rot + row + chunk * 8);
+    dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+    dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+  }
+}
+
+struct MergeArgs {
+  const float* part_o = nullptr;    // [num_seqs][num_q_heads][num_splits][head_dim]
+  const float2* part_ml = nullptr;  // [num_seqs][num_q_heads][num_splits] {m, l} log2 domain
+  int num_splits = 0;
+  int num_q_heads = 0;
+  int ratio = 0;
+  RotationSigns signs;
+  float score_scale = 0.0f;  // sm_scale * log2(e)
+  // Sink segment (sink_tokens > 0): fp16 K/V of the first block's sink page, original space.
+  int sink_tokens = 0;
+  int num_kv_heads = 0;
+  uint32_t sink_page_bytes = 0;
+  const uint8_t* sink_pages = nullptr;    // [num_blocks][sink_page_bytes]
+  const uint16_t* q = nullptr;            // [num_seqs][num_q_heads][head_dim] fp16
+  const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
+  int max_blocks_per_seq = 0;
+  const int32_t* seq_lens = nullptr;  // [num_seqs]
+  int block_tokens_log2 = 0;
+  float* out = nullptr;  // [num_seqs][num_q_heads][head_dim] fp32
+  float* lse = nullptr;  // [num_seqs][num_q_heads] or null
+};
+
+// Merges the splits of one (sequence, query head) by log-sum-exp, un-rotates the merged o' once,
+// merges the fp16 sink segment the same way, normalizes, and writes out and lse.
+// Grid (num_seqs, num_q_heads), kAttnThreads threads: the kVecs lane groups (kLanes lanes, 8
+// channels each) take the splits round-robin so that many partials load at once; warp 0 then
+// sums the groups and finishes (its lane groups all compute the same values; group 0 writes).
+template <int kHeadDim, int kRot>
+__global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArgs a) {
+  using V = LaneVector<kHeadDim>;
+  constexpr int kWarps = kAttnThreads / 32;
+  __shared__ float warp_max[kWarps];
+  __shared__ float group_l[V::kVecs];
+  __shared__ float4 group_o[V::kVecs][kHeadDim / 4];
+  const int seq = blockIdx.x;
+  const int head = blockIdx.y;
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int vec = threadIdx.x / V::kLanes;
+  const int chunk = threadIdx.x % V::kLanes;
+  const size_t head_row = static_cast<size_t>(seq) * a.num_q_heads + head;
+  const float2* ml = a.part_ml + head_row * a.num_splits;
+
+  float m = -INFINITY;
+  for (int s = threadIdx.x; s < a.num_splits; s += kAttnThreads) m = fmaxf(m, ml[s].x);
+  m = GroupMax<32>(m);
+  if (lane == 0) warp_max[warp] = m;
+  __syncthreads();
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_max[w]);
+
+  // Empty splits hold {-inf, 0} and o' = 0: weight 0, no branch, so loads can be batched.
+  float o[8] = {};
+  float l = 0.0f;
+  if (m > -INFINITY) {
+    const float4* po =
+        reinterpret_cast<const float4*>(a.part_o + head_row * a.num_splits * kHeadDim + chunk * 8);
+#pragma unroll 4
+    for (int s = vec; s < a.num_splits; s += V::kVecs) {
+      const float2 split = ml[s];
+      const float w = exp2f(split.x - m);
+      l += w * split.y;
+      const float4 p0 = po[s * (kHeadDim / 4)], p1 = po[s * (kHeadDim / 4) + 1];
+      o[0] += w * p0.x;
+      o[1] += w * p0.y;
+      o[2] += w * p0.z;
+      o[3] += w * p0.w;
+      o[4] += w * p1.x;
+      o[5] += w * p1.y;
+      o[6] += w * p1.z;
+      o[7] += w * p1.w;
+    }
+  }
+  group_o[vec][2 * chunk] = make_float4(o[0], o[1], o[2], o[3]);
+  group_o[vec][2 * chunk + 1] = make_float4(o[4], o[5], o[6], o[7]);
+  if (chunk == 0) group_l[vec] = l;
+  __syncthreads();
+  if (warp != 0) return;
+
+  l = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = 0.0f;
+  for (int v = 0; v < V::kVecs; ++v) {
+    const float4 p0 = group_o[v][2 * chunk], p1 = group_o[v][2 * chunk + 1];
+    o[0] += p0.x;
+    o[1] += p0.y;
+    o[2] += p0.z;
+    o[3] += p0.w;
+    o[4] += p1.x;
+    o[5] += p1.y;
+    o[6] += p1.z;
+    o[7] += p1.w;
+    l += group_l[v];
+  }
+  if constexpr (kRot > 0) {  // back to the original space: sign . H o'
+    Hadamard8PerLane<kRot>(o, chunk);
+    ApplySigns8(SignByte(a.signs, chunk), o);
+  }
+
+  const int len = min(a.seq_lens[seq], a.max_blocks_per_seq << a.block_tokens_log2);
+  const int n_sink = min(a.sink_tokens, len);
+  if (n_sink > 0) {
+    float q[8];
+    UnpackHalf8(*reinterpret_cast<const uint4*>(a.q + head_row * kHeadDim + chunk * 8), q);
+    const int kv_head = head / a.ratio;
+    const int block = a.block_tables[static_cast<size_t>(seq) * a.max_blocks_per_seq];
+    const uint8_t* page = a.sink_pages + static_cast<size_t>(block) * a.sink_page_bytes;
+    const size_t row_bytes = static_cast<size_t>(kHeadDim) * 2;
+    const uint8_t* k_rows = page + static_cast<size_t>(kv_head) * a.sink_tokens * row_bytes;
+    const uint8_t* v_rows =
+        k_rows + static_cast<size_t>(a.num_kv_heads) * a.sink_tokens * row_bytes;
+    for (int t = 0; t < n_sink; ++t) {
+      float k[8], v[8];
+      UnpackHalf8(*reinterpret_cast<const uint4*>(k_rows + t * row_bytes + chunk * 16), k);
+      float dot = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dot += q[i] * k[i];
+      const float s = GroupSum<V::kLanes>(dot) * a.score_scale;
+      const float m_new = fmaxf(m, s);
+      const float alpha = exp2f(m - m_new);
+      const float p = exp2f(s - m_new);
+      UnpackHalf8(*reinterpret_cast<const uint4*>(v_rows + t * row_bytes + chunk * 16), v);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = o[i] * alpha + p * v[i];
+      l = l * alpha + p;
+      m = m_new;
+    }
+  }
+
+  if (vec == 0) {
+    const float inv = 1.0f / l;
+    float4* dst = reinterpret_cast<float4*>(a.out + head_row * kHeadDim + chunk * 8);
+    dst[0] = make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
+    dst[1] = make_float4(o[4] * inv, o[5] * inv, o[6] * inv, o[7] * inv);
+    if (a.lse != nullptr && chunk == 0) a.lse[head_row] = (m + log2f(l)) * kLn2;
+  }
+}
+
+bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Beyond the CPU reference's checks (except the device-resident lengths and block ids): group
+// sizes that are multiples of 16, enough workspace, and 16-byte alignment of q, out, pages,
+// sink_pages and workspace (the kernels use 16-byte loads and stores on them).
+KernelStatus Validate(const PagedDecodeAttentionParams& p) {
+  const PageLayout& l = p.layout;
+  if (ValidatePageLayout(l) != nullptr || p.num_seqs < 0 || p.num_q_heads <= 0 ||
+      p.num_q_heads % l.num_kv_heads != 0 || p.max_blocks_per_seq <= 0 || p.num_splits < 0 ||
+      (l.quantized() && l.group_size % 16 != 0)) {
+    return KernelStatus::kInvalidArgument;
+  }
+  if (p.num_seqs == 0) return KernelStatus::kOk;
+  if (p.pages == nullptr || p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
+      p.out == nullptr || (l.sink_tokens > 0 && p.sink_pages == nullptr) ||
+      p.workspace == nullptr ||
+      p.workspace_bytes < AttentionWorkspaceBytes(l, p.num_seqs, p.num_q_heads,
+                                                  p.max_blocks_per_seq, p.num_splits)) {
+    return KernelStatus::kInvalidArgument;
+  }
+  if (!Aligned16(p.q) || !Aligned16(p.out) || !Aligned16(p.pages) || !Aligned16(p.sink_pages) ||
+      !Aligned16(p.workspace)) {
+    return KernelStatus::kInvalidArgument;
+  }
+  return KernelStatus::kOk;
+}
+
+}  // namespace
+
+AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int num_q_heads,
+                                  int max_blocks_per_seq, int num_splits) {
+  AttnSplitPlan plan;
+  const int stage_tokens = AttnStageTokens(layout.dtype, layout.head_dim);
+  const int max_tokens = max_blocks_per_seq * layout.block_tokens;
+  plan.head_groups =
+      static_cast<int>(CeilDiv(num_q_heads / layout.num_kv_heads, kAttnMaxHeadsPerCta));
+  int splits = num_splits;
+  if (splits <= 0) {
+    const int64_t ctas = std::max<int64_t>(
+        1, static_cast<int64_t>(num_seqs) * layout.num_kv_heads * plan.head_groups);
+    splits = static_cast<int>(
+        std::min<int64_t>(CeilDiv(kTargetCtas, ctas), CeilDiv(max_tokens, kMinTokensPerSplit)));
+  }
+  splits = std::clamp(splits, 1, static_cast<int>(CeilDiv(max_tokens, stage_tokens)));
+  plan.tokens_per_split =
+      static_cast<int>(CeilDiv(CeilDiv(max_tokens, splits), stage_tokens) * stage_tokens);
+  plan.num_splits = static_cast<int>(CeilDiv(max_tokens, plan.tokens_per_split));
+  return plan;
+}
+
+size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q_heads,
+                               int max_blocks_per_seq, int num_splits) {
+  if (layout.num_kv_heads <= 0 || layout.head_dim <= 0 || layout.block_tokens <= 0 ||
+      num_seqs <= 0 || num_q_heads <= 0 || max_blocks_per_seq <= 0) {
+    return 0;
+  }
+  const AttnSplitPlan plan =
+      PlanAttentionSplits(layout, num_seqs, num_q_heads, max_blocks_per_seq, num_splits);
+  return SizeWorkspace(layout, num_seqs, num_q_heads, plan.num_splits).total();
+}
+
+KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream) {
+  const KernelStatus valid = Validate(p);
+  if (valid != KernelStatus::kOk || p.num_seqs == 0) return valid;
+  const PageLayout& l = p.layout;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const AttnSplitPlan plan =
+      PlanAttentionSplits(l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
+  const WorkspaceSizes sizes = SizeWorkspace(l, p.num_seqs, p.num_q_heads, plan.num_splits);
+  auto* ws = static_cast<uint8_t*>(p.workspace);
+  const Workspace w{reinterpret_cast<float*>(ws), reinterpret_cast<float*>(ws + sizes.q_rot),
+                    reinterpret_cast<float2*>(ws + sizes.q_rot + sizes.part_o)};
+  const PageGeometry geo = MakePageGeometry(l);
+  const RotationSigns signs = MakeRotationSigns(l);
+  const float score_scale = p.sm_scale * kLog2e;
+  const int ratio = p.num_q_heads / l.num_kv_heads;
+
+  AttnSplitArgs split;
+  split.geo = geo;
+  split.num_kv_heads = l.num_kv_heads;
+  split.group_size = l.quantized() ? l.group_size : l.head_dim;
+  split.sink_tokens = l.sink_tokens;
+  split.pages = p.pages;
+  split.block_tables = p.block_tables;
+  split.max_blocks_per_seq = p.max_blocks_per_seq;
+  split.seq_lens = p.seq_lens;
+  split.num_q_heads = p.num_q_heads;
+  split.ratio = ratio;
+  split.q_rot = w.q_rot;
+  split.score_scale = score_scale;
+  split.plan = plan;
+  split.part_o = w.part_o;
+  split.part_ml = w.part_ml;
+
+  MergeArgs merge;
+  merge.part_o = w.part_o;
+  merge.part_ml = w.part_ml;
+  merge.num_splits = plan.num_splits;
+  merge.num_q_heads = p.num_q_heads;
+  merge.ratio = ratio;
+  merge.signs = signs;
+  merge.score_scale = score_scale;
+  merge.sink_tokens = l.sink_tokens;
+  merge.num_kv_heads = l.num_kv_heads;
+  merge.sink_page_bytes = geo.sink_page_bytes;
+  merge.sink_pages = p.sink_pages;
+  merge.q = p.q;
+  merge.block_tables = p.block_tables;
+  merge.max_blocks_per_seq = p.max_blocks_per_seq;
+  merge.seq_lens = p.seq_lens;
+  merge.block_tokens_log2 = geo.block_tokens_log2;
+  merge.out = p.out;
+  merge.lse = p.lse;
+
+  return DispatchLayout</*kWithBlockTokens=*/false>(
+      l, [&](auto dtype, auto head_dim, auto rot, auto) -> KernelStatus {
+        constexpr KvDtype kDtype = decltype(dtype)::value;
+        constexpr int kHeadDim = decltype(head_dim)::value;
+        constexpr int kRot = decltype(rot)::value;
+        const dim3 rotate_grid(
+            p.num_seqs, static_cast<int>(CeilDiv(p.num_q_heads, LaneVector<kHeadDim>::kVecs)));
+        RotateQueryKernel<kHeadDim, kRot>
+            <<<rotate_grid, kAttnThreads, 0, s>>>(p.q, p.num_q_heads, signs, w.q_rot);
+        KernelStatus st = CheckLaunch("RotateQueryKernel");
+        if (st != KernelStatus::kOk) return st;
+        st = LaunchAttentionSplits<kDtype, kHeadDim>(split, p.num_seqs, s);
+        if (st != KernelStatus::kOk) return st;
+        MergeSplitsKernel<kHeadDim, kRot>
+            <<<dim3(p.num_seqs, p.num_q_heads), kAttnThreads, 0, s>>>(merge);
+        return CheckLaunch("MergeSplitsKernel");
+      });
+}
+
+}  // namespace kvpool::cuda

@@ -1,0 +1,81 @@
+// Paged decode attention on the GPU: the pieces shared by the driver (paged_attention.cu) and the
+// per-dtype instantiation files of the split kernel (paged_attention_<dtype>.cu).
+//
+// One call runs three kernels on the caller's stream:
+//   1. RotateQueryKernel<head_dim, rot_block>: q (fp16, original space) -> q' = H(sign . q) in
+//      fp32, into the workspace. Once per (sequence, query head).
+//   2. a split kernel (LaunchAttentionSplits below picks one): for each (split of the context,
+//      KV head, sequence), the unnormalized softmax state of the split's quantized tokens
+//      for every query head of the KV head: running max m and sum l (log2 domain) and the
+//      accumulator o' = sum_t 2^(s_t - m) v'_t in the ROTATED space.
+//   3. MergeSplitsKernel<head_dim, rot_block>: log-sum-exp merge of the splits, one un-rotation
+//      of the merged accumulator, merge with the fp16 sink segment, normalization; writes out and
+//      lse.
+#ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_CUH_
+#define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
+
+namespace kvpool::cuda {
+
+// Query heads one split CTA serves; a KV head with more query heads (GQA ratio > 8) is served by
+// ceil(ratio / 8) CTAs, each reading the KV head's pages.
+inline constexpr int kAttnMaxHeadsPerCta = 8;
+inline constexpr int kAttnThreads = 128;
+// cp.async stages in flight per split CTA.
+inline constexpr int kAttnStages = 4;
+
+// Tokens one pipeline stage holds: the power of two in [16, 64] that keeps a stage's K+V codes
+// near 16 KiB. A stage is either several whole blocks or an aligned part of one block.
+__host__ __device__ constexpr int AttnStageTokens(KvDtype dtype, int head_dim) {
+  const int kv_bytes_per_token = 2 * (head_dim * DtypeBits(dtype) / 8 + 4);
+  const int fit = 16384 / kv_bytes_per_token;
+  return fit >= 64 ? 64 : fit >= 32 ? 32 : 16;
+}
+
+// Split-K geometry of one call, identical in AttentionWorkspaceBytes and the launch.
+struct AttnSplitPlan {
+  int num_splits = 1;
+  int tokens_per_split = 0;  // a multiple of the stage tokens
+  int head_groups = 1;       // CTAs per KV head: ceil(ratio / kAttnMaxHeadsPerCta)
+};
+AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int num_q_heads,
+                                  int max_blocks_per_seq, int num_splits);
+
+// What the split kernel reads and writes. Every pointer is device memory.
+struct AttnSplitArgs {
+  PageGeometry geo;
+  int num_kv_heads = 0;
+  int group_size = 0;  // channels per {scale, zero}; a multiple of 16 (quantized dtypes)
+  int sink_tokens = 0;
+  const uint8_t* pages = nullptr;         // [num_blocks][layer_page_bytes]
+  const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
+  int max_blocks_per_seq = 0;
+  const int32_t* seq_lens = nullptr;  // [num_seqs]
+  int num_q_heads = 0;
+  int ratio = 0;                 // query heads per KV head
+  const float* q_rot = nullptr;  // [num_seqs][num_q_heads][head_dim] q' fp32
+  float score_scale = 0.0f;      // sm_scale * log2(e): scores in the log2 domain
+  AttnSplitPlan plan;
+  float* part_o = nullptr;    // [num_seqs][num_q_heads][num_splits][head_dim] o', rotated
+  float2* part_ml = nullptr;  // [num_seqs][num_q_heads][num_splits] {m, l}, log2 domain
+};
+
+// Launches the split kernel over grid (num_splits, num_kv_heads * head_groups, num_seqs):
+// AttentionSplitMmaKernel (tensor cores, paged_attention_mma.cuh) when args.group_size ==
+// kHeadDim (one {scale, zero} per token and head, or FP16 pages), else AttentionSplitKernel
+// (CUDA cores, any group size that is a multiple of 16, paged_attention_split.cuh). Defined in
+// paged_attention_mma.cuh, instantiated per dtype in paged_attention_<dtype>.cu.
+template <KvDtype kDtype, int kHeadDim>
+KernelStatus LaunchAttentionSplits(const AttnSplitArgs& args, int num_seqs, cudaStream_t stream);
+
+}  // namespace kvpool::cuda
+
+#endif  // KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_CUH_

@@ -1,0 +1,472 @@
+// The tensor-core split kernel of paged decode attention, for layouts with one {scale, zero} per
+// (token, head) (group_size == head_dim) and for FP16 pages, and LaunchAttentionSplits, which
+// picks it or AttentionSplitKernel (paged_attention_split.cuh, the other group sizes; same
+// contract and partial outputs). Included only by the instantiation files
+// paged_attention_<dtype>.cu.
+//
+// Grid (num_splits, num_kv_heads * head_groups, num_seqs), kMmaWarps (4) warps. Each warp runs on
+// its own: it takes the 16-token tiles w, w + 4, w + 8, ... of the CTA's token range, streams them
+// through its own cp.async stages in shared memory (16-byte copies, several tiles in flight, no
+// CTA barrier in the loop), and keeps its own online-softmax state. Per tile, with
+// mma.sync.m16n8k16 (fp16 inputs, fp32 accumulation):
+//   scores  S^T[16 x 8 tokens] = Q'[16 x D] . codes^T: rows 0..7 are the hi parts of the 8 query
+//           heads' q' (fp16), rows 8..15 the lo parts (q' - hi in fp16), so row g + row g + 8 is
+//           q' . codes to ~2^-22; codes (INT4/INT8 integers, e4m3 values, fp16 values) are exact
+//           in fp16. score = sm_scale * (scale_t * dot + zero_t * sum(q')) in the log2 domain.
+//   values  O[16 x D] += P[16 x 16 tokens] . codes: rows g / g + 8 carry hi / lo of
+//           p_t * scale_t, and sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
+// The thread that holds a score in the S^T accumulator holds the same entries of P as an A
+// operand, so scores never leave registers. At the end the four warps' states are merged in
+// shared memory into the split's {m, l} and o'.
+#ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
+#define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/paged_attention.cuh"
+#include "kernels/cuda/paged_attention_split.cuh"
+
+namespace kvpool::cuda {
+namespace attention_internal {
+
+inline constexpr int kMmaWarps = kAttnThreads / 32;
+inline constexpr int kTileTokens = 16;
+
+// d += a . b for one m16n8k16 tile (A row-major fp16, B column-major fp16, fp32 accumulators).
+__device__ __forceinline__ void Mma16816(float (&d)[4], const uint4& a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackHalf2(__half lo, __half hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) |
+         (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
+}
+// {1024 + a, 1024 + b} as half2 bits -> {a, b} (exact for integers < 1024).
+__device__ __forceinline__ uint32_t Sub1024(uint32_t h) {
+  const __half2 r =
+      __hsub2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t pair16) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair16), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+template <KvDtype kDtype>
+struct MmaCodec {
+  static constexpr int kBits = DtypeBits(kDtype);
+  static constexpr int kUnitBytes = kBits;  // 8 channels
+  // Channel (within a unit of 8) of each k-pair element UnpackUnit returns: pair i holds channels
+  // kPerm[2i] (low half) and kPerm[2i + 1] (high half).
+  __device__ static constexpr int Perm(int i) {
+    return kDtype == KvDtype::kInt4 ? (i % 2 == 0 ? i / 2 : 4 + i / 2) : i;
+  }
+  // The 8 channels of one unit of a page row as 4 half2 k-pairs (see Perm).
+  __device__ static void UnpackUnit(const uint8_t* p, uint32_t (&out)[4]) {
+    if constexpr (kDtype == KvDtype::kInt4) {
+      const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) out[i] = Sub1024(((w >> (4 * i)) & 0x000F000Fu) | 0x64006400u);
+    } else if constexpr (kDtype == KvDtype::kInt8) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      out[0] = Sub1024((__byte_perm(w.x, 0, 0x1100) & 0x00FF00FFu) | 0x64006400u);
+      out[1] = Sub1024((__byte_perm(w.x, 0, 0x3322) & 0x00FF00FFu) | 0x64006400u);
+      out[2] = Sub1024((__byte_perm(w.y, 0, 0x1100) & 0x00FF00FFu) | 0x64006400u);
+      out[3] = Sub1024((__byte_perm(w.y, 0, 0x3322) & 0x00FF00FFu) | 0x64006400u);
+    } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      out[0] = Fp8PairToHalf2(w.x & 0xFFFFu);
+      out[1] = Fp8PairToHalf2(w.x >> 16);
+      out[2] = Fp8PairToHalf2(w.y & 0xFFFFu);
+      out[3] = Fp8PairToHalf2(w.y >> 16);
+    } else {
+      const uint4 w = *reinterpret_cast<const uint4*>(p);
+      out[0] = w.x;
+      out[1] = w.y;
+      out[2] = w.z;
+      out[3] = w.w;
+    }
+  }
+  // For each channel c of a 32-bit word of two rows a and b: half2 {code_a[c], code_b[c]}.
+  // Channels per word: 32 / kBits; out[i] is the word's i-th channel.
+  static constexpr int kChPerWord = 32 / kBits;
+  __device__ static void PairWord(uint32_t a, uint32_t b, uint32_t (&out)[kChPerWord]) {
+    if constexpr (kDtype == KvDtype::kInt4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t x = __byte_perm(a, b, i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12));
+        out[2 * i] = Sub1024((x & 0x000F000Fu) | 0x64006400u);
+        out[2 * i + 1] = Sub1024(((x >> 4) & 0x000F000Fu) | 0x64006400u);
+      }
+    } else if constexpr (kDtype == KvDtype::kInt8) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t x = __byte_perm(a, b, i | ((4 + i) << 8));
+        out[i] = Sub1024((x & 0x00FF00FFu) | 0x64006400u);
+      }
+    } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
+#pragma unroll
+      for (int i = 0; i < 4; i += 2) {
+        const uint32_t x = __byte_perm(a, b, i | ((4 + i) << 4) | ((i + 1) << 8) | ((5 + i) << 12));
+        out[i] = Fp8PairToHalf2(x & 0xFFFFu);
+        out[i + 1] = Fp8PairToHalf2(x >> 16);
+      }
+    } else {
+      out[0] = __byte_perm(a, b, 0x5410);
+      out[1] = __byte_perm(a, b, 0x7632);
+    }
+  }
+};
+
+template <KvDtype kDtype, int kHeadDim>
+struct MmaTraits {
+  static constexpr bool kQuantized = kDtype != KvDtype::kFp16;
+  static constexpr int kCodeBytes = kHeadDim * DtypeBits(kDtype) / 8;
+  static constexpr int kCodeChunks = kCodeBytes / 16;
+  static constexpr int kCodeStride = kCodeBytes + 16;
+  static constexpr int kMetaBytes = kQuantized ? 4 : 0;  // one {scale, zero} per token
+  static constexpr int kTileBytes = 2 * kTileTokens * (kCodeStride + kMetaBytes);
+  // Tile stages per warp: about 10 KiB, at least 2 (one loading while one is used).
+  static constexpr int kStages = kTileBytes * 8 <= 10240   ? 8
+                                 : kTileBytes * 2 >= 10240 ? 2
+                                                           : 10240 / kTileBytes;
+  // Register budget (CTAs per SM the compiler must fit): 4 (16 warps) where the accumulators fit
+  // in 128 registers with little or no spilling (head_dim 64, INT4 at 128), 3 for INT8/FP8 at
+  // 128, 2 for FP16 at 128 (its 16-byte units) and for head_dim 256 (FP16 256 still spills).
+  static constexpr int kMinCtasPerSm = kHeadDim > 128 || kDtype == KvDtype::kFp16
+                                           ? (kHeadDim == 64 ? 4 : 2)
+                                       : (kHeadDim == 64 || kDtype == KvDtype::kInt4) ? 4
+                                                                                      : 3;
+  static constexpr int kSlabs = kHeadDim / 16;     // k16 slabs of the score MMA
+  static constexpr int kVTiles = kHeadDim / 8;     // n8 tiles of the value MMA
+  static constexpr int kVChannels = kHeadDim / 8;  // channels per thread in the value MMA
+  static constexpr int kVWords = kVChannels * DtypeBits(kDtype) / 32;
+  static constexpr int kH = kAttnMaxHeadsPerCta;
+  // Shared memory: per warp kStages tiles; the q' A fragments [kSlabs][32 lanes] uint4; the
+  // sums of q' [kH]. The end-of-CTA merge reuses the tiles: {m, l} [warps][kH] and
+  // o [warps][kH][kHeadDim] floats.
+  static constexpr size_t kStageArea = static_cast<size_t>(kMmaWarps) * kStages * kTileBytes;
+  static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kHeadDim + 2) * 4;
+  static constexpr size_t kTilesArea = kStageArea > kMergeBytes ? kStageArea : kMergeBytes;
+  static constexpr size_t kSharedBytes = kTilesArea + kSlabs * 32 * 16 + kH * 4;
+};
+
+template <KvDtype kDtype, int kHeadDim>
+__global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kMinCtasPerSm))
+    AttentionSplitMmaKernel(const AttnSplitArgs a) {
+  using T = MmaTraits<kDtype, kHeadDim>;
+  using C = MmaCodec<kDtype>;
+  constexpr int kH = T::kH;
+  extern __shared__ __align__(16) uint8_t smem[];
+
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;    // mma group: head g, token g of an n8 tile
+  const int tig = lane % 4;  // thread in group
+  const int split = blockIdx.x;
+  const int kv_head = blockIdx.y / a.plan.head_groups;
+  const int h_first = (blockIdx.y % a.plan.head_groups) * kH;
+  const int nh = min(kH, a.ratio - h_first);
+  const int seq = blockIdx.z;
+  const int num_splits = a.plan.num_splits;
+  const int bt_log2 = a.geo.block_tokens_log2;
+
+  const int len = min(a.seq_lens[seq], a.max_blocks_per_seq << bt_log2);
+  const int begin = max(split * a.plan.tokens_per_split, min(a.sink_tokens, len));
+  const int end = min((split + 1) * a.plan.tokens_per_split, len);
+  const size_t head_row = static_cast<size_t>(seq) * a.num_q_heads + kv_head * a.ratio + h_first;
+  float2* ml_out = a.part_ml + head_row * num_splits + split;
+  float* o_out = a.part_o + (head_row * num_splits + split) * kHeadDim;
+  if (begin >= end) {  // nothing quantized here: an empty state (weight 0 in the merge)
+    for (int i = tid; i < nh * kHeadDim; i += kAttnThreads) {
+      o_out[static_cast<size_t>(i / kHeadDim) * num_splits * kHeadDim + i % kHeadDim] = 0.0f;
+    }
+    if (tid < nh) ml_out[tid * num_splits] = make_float2(-INFINITY, 0.0f);
+    return;
+  }
+
+  uint8_t* my_stages = smem + static_cast<size_t>(warp) * T::kStages * T::kTileBytes;
+  uint4* qfrag = reinterpret_cast<uint4*>(smem + T::kTilesArea);  // [kSlabs][32]
+  float* qsum_s = reinterpret_cast<float*>(qfrag + T::kSlabs * 32);
+
+  const int32_t* table = a.block_tables + static_cast<size_t>(seq) * a.max_blocks_per_seq;
+  const size_t k_offset = static_cast<size_t>(kv_head) * a.geo.head_page_bytes;
+  const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
+  const int first_token = begin & ~(kTileTokens - 1);
+  const int num_tiles = (end - first_token + kTileTokens - 1) / kTileTokens;
+  const int my_tiles = num_tiles > warp ? (num_tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
+
+  // Enqueues this warp's local tile i (CTA tile warp + 4 i) into stage i % kStages: K and V code
+  // rows of tokens in [begin, end), and their meta. `block` is the tile's block id (a tile never
+  // crosses a block: block_tokens >= 16). Always commits one group per lane.
+  auto issue = [&](int i, int block) {
+    if (i < my_tiles) {
+      const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
+      uint8_t* base = my_stages + (i % T::kStages) * T::kTileBytes;
+      const uint8_t* page =
+          a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes + k_offset;
+      const int in_block = t0 & ((1 << bt_log2) - 1);
+      constexpr int kCodeCopies = 2 * kTileTokens * T::kCodeChunks;
+#pragma unroll
+      for (int c = lane; c < kCodeCopies; c += 32) {
+        const int kv = c / (kTileTokens * T::kCodeChunks);
+        const int r = (c / T::kCodeChunks) % kTileTokens;
+        const int part = c % T::kCodeChunks;
+        const int t = t0 + r;
+        if (t < begin || t >= end) continue;
+        CpAsync16(base + (kv * kTileTokens + r) * T::kCodeStride + part * 16,
+                  page + kv * v_minus_k + (in_block + r) * T::kCodeBytes + part * 16);
+      }
+      if constexpr (T::kQuantized) {
+        if (lane < 8) {  // 4 copies of 4 tokens' meta per K|V
+          const int kv = lane / 4;
+          const int r = (lane % 4) * 4;
+          if (t0 + r < end) {
+            CpAsync16(base + 2 * kTileTokens * T::kCodeStride + (kv * kTileTokens + r) * 4,
+                      page + kv * v_minus_k + a.geo.codes_bytes + (in_block + r) * 4);
+          }
+        }
+      }
+    }
+    CpAsyncCommit();
+  };
+  auto tile_block = [&](int i) {
+    return i < my_tiles
+               ? __ldg(table + ((first_token + (warp + kMmaWarps * i) * kTileTokens) >> bt_log2))
+               : 0;
+  };
+
+  for (int i = 0; i < T::kStages - 1; ++i) issue(i, tile_block(i));
+  int next_block = tile_block(T::kStages - 1);
+
+  // Prologue: q' hi/lo A fragments of every k16 slab, and sum(q') per head.
+  const float* q_src = a.q_rot + head_row * kHeadDim;
+  for (int i = tid; i < T::kSlabs * 32; i += kAttnThreads) {
+    const int slab = i / 32, fl = i % 32, fg = fl / 4, ft = fl % 4;
+    // Slab `slab` = 32-channel chunk slab / 2, half slab % 2 of each unit's k-pairs.
+    const int unit_base = (slab / 2) * 32 + 8 * ft;
+    const int pair0 = 2 * (slab % 2);  // k = 2 ft, 2 ft + 1 -> pair pair0; k + 8 -> pair0 + 1
+    float x[4] = {0.f, 0.f, 0.f, 0.f};
+    if (fg < nh) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[e] = q_src[fg * kHeadDim + unit_base + C::Perm(2 * pair0 + e)];
+    }
+    __half hi[4], lo[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      hi[e] = __float2half_rn(x[e]);
+      lo[e] = __float2half_rn(x[e] - __half2float(hi[e]));
+    }
+    qfrag[i] = make_uint4(PackHalf2(hi[0], hi[1]), PackHalf2(lo[0], lo[1]), PackHalf2(hi[2], hi[3]),
+                          PackHalf2(lo[2], lo[3]));
+  }
+  if (warp == 0) {
+    for (int h = 0; h < kH; ++h) {
+      float s = 0.0f;
+      if (h < nh) {
+        for (int c = lane; c < kHeadDim; c += 32) s += q_src[h * kHeadDim + c];
+      }
+      s = GroupSum<32>(s);
+      if (lane == 0) qsum_s[h] = s;
+    }
+  }
+  __syncthreads();
+  const float qsum = qsum_s[g];
+
+  float m_run = -INFINITY;  // head g, log2 domain; the same in the 4 lanes of the group
+  float l_run = 0.0f;       // this lane's tokens only
+  float z_run = 0.0f;       // sum p_t zero_t, this lane's tokens only
+  float acc[T::kVTiles][4];
+#pragma unroll
+  for (int j = 0; j < T::kVTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int i = 0; i < my_tiles; ++i) {
+    CpAsyncWait<T::kStages - 2>();
+    __syncwarp();  // tile i landed for the whole warp; tile i - 1's stage is free
+    const int block = next_block;
+    next_block = tile_block(i + T::kStages);
+    issue(i + T::kStages - 1, block);
+    const uint8_t* base = my_stages + (i % T::kStages) * T::kTileBytes;
+    const uint8_t* k_codes = base;
+    const uint8_t* v_codes = base + kTileTokens * T::kCodeStride;
+    const uint8_t* k_meta = base + 2 * kTileTokens * T::kCodeStride;
+    const uint8_t* v_meta = k_meta + kTileTokens * 4;
+    const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
+    const int lo = max(begin - t0, 0);
+    const int hi = min(end - t0, kTileTokens);
+
+    // Scores: two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and 8 + g. Each
+    // n8 tile accumulates in two independent chains (the two slabs of a unit) for ILP.
+    float s_acc[2][2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int ch = 0; ch < 2; ++ch)
+        s_acc[nt][ch][0] = s_acc[nt][ch][1] = s_acc[nt][ch][2] = s_acc[nt][ch][3] = 0.f;
+    }
+#pragma unroll
+    for (int cc = 0; cc < kHeadDim / 32; ++cc) {
+      const uint4 qa = qfrag[(2 * cc) * 32 + lane];
+      const uint4 qb = qfrag[(2 * cc + 1) * 32 + lane];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        uint32_t pairs[4];
+        C::UnpackUnit(k_codes + (nt * 8 + g) * T::kCodeStride + (4 * cc + tig) * C::kUnitBytes,
+                      pairs);
+        Mma16816(s_acc[nt][0], qa, pairs[0], pairs[1]);
+        Mma16816(s_acc[nt][1], qb, pairs[2], pairs[3]);
+      }
+    }
+    // This lane's tokens: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig. Rows outside [lo, hi) hold
+    // stale bytes (codes and meta, possibly inf/NaN as floats): they are selected away, never
+    // multiplied by 0.
+    int tok[4];
+    bool valid[4];
+    float s[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
+      valid[u] = tok[u] >= lo && tok[u] < hi;
+      const float(&sa)[2][4] = s_acc[u / 2];
+      float dot = (sa[0][u % 2] + sa[0][2 + u % 2]) + (sa[1][u % 2] + sa[1][2 + u % 2]);
+      if constexpr (T::kQuantized) {
+        const float2 sz = LoadMeta(k_meta + tok[u] * 4, 0);
+        dot = sz.x * dot + sz.y * qsum;
+      }
+      s[u] = valid[u] ? dot * a.score_scale : -INFINITY;
+    }
+    float tile_max = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
+    tile_max = GroupMax<4>(tile_max);
+    const float m_new = fmaxf(m_run, tile_max);  // finite: the tile has a token in [lo, hi)
+    const float alpha = exp2f(m_run - m_new);
+    m_run = m_new;
+    l_run *= alpha;
+    z_run *= alpha;
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
+#pragma unroll
+      for (int j = 0; j < T::kVTiles; ++j) {
+        acc[j][0] *= alpha;
+        acc[j][1] *= alpha;
+        acc[j][2] *= alpha;
+        acc[j][3] *= alpha;
+      }
+    }
+    __half p_hi[4], p_lo[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float p = exp2f(s[u] - m_new);
+      l_run += p;
+      float ps = p;
+      if constexpr (T::kQuantized) {
+        const float2 sz = LoadMeta(v_meta + tok[u] * 4, 0);
+        ps = valid[u] ? p * sz.x : 0.0f;
+        z_run += valid[u] ? p * sz.y : 0.0f;
+      }
+      p_hi[u] = __float2half_rn(ps);
+      p_lo[u] = __float2half_rn(ps - __half2float(p_hi[u]));
+    }
+    const uint4 pa = make_uint4(PackHalf2(p_hi[0], p_hi[1]), PackHalf2(p_lo[0], p_lo[1]),
+                                PackHalf2(p_hi[2], p_hi[3]), PackHalf2(p_lo[2], p_lo[3]));
+
+    // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
+    // word of each row at a time; rows outside [lo, hi) read as code 0.
+    const uint32_t* vrow[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kCodeStride +
+                                                  g * (T::kVWords * 4));
+    }
+#pragma unroll
+    for (int w = 0; w < T::kVWords; ++w) {
+      uint32_t word[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) word[u] = valid[u] ? vrow[u][w] : 0u;
+      uint32_t b01[C::kChPerWord], b23[C::kChPerWord];
+      C::PairWord(word[0], word[1], b01);
+      C::PairWord(word[2], word[3], b23);
+#pragma unroll
+      for (int e = 0; e < C::kChPerWord; ++e)
+        Mma16816(acc[w * C::kChPerWord + e], pa, b01[e], b23[e]);
+    }
+  }
+
+  // Merge the warps: {m, l} [warp][head] then o [warp][head][channel] in the freed tiles.
+  CpAsyncWait<0>();
+  __syncthreads();
+  float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][2]
+  float* o_s = ml_s + kMmaWarps * kH * 2;        // [kMmaWarps][kH][kHeadDim]
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
+  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
+  z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
+  z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
+  if (tig == 0) {
+    ml_s[(warp * kH + g) * 2] = m_run;
+    ml_s[(warp * kH + g) * 2 + 1] = l_run;
+  }
+  float* my_o = o_s + (warp * kH + g) * kHeadDim;
+#pragma unroll
+  for (int j = 0; j < T::kVTiles; ++j) {
+    // acc[j]: rows g (hi) and g + 8 (lo) of head g; columns 2 tig, 2 tig + 1 are channels
+    // kVChannels * (2 tig) + j and kVChannels * (2 tig + 1) + j.
+    my_o[T::kVChannels * (2 * tig) + j] = acc[j][0] + acc[j][2] + z_run;
+    my_o[T::kVChannels * (2 * tig + 1) + j] = acc[j][1] + acc[j][3] + z_run;
+  }
+  __syncthreads();
+  for (int i = tid; i < nh * kHeadDim; i += kAttnThreads) {
+    const int h = i / kHeadDim;
+    const int c = i % kHeadDim;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, ml_s[(w * kH + h) * 2]);
+    float l = 0.0f, o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float mw = ml_s[(w * kH + h) * 2];
+      if (mw == -INFINITY) continue;  // a warp without tiles
+      const float wgt = exp2f(mw - m);
+      l += wgt * ml_s[(w * kH + h) * 2 + 1];
+      o += wgt * o_s[(w * kH + h) * kHeadDim + c];
+    }
+    o_out[static_cast<size_t>(h) * num_splits * kHeadDim + c] = o;
+    if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
+  }
+}
+
+template <KvDtype kDtype, int kHeadDim>
+KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
+                                      cudaStream_t stream) {
+  using T = MmaTraits<kDtype, kHeadDim>;
+  auto* kernel = AttentionSplitMmaKernel<kDtype, kHeadDim>;
+  KVPOOL_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(T::kSharedBytes)));
+  const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
+  kernel<<<grid, kAttnThreads, T::kSharedBytes, stream>>>(args);
+  return CheckLaunch("AttentionSplitMmaKernel");
+}
+
+}  // namespace attention_internal
+
+template <KvDtype kDtype, int kHeadDim>
+KernelStatus LaunchAttentionSplits(const AttnSplitArgs& args, int num_seqs, cudaStream_t stream) {
+  return args.group_size == kHeadDim
+             ? attention_internal::LaunchAttentionSplitsMma<kDtype, kHeadDim>(args, num_seqs,
+                                                                              stream)
+             : attention_internal::LaunchAttentionSplitsGeneral<kDtype, kHeadDim>(args, num_seqs,
+                                                                                  stream);
+}
+
+}  // namespace kvpool::cuda
+
+#endif  // KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_

@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Peer decode-attention timings for tests/gpu/attention_bench, and the merge of both.
+
+  attention_peer.py run --out peer.json
+      On the GPU machine, with PyTorch: for the benchmark's shapes (32 q heads, 8 KV heads,
+      head_dim 128), times
+        * sdpa_flash_fp16: torch SDPA restricted to the FLASH_ATTENTION backend on contiguous fp16
+          K/V [batch, 8, context, 128], q [batch, 32, 1, 128], GQA through enable_gqa=True (no
+          expanded copy of K/V). This is the anchor.
+        * flashinfer_fp16 / flashinfer_fp8: FlashInfer's paged decode, when `import flashinfer`
+          works; otherwise the reason is recorded.
+      Timing as in the C++ benchmark: CUDA events around one call, L2 flushed before every run,
+      median of --iters runs after warm-up. Bytes: K/V read + q + out.
+
+  attention_peer.py merge --kvpool kvpool.json --peer peer.json --out attention_<date>.json
+      Joins both files per (batch, context) and adds each kvpool format's speed-up over the anchor
+      and its fraction of the streaming-read bandwidth, with the targets (INT4 >= 3.3x and >= 80%
+      of streaming bandwidth, FP8 >= 1.8x, FP16 paged >= 1.0x) marked met or missed.
+"""
+import argparse
+import json
+import statistics
+import sys
+
+SHAPES = [(1, 32768), (8, 8192), (8, 32768), (32, 4096), (32, 16384), (64, 8192)]
+Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
+TARGETS = {"int4_rot128": 3.3, "fp8_rot128": 1.8, "fp16": 1.0}
+INT4_STREAM_TARGET = 0.80
+
+
+def time_ms(torch, fn, iters, flush):
+    start = torch.cuda.Event(enable_timing=True)
+    stop = torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        flush.zero_()
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def run_sdpa(torch, batch, context, iters, flush):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import torch.nn.functional as F
+
+    q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.float16)
+    k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.float16)
+    v = torch.randn_like(k)
+
+    def call():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+    ms = time_ms(torch, call, iters, flush)
+    nbytes = 2 * k.numel() * 2 + q.numel() * 2 * 2
+    return {"ms": ms, "bytes": nbytes, "tbps": nbytes / (ms * 1e-3) / 1e12}
+
+
+def run_flashinfer(torch, flashinfer, batch, context, kv_dtype, iters, flush):
+    pages_per_seq = context // BLOCK_TOKENS
+    num_pages = batch * pages_per_seq
+    cache = torch.randn(num_pages, 2, BLOCK_TOKENS, KV_HEADS, HEAD_DIM, device="cuda",
+                        dtype=torch.float16).to(kv_dtype)
+    indices = torch.randperm(num_pages, device="cuda", dtype=torch.int32)  # scattered pages
+    indptr = torch.arange(0, num_pages + 1, pages_per_seq, device="cuda", dtype=torch.int32)
+    last_len = torch.full((batch,), BLOCK_TOKENS, device="cuda", dtype=torch.int32)
+    workspace = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(indptr, indices, last_len, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS,
+                 q_data_type=torch.float16, kv_data_type=kv_dtype)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
+    ms = time_ms(torch, lambda: wrapper.run(q, cache), iters, flush)
+    nbytes = cache.numel() * cache.element_size() + q.numel() * 2 * 2
+    return {"ms": ms, "bytes": nbytes, "tbps": nbytes / (ms * 1e-3) / 1e12}
+
+
+def cmd_run(args):
+    import torch
+
+    flush = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "iters": args.iters, "gqa": "enable_gqa=True (K/V not expanded)", "cases": []}
+    try:
+        import flashinfer
+        result["flashinfer"] = getattr(flashinfer, "__version__", "?")
+    except Exception as e:  # recorded, not fatal: the anchor is SDPA
+        flashinfer = None
+        result["flashinfer"] = None
+        result["flashinfer_unavailable"] = f"{type(e).__name__}: {e}; " + args.flashinfer_note
+    for batch, context in SHAPES:
+        case = {"batch": batch, "context": context,
+                "sdpa_flash_fp16": run_sdpa(torch, batch, context, args.iters, flush)}
+        if flashinfer is not None:
+            for name, dt in (("flashinfer_fp16", torch.float16),
+                             ("flashinfer_fp8", torch.float8_e4m3fn)):
+                try:
+                    case[name] = run_flashinfer(torch, flashinfer, batch, context, dt,
+                                                args.iters, flush)
+                except Exception as e:
+                    case[name] = {"error": f"{type(e).__name__}: {e}"}
+        result["cases"].append(case)
+        print(batch, context, {k: v.get("ms") for k, v in case.items() if isinstance(v, dict)},
+              flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def cmd_merge(args):
+    with open(args.kvpool) as f:
+        kv = json.load(f)
+    with open(args.peer) as f:
+        peer = json.load(f)
+    anchors = {(c["batch"], c["context"]): c for c in peer["cases"]}
+    rows = []
+    for c in kv["cases"]:
+        p = anchors.get((c["batch"], c["context"]))
+        if p is None:
+            continue
+        anchor_ms = p["sdpa_flash_fp16"]["ms"]
+        row = dict(c)
+        row["sdpa_flash_fp16_ms"] = anchor_ms
+        row["speedup_vs_sdpa"] = anchor_ms / c["ms"]
+        for peer_name in ("flashinfer_fp16", "flashinfer_fp8"):
+            if "ms" in p.get(peer_name, {}):
+                row[peer_name + "_ms"] = p[peer_name]["ms"]
+        target = TARGETS.get(c["format"])
+        if target is not None:
+            row["speedup_target"] = target
+            row["speedup_met"] = row["speedup_vs_sdpa"] >= target
+        if c["format"] == "int4_rot128":
+            row["stream_target"] = INT4_STREAM_TARGET
+            row["stream_met"] = c["frac_stream"] >= INT4_STREAM_TARGET
+        rows.append(row)
+    merged = {"kvpool": {k: v for k, v in kv.items() if k != "cases"},
+              "peer": {k: v for k, v in peer.items() if k != "cases"},
+              "anchor": "sdpa_flash_fp16", "cases": rows}
+    with open(args.out, "w") as f:
+        json.dump(merged, f, indent=1)
+    print(f"{'batch':>5} {'ctx':>6} {'format':<12} {'ms':>8} {'sdpa ms':>8} {'x sdpa':>7} "
+          f"{'stream':>7}")
+    for r in rows:
+        print(f"{r['batch']:>5} {r['context']:>6} {r['format']:<12} {r['ms']:>8.4f} "
+              f"{r['sdpa_flash_fp16_ms']:>8.4f} {r['speedup_vs_sdpa']:>7.2f} "
+              f"{100 * r['frac_stream']:>6.1f}%")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--iters", type=int, default=25)
+    r.add_argument("--flashinfer-note", default="", help="why FlashInfer is absent, if known")
+    m = sub.add_parser("merge")
+    m.add_argument("--kvpool", required=True)
+    m.add_argument("--peer", required=True)
+    m.add_argument("--out", required=True)
+    args = ap.parse_args()
+    return cmd_run(args) if args.cmd == "run" else cmd_merge(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+// Paged decode attention on the GPU: time, effective bandwidth and accuracy per page format.
+//
+// For (batch, context) in {(1,32K), (8,8K), (8,32K), (32,4K), (32,16K), (64,8K)}, 32 query heads,
+// 8 KV heads, head_dim 128, block_tokens 16, scattered block tables (a random permutation of the
+// arena): INT4 rotated (rot 128), INT4 naive (no rotation), INT8 and FP8 rotated, FP16 pages, all
+// quantized by cuda::QuantizeAppend from the same synthetic K/V with outlier channels.
+//
+// Time: one cuda::PagedDecodeAttention call (its three kernels) between CUDA events, after
+// warm-up, with L2 flushed before every run; the median of --iters runs. Bytes: the kernel's own
+// traffic, pages read (codes + scale/zero of every token) + q (fp16) + out (fp32); the split
+// partials, a few percent, are not counted. The streaming-read ceiling is measured in the same run.
+//
+// Accuracy: the FP16-page output is attention over the original fp16 K/V (fp32 accumulation) and
+// is the reference; every other format reports the relative L2 error of each (sequence, head)
+// output row against it, mean and max.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
+#include "tests/common/kv_test_data.h"
+#include "tests/gpu/attention_bench_kernels.h"
+#include "tests/gpu/attention_test_util.h"
+
+ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
+ABSL_FLAG(int, iters, 25, "timed runs per case; the median is reported");
+ABSL_FLAG(std::string, commit, "", "source revision recorded in the JSON");
+
+namespace kvpool {
+namespace {
+
+using testing::DeviceBuffer;
+
+constexpr int kQHeads = 32;
+constexpr int kKvHeads = 8;
+constexpr int kHeadDim = 128;
+constexpr int kBlockTokens = 16;
+constexpr int kFillChunk = 8192;  // tokens generated and quantized per step
+constexpr size_t kFlushBytes = size_t{256} << 20;
+
+struct Shape {
+  int batch, context;
+};
+constexpr Shape kShapes[] = {{1, 32768}, {8, 8192},   {8, 32768},
+                             {32, 4096}, {32, 16384}, {64, 8192}};
+
+struct Format {
+  const char* name;
+  KvDtype dtype;
+  int rot_block;
+};
+// The FP16 format comes last: it is the accuracy reference of the others.
+constexpr Format kFormats[] = {{"int4_rot128", KvDtype::kInt4, 128},
+                               {"int4_naive", KvDtype::kInt4, 0},
+                               {"int8_rot128", KvDtype::kInt8, 128},
+                               {"fp8_rot128", KvDtype::kFp8E4M3, 128},
+                               {"fp16", KvDtype::kFp16, 0}};
+
+PageLayout MakeLayout(const Format& f) {
+  PageLayout l;
+  l.num_kv_heads = kKvHeads;
+  l.head_dim = kHeadDim;
+  l.block_tokens = kBlockTokens;
+  l.dtype = f.dtype;
+  l.group_size = kHeadDim;
+  l.rot_block = f.rot_block;
+  l.sign_seed = f.rot_block > 0 ? 0x5167ull : 0;
+  return l;
+}
+
+struct Result {
+  Shape shape;
+  const char* format;
+  double ms = 0, bytes = 0, tbps = 0, frac_stream = 0;
+  double err_mean = 0, err_max = 0;  // vs the FP16 pages; 0 for FP16 itself
+};
+
+void Check(KernelStatus s, const char* what) {
+  if (s != KernelStatus::kOk) {
+    std::fprintf(stderr, "%s: %s %s\n", what, KernelStatusName(s), cuda::LastErrorMessage());
+    std::exit(1);
+  }
+}
+
+// Median of `iters` timings of `run`, each after an L2 flush.
+template <typename F>
+double MedianMs(int iters, const DeviceBuffer& flush, F&& run) {
+  cudaEvent_t start, stop;
+  KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
+  KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) run();
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    KVPOOL_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes()));
+    KVPOOL_CUDA_CHECK(cudaEventRecord(start));
+    run();
+    KVPOOL_CUDA_CHECK(cudaEventRecord(stop));
+    KVPOOL_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    KVPOOL_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  KVPOOL_CUDA_CHECK(cudaEventDestroy(start));
+  KVPOOL_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+double StreamingReadTbps(int iters, const DeviceBuffer& flush) {
+  const size_t bytes = size_t{2} << 30;
+  DeviceBuffer data(bytes), sink(4096 * sizeof(uint32_t));
+  KVPOOL_CUDA_CHECK(cudaMemset(data.get(), 1, bytes));
+  const double ms = MedianMs(iters, flush, [&] {
+    KVPOOL_CUDA_CHECK(bench::StreamRead(data.get(), bytes, sink.get<uint32_t>(), nullptr));
+  });
+  return bytes / (ms * 1e-3) / 1e12;
+}
+
+// Pages of one format for a whole batch: every sequence's tokens generated on the device and
+// quantized into the scattered blocks of its table.
+DeviceBuffer FillPages(const PageLayout& l, const Shape& shape, int64_t num_blocks,
+                       const std::vector<int32_t>& tables, int blocks_per_seq) {
+  DeviceBuffer pages(static_cast<size_t>(num_blocks) * l.layer_page_bytes());
+  const size_t chunk_elems = static_cast<size_t>(kFillChunk) * kKvHeads * kHeadDim;
+  DeviceBuffer k(chunk_elems * 2), v(chunk_elems * 2), slots(kFillChunk * sizeof(int64_t));
+  std::vector<int64_t> host_slots(kFillChunk);
+  for (int s = 0; s < shape.batch; ++s) {
+    for (int t0 = 0; t0 < shape.context; t0 += kFillChunk) {
+      const int n = std::min(kFillChunk, shape.context - t0);
+      for (int i = 0; i < n; ++i) {
+        const int t = t0 + i;
+        host_slots[i] =
+            static_cast<int64_t>(tables[s * blocks_per_seq + t / kBlockTokens]) * kBlockTokens +
+            t % kBlockTokens;
+      }
+      KVPOOL_CUDA_CHECK(
+          cudaMemcpy(slots.get(), host_slots.data(), n * sizeof(int64_t), cudaMemcpyHostToDevice));
+      KVPOOL_CUDA_CHECK(bench::FillSyntheticKv(k.get<uint16_t>(), v.get<uint16_t>(), t0, n,
+                                               kKvHeads, kHeadDim, 1000 + s, nullptr));
+      QuantizeAppendParams qp;
+      qp.layout = l;
+      qp.k = k.get<uint16_t>();
+      qp.v = v.get<uint16_t>();
+      qp.slot_mapping = slots.get<int64_t>();
+      qp.num_tokens = n;
+      qp.pages = pages.get<uint8_t>();
+      qp.num_blocks = num_blocks;
+      Check(cuda::QuantizeAppend(qp, nullptr), "cuda::QuantizeAppend");
+    }
+  }
+  KVPOOL_CUDA_CHECK(cudaDeviceSynchronize());
+  return pages;
+}
+
+// Relative L2 error of each output row against the reference: {mean, max}.
+std::pair<double, double> RowErrors(const std::vector<float>& got, const std::vector<float>& ref) {
+  double sum = 0, worst = 0;
+  const size_t rows = ref.size() / kHeadDim;
+  for (size_t r = 0; r < rows; ++r) {
+    double num = 0, den = 0;
+    for (int c = 0; c < kHeadDim; ++c) {
+      const double d = got[r * kHeadDim + c] - ref[r * kHeadDim + c];
+      num += d * d;
+      den += static_cast<double>(ref[r * kHeadDim + c]) * ref[r * kHeadDim + c];
+    }
+    const double e = std::sqrt(num / den);
+    sum += e;
+    worst = std::max(worst, e);
+  }
+  return {sum / rows, worst};
+}
+
+void RunShape(const Shape& shape, int iters, double stream_tbps, const DeviceBuffer& flush,
+              std::vector<Result>* results) {
+  const int blocks_per_seq = shape.context / kBlockTokens;
+  const int64_t num_blocks = static_cast<int64_t>(shape.batch) * blocks_per_seq + 64;
+  std::vector<int32_t> ids(num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::mt19937_64 rng(shape.batch * 131 + shape.context);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  ids.resize(static_cast<size_t>(shape.batch) * blocks_per_seq);
+  const std::vector<int32_t> lens(shape.batch, shape.context);
+  const size_t rows = static_cast<size_t>(shape.batch) * kQHeads;
+  DeviceBuffer tables(ids), seq_lens(lens), out(rows * kHeadDim * sizeof(float));
+  DeviceBuffer q(testing::ToHalf(testing::MakeNormal(rows * kHeadDim, shape.context + 7)));
+
+  std::vector<std::vector<float>> outputs;
+  const size_t first = results->size();
+  for (const Format& f : kFormats) {
+    const PageLayout l = MakeLayout(f);
+    const DeviceBuffer pages = FillPages(l, shape, num_blocks, ids, blocks_per_seq);
+    DeviceBuffer workspace(
+        cuda::AttentionWorkspaceBytes(l, shape.batch, kQHeads, blocks_per_seq, 0));
+    PagedDecodeAttentionParams p;
+    p.layout = l;
+    p.pages = pages.get<uint8_t>();
+    p.q = q.get<uint16_t>();
+    p.num_seqs = shape.batch;
+    p.num_q_heads = kQHeads;
+    p.block_tables = tables.get<int32_t>();
+    p.max_blocks_per_seq = blocks_per_seq;
+    p.seq_lens = seq_lens.get<int32_t>();
+    p.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+    p.out = out.get<float>();
+    p.num_blocks = num_blocks;
+    p.workspace = workspace.get();
+    p.workspace_bytes = workspace.bytes();
+    Result r;
+    r.shape = shape;
+    r.format = f.name;
+    r.ms = MedianMs(iters, flush, [&] { Check(cuda::PagedDecodeAttention(p, nullptr), f.name); });
+    const double page_bytes = static_cast<double>(shape.batch) * shape.context * kKvHeads * 2 *
+                              (l.code_bytes_per_token() + l.meta_bytes_per_token());
+    r.bytes = page_bytes + rows * kHeadDim * (2.0 + 4.0);
+    r.tbps = r.bytes / (r.ms * 1e-3) / 1e12;
+    r.frac_stream = r.tbps / stream_tbps;
+    outputs.push_back(out.ToHost<float>());
+    results->push_back(r);
+  }
+  for (size_t i = 0; i + 1 < outputs.size(); ++i) {
+    const auto [mean, worst] = RowErrors(outputs[i], outputs.back());
+    (*results)[first + i].err_mean = mean;
+    (*results)[first + i].err_max = worst;
+  }
+}
+
+void WriteJson(const std::string& path, const std::string& device, double stream_tbps, int iters,
+               const std::vector<Result>& results) {
+  FILE* f = std::fopen(path.c_str(), "w");
+  if (f == nullptr) {
+    std::perror(path.c_str());
+    std::exit(1);
+  }
+  std::fprintf(f,
+               "{\n  \"benchmark\": \"attention_bench\",\n  \"device\": \"%s\",\n"
+               "  \"commit\": \"%s\",\n  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
+               "\"block_tokens\": %d,\n  \"iters\": %d,\n  \"stream_read_tbps\": %.4f,\n"
+               "  \"cases\": [\n",
+               device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), kQHeads, kKvHeads, kHeadDim,
+               kBlockTokens, iters, stream_tbps);
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Result& r = results[i];
+    std::fprintf(f,
+                 "    {\"batch\": %d, \"context\": %d, \"format\": \"%s\", \"ms\": %.5f, "
+                 "\"bytes\": %.0f, \"tbps\": %.4f, \"frac_stream\": %.4f, "
+                 "\"rel_err_vs_fp16_mean\": %.6f, \"rel_err_vs_fp16_max\": %.6f}%s\n",
+                 r.shape.batch, r.shape.context, r.format, r.ms, r.bytes, r.tbps, r.frac_stream,
+                 r.err_mean, r.err_max, i + 1 < results.size() ? "," : "");
+  }
+  std::fprintf(f, "  ]\n}\n");
+  std::fclose(f);
+}
+
+int Main() {
+  if (!cuda::Available()) {
+    std::fprintf(stderr, "attention_bench: no CUDA device visible\n");
+    return 1;
+  }
+  const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
+  cudaDeviceProp prop{};
+  KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  DeviceBuffer flush(kFlushBytes);
+  const double stream_tbps = StreamingReadTbps(iters, flush);
+  std::printf("device %s, streaming read %.3f TB/s\n", prop.name, stream_tbps);
+  std::vector<Result> results;
+  for (const Shape& shape : kShapes) RunShape(shape, iters, stream_tbps, flush, &results);
+
+  std::printf("%5s %6s %-12s %9s %8s %7s %10s %10s\n", "batch", "ctx", "format", "ms", "TB/s",
+              "stream", "err_mean", "err_max");
+  for (const Result& r : results) {
+    std::printf("%5d %6d %-12s %9.4f %8.3f %6.1f%% %10.2e %10.2e\n", r.shape.batch, r.shape.context,
+                r.format, r.ms, r.tbps, 100 * r.frac_stream, r.err_mean, r.err_max);
+  }
+  const std::string out = absl::GetFlag(FLAGS_out);
+  if (!out.empty()) WriteJson(out, prop.name, stream_tbps, iters, results);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvpool
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  return kvpool::Main();
+}

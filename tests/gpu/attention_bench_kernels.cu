@@ -1,0 +1,87 @@
+// Device helpers of the attention benchmark; see attention_bench_kernels.h.
+#include <cuda_fp16.h>
+
+#include <cmath>
+
+#include "tests/gpu/attention_bench_kernels.h"
+
+namespace kvpool::bench {
+namespace {
+
+constexpr int kStreamCtas = 4096;
+constexpr int kStreamThreads = 512;
+
+__device__ __forceinline__ uint64_t Mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+// Approximately N(0,1): the sum of four 16-bit uniforms, centred and scaled to unit variance.
+__device__ __forceinline__ float Normalish(uint64_t h) {
+  float s = 0.0f;
+  for (int i = 0; i < 4; ++i)
+    s += static_cast<float>((h >> (16 * i)) & 0xFFFFu) * (1.0f / 65536.0f);
+  return (s - 2.0f) * 1.7320508f;
+}
+
+// One thread per (token, head, channel). Grid-stride over num_tokens * num_heads * head_dim.
+__global__ void FillSyntheticKvKernel(uint16_t* k, uint16_t* v, int first_token, int num_tokens,
+                                      int num_heads, int head_dim, uint64_t seed) {
+  const size_t n = static_cast<size_t>(num_tokens) * num_heads * head_dim;
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const int c = static_cast<int>(i % head_dim);
+    const int h = static_cast<int>((i / head_dim) % num_heads);
+    const int t = first_token + static_cast<int>(i / (static_cast<size_t>(head_dim) * num_heads));
+    const uint64_t key = seed * 0x9E3779B97F4A7C15ull +
+                         ((static_cast<uint64_t>(t) * num_heads + h) * head_dim + c) * 2;
+    float kx = Normalish(Mix(key));
+    float vx = Normalish(Mix(key + 1));
+    const float theta = powf(10000.0f, -18.0f / head_dim);
+    if (c == 5) kx += (seed & 1) ? 12.0f : -12.0f;
+    if (c == 9) kx += 12.0f * cosf(t * theta);
+    if (c == 9 + head_dim / 2) kx += 12.0f * sinf(t * theta);
+    if (c == 17) kx *= 10.0f;
+    if (c == 5 || c == 9) vx *= 5.0f;
+    k[i] = __half_as_ushort(__float2half_rn(kx));
+    v[i] = __half_as_ushort(__float2half_rn(vx));
+  }
+}
+
+// Grid kStreamCtas x kStreamThreads, grid-stride 16-byte streaming loads; lane 0 of each CTA's
+// first warp writes a checksum word.
+__global__ void StreamReadKernel(const uint4* data, size_t n, uint32_t* sink) {
+  uint32_t acc = 0;
+  const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
+  size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    const uint4 a = __ldcs(data + i), b = __ldcs(data + i + stride);
+    const uint4 c = __ldcs(data + i + 2 * stride), d = __ldcs(data + i + 3 * stride);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^
+           d.w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 a = __ldcs(data + i);
+    acc ^= a.x ^ a.y ^ a.z ^ a.w;
+  }
+  for (int m = 16; m > 0; m >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, m);
+  if (threadIdx.x == 0) sink[blockIdx.x] = acc;
+}
+
+}  // namespace
+
+cudaError_t FillSyntheticKv(uint16_t* k, uint16_t* v, int first_token, int num_tokens,
+                            int num_heads, int head_dim, uint64_t seed, cudaStream_t stream) {
+  FillSyntheticKvKernel<<<2048, 256, 0, stream>>>(k, v, first_token, num_tokens, num_heads,
+                                                  head_dim, seed);
+  return cudaGetLastError();
+}
+
+cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
+  StreamReadKernel<<<kStreamCtas, kStreamThreads, 0, stream>>>(static_cast<const uint4*>(data),
+                                                               bytes / 16, sink);
+  return cudaGetLastError();
+}
+
+}  // namespace kvpool::bench

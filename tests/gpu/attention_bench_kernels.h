@@ -1,0 +1,27 @@
+// Device helpers of the attention benchmark (attention_bench_kernels.cu): synthetic K/V with
+// outlier channels generated on the device, and the streaming-read ceiling kernel.
+#ifndef KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_
+#define KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvpool::bench {
+
+// Fills k and v [num_tokens][num_heads][head_dim] fp16 with hash-based N(0,1)-like values
+// (Irwin-Hall of 4 uniforms, rescaled) for tokens first_token .. first_token + num_tokens - 1,
+// plus the outliers real caches show: K channel 5 += 12 * sign, K channels (9, 9 + head_dim/2)
+// += 12 (cos, sin)(t * theta), K channel 17 *= 10, V channels 5 and 9 *= 5. Deterministic in
+// (seed, token, head, channel).
+cudaError_t FillSyntheticKv(uint16_t* k, uint16_t* v, int first_token, int num_tokens,
+                            int num_heads, int head_dim, uint64_t seed, cudaStream_t stream);
+
+// Reads `bytes` (a multiple of 16) with 16-byte loads and writes one word per CTA into `sink`
+// (at least 4096 uint32 words) so that nothing is optimized away.
+cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream);
+
+}  // namespace kvpool::bench
+
+#endif  // KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_

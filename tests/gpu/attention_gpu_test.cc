@@ -1,0 +1,214 @@
+// cuda::PagedDecodeAttention against the CPU reference cpu::PagedDecodeAttention, on pages the
+// CPU reference quantized from fresh random K/V with outlier channels, scattered block tables,
+// variable lengths, GQA, sinks, and every compiled head_dim / block_tokens / dtype.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
+#include "tests/common/kv_test_data.h"
+#include "tests/gpu/attention_test_util.h"
+
+namespace kvpool {
+namespace {
+
+using testing::DeviceBuffer;
+using testing::HostBatch;
+using testing::MakeHostBatch;
+using testing::Outliers;
+
+constexpr double kMaxRelError = 1e-3;
+constexpr double kMaxLseError = 1e-3;
+
+#define SKIP_WITHOUT_GPU() \
+  if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: GPU attention not tested"
+
+PageLayout Layout(KvDtype dtype, int head_dim, int block_tokens, int num_kv_heads = 2) {
+  PageLayout l;
+  l.num_kv_heads = num_kv_heads;
+  l.head_dim = head_dim;
+  l.block_tokens = block_tokens;
+  l.dtype = dtype;
+  l.group_size = head_dim;
+  l.rot_block = dtype == KvDtype::kFp16 ? 0 : std::min(head_dim, 128);
+  l.sign_seed = 0x1234abcdull;
+  return l;
+}
+
+struct Errors {
+  double out_rel = 0.0;  // max over (seq, head) rows of max|gpu - cpu| / max|cpu|
+  double lse_abs = 0.0;  // max |gpu - cpu| of lse
+};
+
+// Runs both backends on `b` (GPU with `num_splits`, 0 = auto) and compares them.
+Errors Compare(const HostBatch& b, int num_splits = 0) {
+  const int num_seqs = static_cast<int>(b.seq_lens.size());
+  const int dim = b.layout.head_dim;
+  const size_t rows = static_cast<size_t>(num_seqs) * b.num_q_heads;
+  std::vector<float> ref_out(rows * dim), ref_lse(rows);
+  const PagedDecodeAttentionParams host = b.HostParams(ref_out.data(), ref_lse.data());
+  EXPECT_EQ(cpu::PagedDecodeAttention(host), KernelStatus::kOk);
+
+  DeviceBuffer pages(b.pages), sink_pages(b.sink_pages), q(b.q), tables(b.block_tables),
+      lens(b.seq_lens), out(rows * dim * sizeof(float)), lse(rows * sizeof(float));
+  PagedDecodeAttentionParams dev = host;
+  dev.pages = pages.get<uint8_t>();
+  dev.sink_pages = sink_pages.get<uint8_t>();
+  dev.q = q.get<uint16_t>();
+  dev.block_tables = tables.get<int32_t>();
+  dev.seq_lens = lens.get<int32_t>();
+  dev.out = out.get<float>();
+  dev.lse = lse.get<float>();
+  dev.num_splits = num_splits;
+  DeviceBuffer workspace(cuda::AttentionWorkspaceBytes(b.layout, num_seqs, b.num_q_heads,
+                                                       b.max_blocks_per_seq, num_splits));
+  dev.workspace = workspace.get();
+  dev.workspace_bytes = workspace.bytes();
+  const KernelStatus st = cuda::PagedDecodeAttention(dev, nullptr);
+  EXPECT_EQ(st, KernelStatus::kOk) << cuda::LastErrorMessage();
+  KVPOOL_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<float> got_out = out.ToHost<float>(), got_lse = lse.ToHost<float>();
+
+  Errors e;
+  for (size_t r = 0; r < rows; ++r) {
+    double max_ref = 0.0, max_diff = 0.0;
+    for (int c = 0; c < dim; ++c) {
+      const double ref = ref_out[r * dim + c];
+      const double got = got_out[r * dim + c];
+      max_ref = std::max(max_ref, std::abs(ref));
+      max_diff = std::max(max_diff, std::isfinite(got) ? std::abs(got - ref) : 1e30);
+    }
+    e.out_rel = std::max(e.out_rel, max_diff / max_ref);
+    const double lse_diff = std::abs(static_cast<double>(got_lse[r]) - ref_lse[r]);
+    e.lse_abs = std::max(e.lse_abs, std::isfinite(got_lse[r]) ? lse_diff : 1e30);
+  }
+  return e;
+}
+
+std::string Name(const PageLayout& l, int ratio) {
+  return "dtype=" + std::to_string(static_cast<int>(l.dtype)) +
+         " head_dim=" + std::to_string(l.head_dim) +
+         " block_tokens=" + std::to_string(l.block_tokens) +
+         " group=" + std::to_string(l.group_size) + " rot=" + std::to_string(l.rot_block) +
+         " sinks=" + std::to_string(l.sink_tokens) + " ratio=" + std::to_string(ratio);
+}
+
+void ExpectMatchesReference(const PageLayout& layout, int ratio, const std::vector<int32_t>& lens,
+                            Outliers outliers, uint64_t seed, int num_splits = 0) {
+  HostBatch b;
+  ASSERT_TRUE(MakeHostBatch(layout, layout.num_kv_heads * ratio, lens, outliers, seed, &b))
+      << Name(layout, ratio);
+  const Errors e = Compare(b, num_splits);
+  EXPECT_LE(e.out_rel, kMaxRelError) << Name(layout, ratio) << " splits=" << num_splits;
+  EXPECT_LE(e.lse_abs, kMaxLseError) << Name(layout, ratio) << " splits=" << num_splits;
+}
+
+constexpr KvDtype kAllDtypes[] = {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3,
+                                  KvDtype::kFp16};
+
+TEST(CudaPagedAttention, MatchesReferenceForEveryDtypeHeadDimAndBlockSize) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 100;
+  for (KvDtype dtype : kAllDtypes) {
+    for (int head_dim : {64, 128, 256}) {
+      for (int bt : {16, 32, 64}) {
+        // Lengths: a single token, a non-multiple of the block, several stages and splits.
+        ExpectMatchesReference(Layout(dtype, head_dim, bt), 4, {1, 3 * bt + 5, 777, 2 * bt},
+                               Outliers::kOffset, ++seed);
+      }
+    }
+  }
+}
+
+TEST(CudaPagedAttention, SharesPagesAcrossGqaRatios) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 200;
+  for (KvDtype dtype : kAllDtypes) {
+    for (int ratio : {1, 4, 8, 12}) {  // 12: two CTAs per KV head, the second one partial
+      ExpectMatchesReference(Layout(dtype, 128, 16, 2), ratio, {513, 64, 1000}, Outliers::kRope,
+                             ++seed);
+    }
+  }
+}
+
+TEST(CudaPagedAttention, MergesFp16SinksByLogSumExp) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 300;
+  for (KvDtype dtype : kAllDtypes) {
+    for (int bt : {16, 64}) {
+      PageLayout l = Layout(dtype, 128, bt);
+      l.sink_tokens = 4;
+      // Lengths shorter than, equal to and longer than the sink segment.
+      ExpectMatchesReference(l, 4, {1, 3, 4, 5, 300, 2000}, Outliers::kSpikes, ++seed);
+    }
+  }
+  PageLayout full = Layout(KvDtype::kInt4, 64, 16);
+  full.sink_tokens = 16;  // a whole first block of sinks
+  ExpectMatchesReference(full, 8, {16, 17, 450}, Outliers::kVariance, ++seed);
+}
+
+TEST(CudaPagedAttention, AppliesPerGroupScalesAndEveryRotationBlock) {
+  SKIP_WITHOUT_GPU();
+  uint64_t seed = 400;
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3}) {
+    for (int group : {16, 32, 64}) {
+      for (int rot : {0, 16, 64, 128}) {
+        PageLayout l = Layout(dtype, 128, 32);
+        l.group_size = group;
+        l.rot_block = rot;
+        ExpectMatchesReference(l, 4, {200, 999}, Outliers::kOffset, ++seed);
+      }
+    }
+  }
+}
+
+TEST(CudaPagedAttention, ExplicitSplitCountsAgreeWithTheReference) {
+  SKIP_WITHOUT_GPU();
+  const PageLayout l = Layout(KvDtype::kInt4, 128, 16);
+  for (int splits : {1, 2, 7, 64}) {
+    ExpectMatchesReference(l, 4, {3000, 17, 1200}, Outliers::kRope, 500 + splits, splits);
+  }
+}
+
+TEST(CudaPagedAttention, LongContextsUpTo64K) {
+  SKIP_WITHOUT_GPU();
+  PageLayout l = Layout(KvDtype::kInt4, 128, 16, 1);
+  ExpectMatchesReference(l, 4, {65536, 40003, 1}, Outliers::kRope, 600);
+  l.dtype = KvDtype::kFp8E4M3;
+  l.block_tokens = 64;
+  ExpectMatchesReference(l, 8, {65536, 16385}, Outliers::kSpikes, 601);
+}
+
+TEST(CudaPagedAttention, RejectsWhatItCannotServe) {
+  SKIP_WITHOUT_GPU();
+  HostBatch b;
+  ASSERT_TRUE(MakeHostBatch(Layout(KvDtype::kInt4, 128, 16), 8, {100}, Outliers::kNone, 700, &b));
+  std::vector<float> out(8 * 128);
+  DeviceBuffer workspace(cuda::AttentionWorkspaceBytes(b.layout, 1, 8, b.max_blocks_per_seq, 0));
+  PagedDecodeAttentionParams p = b.HostParams(out.data(), nullptr);
+  p.workspace = workspace.get();
+  p.workspace_bytes = workspace.bytes() - 16;  // too small
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
+  p.workspace_bytes = workspace.bytes();
+  p.q = b.q.data() + 1;  // not 16-byte aligned
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
+  p.q = b.q.data();
+  p.layout.group_size = 8;  // valid for the CPU, not a multiple of 16
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
+  p.layout = b.layout;
+  p.layout.head_dim = 96;  // valid layout, not compiled
+  p.layout.group_size = 96;
+  p.layout.rot_block = 32;
+  p.workspace_bytes = cuda::AttentionWorkspaceBytes(p.layout, 1, 8, b.max_blocks_per_seq, 0);
+  ASSERT_LE(p.workspace_bytes, workspace.bytes());
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kUnsupported);
+}
+
+}  // namespace
+}  // namespace kvpool
