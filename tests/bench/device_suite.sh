@@ -7,7 +7,10 @@ set -uo pipefail
 commit=${1:-unknown}
 out=${OUT:-out}
 mkdir -p "$out"
-export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+[[ -d carry ]] || tar -xJf carry.tar.xz
+# NCCL is not carried: PyTorch's wheel ships it on the GPU machine.
+nccl_lib=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" 2>/dev/null)
+export LD_LIBRARY_PATH=$PWD/carry/lib${nccl_lib:+:$nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 bin=$PWD/carry/bin
 log=$out/suite.log
 exec > >(tee -a "$log") 2>&1
