@@ -12,12 +12,13 @@
 //
 // Codes per dtype, for the rotated vector x' of one (token, head):
 //   kInt4     asymmetric per group: scale = (max-min)/15, zero = min (both stored fp16),
-//             code = clamp(rint((x' - zero) / scale), 0, 15) with fp32 math (IEEE division) on the
-//             fp16 scale and zero; byte j holds channel 2j in its low nibble, 2j+1 in its high nibble.
+//             code = clamp(rint(fmaf(x', r, -zero * r)), 0, 15) with fp32 math on the fp16 scale
+//             and zero, r = 1 / scale (IEEE, once per group), the fma rounded once; byte j holds
+//             channel 2j in its low nibble, 2j+1 in its high nibble.
 //             x' ~= code * scale + zero.
 //   kInt8     the same with 255 levels, one byte per channel.
 //   kFp8E4M3  symmetric per group: scale = absmax/448 (fp16), zero = 0;
-//             code = e4m3(x' / scale) (round-to-nearest-even, saturating).
+//             code = e4m3(x' * r), r = 1 / scale (round-to-nearest-even, saturating).
 //   kFp16     the values themselves (never rotated), no meta.
 //
 // A scale of 0 (all channels of a group equal) stores code 0 and reproduces `zero` exactly.

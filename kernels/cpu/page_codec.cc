@@ -54,11 +54,14 @@ void EncodeIntGroup(const PageLayout& l, const float* x, int levels, int token, 
   WriteMeta(l, head_page, token, group, scale_h, zero_h);
   const float s = HalfToFloat(scale_h);
   const float z = HalfToFloat(zero_h);
+  // One reciprocal per group; each channel is then one fma: q = x * r + (-z * r).
+  const float r = s > 0.0f ? 1.0f / s : 0.0f;
+  const float b = -z * r;
   for (int c = c0; c < c0 + l.group_size; ++c) {
     uint8_t code = 0;
     if (s > 0.0f) {
       // Clamping before rounding equals clamping after it, and keeps NaN from the int cast.
-      const float q = std::min(std::max((x[c] - z) / s, 0.0f), static_cast<float>(levels));
+      const float q = std::min(std::max(std::fmaf(x[c], r, b), 0.0f), static_cast<float>(levels));
       code = static_cast<uint8_t>(std::nearbyint(q));
     }
     PutCode(l.dtype, row, c, code);
@@ -74,7 +77,8 @@ void EncodeFp8Group(const PageLayout& l, const float* x, int token, int group, u
   const uint16_t scale_h = FloatToHalf(amax / 448.0f);
   WriteMeta(l, head_page, token, group, scale_h, 0);
   const float s = HalfToFloat(scale_h);
-  for (int c = c0; c < c0 + l.group_size; ++c) row[c] = s > 0.0f ? FloatToFp8E4M3(x[c] / s) : 0;
+  const float r = s > 0.0f ? 1.0f / s : 0.0f;
+  for (int c = c0; c < c0 + l.group_size; ++c) row[c] = s > 0.0f ? FloatToFp8E4M3(x[c] * r) : 0;
 }
 
 }  // namespace

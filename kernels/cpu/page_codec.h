@@ -5,10 +5,11 @@
 //     mn = min x', mx = max x'
 //     scale_h = FloatToHalf((mx - mn) / L), zero_h = FloatToHalf(mn)
 //     s = HalfToFloat(scale_h), z = HalfToFloat(zero_h)
-//     code = s > 0 ? clamp((int)nearbyintf((x' - z) / s), 0, L) : 0
+//     r = 1.0f / s (IEEE, once per group), b = -z * r
+//     code = s > 0 ? clamp((int)nearbyintf(fmaf(x', r, b)), 0, L) : 0   (one fused rounding)
 //   FP8 E4M3, per group:
-//     scale_h = FloatToHalf(max|x'| / 448), zero_h = 0, s = HalfToFloat(scale_h)
-//     code = s > 0 ? FloatToFp8E4M3(x' / s) : 0
+//     scale_h = FloatToHalf(max|x'| / 448), zero_h = 0, s = HalfToFloat(scale_h), r = 1.0f / s
+//     code = s > 0 ? FloatToFp8E4M3(x' * r) : 0
 //   INT4 packing: byte j = code[2j] | code[2j+1] << 4.
 //   Decoding: x' = code * s + z in float (FP8: Fp8E4M3ToFloat(code) * s + 0).
 #ifndef KVPOOL_KERNELS_CPU_PAGE_CODEC_H_

@@ -139,11 +139,17 @@ inline RotationSigns MakeRotationSigns(const PageLayout& layout) {
 __device__ __forceinline__ uint32_t SignByte(const RotationSigns& s, int chunk) {
   return (s.bits[chunk >> 2] >> ((chunk & 3) * 8)) & 0xffu;
 }
-// The +-1.0f multipliers of a SignByte, for kernels that apply one sign byte to several vectors
-// (a multiply per value instead of integer bit work).
-__device__ __forceinline__ void SignMultipliers8(uint32_t sign_byte, float (&s)[8]) {
+// The sign bits of channels [32 * chunk32, 32 * chunk32 + 32) as 16 xor masks on packed half2
+// words: mask j flips the fp16 sign bit of channel 2j (bit 15) and 2j + 1 (bit 31) where the
+// channel's sign is -1. Xor-ing the raw fp16 words is exact and costs one op per two channels.
+__device__ __forceinline__ void HalfSignMasks32(const RotationSigns& s, int chunk32,
+                                                uint32_t (&mask)[16]) {
+  const uint32_t bits = s.bits[chunk32];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) s[i] = ((sign_byte >> i) & 1u) != 0 ? -1.0f : 1.0f;
+  for (int j = 0; j < 16; ++j) {
+    const uint32_t pair = (bits >> (2 * j)) & 3u;
+    mask[j] = ((pair & 1u) << 15) | ((pair & 2u) << 30);
+  }
 }
 // x[i] *= -1 where bit i of `sign_byte` is set (exact: flips the sign bit).
 __device__ __forceinline__ void ApplySigns8(uint32_t sign_byte, float (&x)[8]) {
@@ -151,6 +157,15 @@ __device__ __forceinline__ void ApplySigns8(uint32_t sign_byte, float (&x)[8]) {
   for (int i = 0; i < 8; ++i) {
     x[i] = __uint_as_float(__float_as_uint(x[i]) ^ (((sign_byte >> i) & 1u) << 31));
   }
+}
+
+// 1/sqrt(kRot) as a float: the normalization of a Hadamard block of kRot (16..128) channels.
+template <int kRot>
+__host__ __device__ constexpr float HadamardNorm() {
+  return kRot == 16   ? 0.25f
+         : kRot == 32 ? 0.17677669529663687f
+         : kRot == 64 ? 0.125f
+                      : 0.088388347648318440f;
 }
 
 // Normalized block-diagonal Walsh-Hadamard of block kRot (0 = identity) over a vector spread as
@@ -184,12 +199,37 @@ __device__ __forceinline__ void Hadamard8PerLane(float (&x)[8], int chunk) {
         x[i] = __fmaf_rn(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
       }
     }
-    constexpr float kNorm = kRot == 16   ? 0.25f
-                            : kRot == 32 ? 0.17677669529663687f
-                            : kRot == 64 ? 0.125f
-                                         : 0.088388347648318440f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] *= kNorm;
+    for (int i = 0; i < 8; ++i) x[i] *= HadamardNorm<kRot>();
+  }
+}
+
+// The butterflies of Hadamard8PerLane (no 1/sqrt(kRot) scaling; the caller applies it) over a
+// vector spread as 32 consecutive channels per lane: lane `chunk32` holds channels
+// [32 chunk32, 32 chunk32 + 32). Blocks of up to 32 channels need no shuffle; larger blocks take
+// one cross-lane stage per doubling. All 32 lanes of the warp must call it.
+template <int kRot>
+__device__ __forceinline__ void HadamardButterflies32PerLane(float (&x)[32], int chunk32) {
+  static_assert(kRot >= 16 && kRot <= 128 && (kRot & (kRot - 1)) == 0, "rot block");
+  constexpr int kInLane = kRot < 32 ? kRot : 32;
+#pragma unroll
+  for (int h = 1; h < kInLane; h <<= 1) {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      if ((i & h) == 0) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
+      }
+    }
+  }
+#pragma unroll
+  for (int m = 1; m < kRot / 32; m <<= 1) {
+    const float sign = (chunk32 & m) != 0 ? -1.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      x[i] = __fmaf_rn(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
+    }
   }
 }
 

@@ -1,7 +1,8 @@
 // The fused rotate-quantize-append kernel (DESIGN.md section 5) and kvpool::cuda::QuantizeAppend.
 // It reproduces the CPU reference's per-row math (kernels/cpu/page_codec.h) except that the
-// rotation runs in fp32 instead of double, so a code may differ by one where x' sits within an
-// fp32 rounding of a half-way point.
+// rotation runs in fp32 instead of double and its 1/sqrt(rot_block) is folded into the
+// reciprocal of the scale (meta stays exact), so a code may differ by one where x' sits within
+// an fp32 rounding of a half-way point. Unrotated rows match the reference bit for bit.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -14,9 +15,11 @@ namespace kvpool::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-// Items (token, head) per lane group: their loads are all issued before any is processed, which
-// keeps enough bytes in flight to saturate HBM.
-constexpr int kItemsPerLaneGroup = 2;
+// Channels of a row per lane: hadamard blocks up to 32 need no shuffle, 64 and 128 one and two.
+constexpr int kChannels = 32;
+// Items (token, head) per lane group, one after the other (item g + u * lane_groups_in_grid):
+// the sign masks are set up once per thread.
+constexpr int kItemsPerLaneGroup = 4;
 
 struct QuantizeArgs {
   const uint16_t* k;            // [num_tokens][num_kv_heads][head_dim] fp16, 16-byte aligned
@@ -25,18 +28,17 @@ struct QuantizeArgs {
   const int32_t* positions;     // [num_tokens]; read only when sink_tokens > 0
   uint8_t* pages;               // [num_blocks][layer_page_bytes], 16-byte aligned
   uint8_t* sink_pages;          // [num_blocks][sink_page_bytes]; used when sink_tokens > 0
-  uint32_t num_items;           // num_tokens * num_kv_heads
+  uint32_t num_items;           // num_tokens * num_kv_heads, < 2^31
   int num_kv_heads;
   int64_t num_slots;  // num_blocks * block_tokens
-  int group_size;     // channels per {scale, zero}, a multiple of 8
+  int group_size;     // channels per {scale, zero}: a power of two >= 8 dividing head_dim
   int sink_tokens;
   PageGeometry geo;
   RotationSigns signs;
 };
 
 // a / b, correctly rounded like IEEE division, from r = RN(1 / b): one fma correction of the
-// product a * r (Markstein's theorem; holds for the normal, finite operands seen here). Cheaper
-// than a full division per channel; r is computed once per group.
+// product a * r (Markstein's theorem; holds for the normal, finite operands seen here).
 __device__ __forceinline__ float DivWithReciprocal(float a, float b, float r) {
   const float q = __fmul_rn(a, r);
   const float rem = __fmaf_rn(-q, b, a);
@@ -55,218 +57,323 @@ __device__ __forceinline__ void GroupMinMax(int lanes, float& mn, float& mx) {
   }
 }
 
-// {scale, zero} of one group (kernels/cpu/page_codec.h): s, z as floats, r = RN(1 / s), and the
-// stored word (scale in the low half).
+// {scale, zero} of one group (kernels/cpu/page_codec.h) and the quantizer's constants:
+// r = RN(1 / s) (0 when s == 0, which makes every INT code 0), b = -z * r, and the stored word
+// (scale in the low half).
 struct GroupMeta {
-  float s, z, r;
+  float r, b;
   uint32_t word;
 };
 
-// mn, mx: the group's min and max (FP8: mx = max |x|, mn unused).
+// mn, mx: the group's min and max of x' (FP8: mx = max |x'|, mn unused).
 template <KvDtype kDtype>
 __device__ __forceinline__ GroupMeta MakeGroupMeta(float mn, float mx) {
   GroupMeta m;
+  float s, z = 0.0f;
   if constexpr (kDtype == KvDtype::kFp8E4M3) {
     const uint16_t scale_h = FloatToHalfBits(DivWithReciprocal(mx, 448.0f, 1.0f / 448.0f));
-    m.s = HalfBitsToFloat(scale_h);
-    m.z = 0.0f;
+    s = HalfBitsToFloat(scale_h);
     m.word = scale_h;
   } else {
     constexpr float kLevels = kDtype == KvDtype::kInt4 ? 15.0f : 255.0f;
     const uint16_t scale_h =
         FloatToHalfBits(DivWithReciprocal(__fsub_rn(mx, mn), kLevels, 1.0f / kLevels));
     const uint16_t zero_h = FloatToHalfBits(mn);
-    m.s = HalfBitsToFloat(scale_h);
-    m.z = HalfBitsToFloat(zero_h);
+    s = HalfBitsToFloat(scale_h);
+    z = HalfBitsToFloat(zero_h);
     m.word = static_cast<uint32_t>(scale_h) | (static_cast<uint32_t>(zero_h) << 16);
   }
-  m.r = __frcp_rn(m.s);
+  m.r = s > 0.0f ? __frcp_rn(s) : 0.0f;
+  m.b = __fmul_rn(-z, m.r);
   return m;
 }
 
 // 1.5 * 2^23: for |q| < 2^22, q + kRoundMagic rounds q to an integer (ties to even, like
-// __float2int_rn) held in the low mantissa bits, and (q + kRoundMagic) - kRoundMagic is that
-// integer as a float. Codes are rounded and packed this way in fp32 (no F2I, no integer work).
+// nearbyintf) held in the low mantissa bits; the low byte of the sum's bits is the code.
 constexpr float kRoundMagic = 12582912.0f;
 
-// Codes of the 8 channels x (consecutive) of one lane, packed as stored: INT4 in .x (channel 2j
-// in the low nibble of byte j), INT8 / FP8 in .x (channels 0-3) and .y (4-7).
+// Packs the low bytes of four words (code bits) into one: byte j from w[j].
+__device__ __forceinline__ uint32_t PackLowBytes(uint32_t w0, uint32_t w1, uint32_t w2,
+                                                 uint32_t w3) {
+  return __byte_perm(__byte_perm(w0, w1, 0x0040), __byte_perm(w2, w3, 0x0040), 0x5410);
+}
+
+// Quantizes the 32 channels x of one lane with the meta m[j] of channels [8j, 8j + 8), and
+// returns their packed codes as stored (INT4: 4 words, INT8 / FP8: 8 words). `x_scale` is the
+// factor between x and x' (the Hadamard normalization when x holds bare butterflies, else 1):
+// the code of x' is computed as fma(x, r * x_scale, b); x_mn / x_mx bound x over each j.
 template <KvDtype kDtype>
-__device__ __forceinline__ uint2 EncodeLane(const float (&x)[8], const GroupMeta& m, float mn,
-                                            float mx) {
-  if (!(m.s > 0.0f)) return make_uint2(0u, 0u);
+__device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta (&m)[4],
+                                           const float (&x_mn)[4], const float (&x_mx)[4],
+                                           float x_scale, uint32_t (&out)[8]) {
+  float r[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) r[j] = x_scale == 1.0f ? m[j].r : __fmul_rn(m[j].r, x_scale);
   if constexpr (kDtype == KvDtype::kFp8E4M3) {
-    uint32_t pair[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      pair[j] = __nv_cvt_float2_to_fp8x2(make_float2(DivWithReciprocal(x[2 * j], m.s, m.r),
-                                                     DivWithReciprocal(x[2 * j + 1], m.s, m.r)),
-                                         __NV_SATFINITE, __NV_E4M3);
-    }
-    return make_uint2(__byte_perm(pair[0], pair[1], 0x5410), __byte_perm(pair[2], pair[3], 0x5410));
-  } else {
-    constexpr float kLevels = kDtype == KvDtype::kInt4 ? 15.0f : 255.0f;
-    // x -> (x - z) / s is monotonic, so the group's min and max bound every quotient: clamping
-    // is needed only when they round outside [0, levels] (fp16 rounding of s and z).
-    const float q_lo = DivWithReciprocal(__fsub_rn(mn, m.z), m.s, m.r);
-    const float q_hi = DivWithReciprocal(__fsub_rn(mx, m.z), m.s, m.r);
-    const bool clamp = q_lo < -0.5f || q_hi >= kLevels + 0.5f;
-    float t[8];  // rounded code + kRoundMagic
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      float q = DivWithReciprocal(__fsub_rn(x[i], m.z), m.s, m.r);
-      if (clamp) q = fminf(fmaxf(q, 0.0f), kLevels);
-      t[i] = __fadd_rn(q, kRoundMagic);
-    }
-    // Sums of codes times powers of two stay below 2^16: exact in fp32 next to kRoundMagic.
-    auto code = [&](int i) { return __fsub_rn(t[i], kRoundMagic); };
-    if constexpr (kDtype == KvDtype::kInt4) {
-      float half[2];
+    for (int w = 0; w < 8; ++w) {
+      const int j = w / 2;
+      uint32_t pair[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int i = 4 * h;
-        half[h] = __fmaf_rn(code(i + 3), 4096.0f,
-                            __fmaf_rn(code(i + 2), 256.0f, __fmaf_rn(code(i + 1), 16.0f, t[i])));
+        const int i = 4 * w + 2 * h;
+        pair[h] =
+            __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(x[i], r[j]), __fmul_rn(x[i + 1], r[j])),
+                                     __NV_SATFINITE, __NV_E4M3);
       }
-      return make_uint2(__byte_perm(__float_as_uint(half[0]), __float_as_uint(half[1]), 0x5410),
-                        0u);
-    } else {
-      uint32_t pair[4];
+      // s == 0: code 0 (x * 0 may be -0, whose e4m3 code is 0x80).
+      out[w] = m[j].r > 0.0f ? __byte_perm(pair[0], pair[1], 0x5410) : 0u;
+    }
+  } else {
+    constexpr float kLevels = kDtype == KvDtype::kInt4 ? 15.0f : 255.0f;
+    // q = fma(x, r, b) is monotonic in x, so each group's min and max bound its q: clamping is
+    // needed only when they round outside [0, levels] (fp16 rounding of s and z).
+    bool clamp = false;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        pair[j] = __float_as_uint(__fmaf_rn(code(2 * j + 1), 256.0f, t[2 * j]));
+    for (int j = 0; j < 4; ++j) {
+      clamp |= __fmaf_rn(x_mn[j], r[j], m[j].b) < -0.5f ||
+               __fmaf_rn(x_mx[j], r[j], m[j].b) >= kLevels + 0.5f;
+    }
+    uint32_t t[32];  // bits of the rounded code + kRoundMagic
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      float q = __fmaf_rn(x[i], r[i / 8], m[i / 8].b);
+      if (clamp) q = fminf(fmaxf(q, 0.0f), kLevels);
+      t[i] = __float_as_uint(__fadd_rn(q, kRoundMagic));
+    }
+    if constexpr (kDtype == KvDtype::kInt4) {
+      // Low byte of t[2k + 1] * 16 + t[2k]: code 2k + 1 in the high nibble, 2k in the low one.
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        const int i = 8 * w;
+        out[w] = PackLowBytes(t[i + 1] * 16u + t[i], t[i + 3] * 16u + t[i + 2],
+                              t[i + 5] * 16u + t[i + 4], t[i + 7] * 16u + t[i + 6]);
       }
-      return make_uint2(__byte_perm(pair[0], pair[1], 0x5410),
-                        __byte_perm(pair[2], pair[3], 0x5410));
+    } else {
+#pragma unroll
+      for (int w = 0; w < 8; ++w) {
+        out[w] = PackLowBytes(t[4 * w], t[4 * w + 1], t[4 * w + 2], t[4 * w + 3]);
+      }
     }
   }
 }
 
-// Quantizes one rotated (or, for an unrotated layout, plain) row held 8 consecutive channels per
-// lane, and stores this lane's codes and its group's meta into token `offset` of `head_page`
-// when `write`. Every lane of the warp must call it.
-template <KvDtype kDtype, int kHeadDim>
-__device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const float (&x)[8],
-                                               uint8_t* head_page, int offset, int chunk,
-                                               bool write) {
-  constexpr int kLanes = kHeadDim / 8;
+// Quantizes one row (K or V of an item) from its raw fp16 words, 32 consecutive channels per
+// lane (lane `chunk` of kHeadDim / 32 consecutive lanes): sign flip and Hadamard when kRot > 0,
+// per-group min / max (in-lane, then shuffles for groups wider than a lane), codes and meta
+// stored into token `offset` of `head_page` when `write`. Every lane of the warp must call it.
+template <KvDtype kDtype, int kHeadDim, int kRot>
+__device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint4 (&raw)[4],
+                                               const uint32_t (&sign_mask)[16], uint8_t* head_page,
+                                               int offset, int chunk, bool write) {
+  constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp8 = kDtype == KvDtype::kFp8E4M3;
-  float mn = x[0], mx = kFp8 ? fabsf(x[0]) : x[0];
+  float x[32];
 #pragma unroll
-  for (int i = 1; i < 8; ++i) {
-    if constexpr (kFp8) {
-      mx = fmaxf(mx, fabsf(x[i]));
-    } else {
-      mn = fminf(mn, x[i]);
-      mx = fmaxf(mx, x[i]);
+  for (int w = 0; w < 4; ++w) {
+    uint4 in = raw[w];
+    if constexpr (kRot > 0) {
+      in.x ^= sign_mask[4 * w];
+      in.y ^= sign_mask[4 * w + 1];
+      in.z ^= sign_mask[4 * w + 2];
+      in.w ^= sign_mask[4 * w + 3];
+    }
+    float part[8];
+    UnpackHalf8(in, part);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[8 * w + i] = part[i];
+  }
+  // x holds bare butterflies; x' = x * norm, and RN(x * norm) is monotonic in x, so the group
+  // extremes of x' are the rounded extremes of x.
+  float norm = 1.0f;
+  if constexpr (kRot > 0) {
+    HadamardButterflies32PerLane<kRot>(x, chunk);
+    norm = HadamardNorm<kRot>();
+  }
+  float mn[4], mx[4];  // of x, per 8 channels (FP8: mx = max |x|)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    mn[j] = x[8 * j];
+    mx[j] = kFp8 ? fabsf(x[8 * j]) : x[8 * j];
+#pragma unroll
+    for (int i = 8 * j + 1; i < 8 * j + 8; ++i) {
+      if constexpr (kFp8) {
+        mx[j] = fmaxf(mx[j], fabsf(x[i]));
+      } else {
+        mn[j] = fminf(mn[j], x[i]);
+        mx[j] = fmaxf(mx[j], x[i]);
+      }
     }
   }
-  const int group_lanes = a.group_size / 8;
-  GroupMinMax<kLanes, !kFp8>(group_lanes, mn, mx);
-  const GroupMeta meta = MakeGroupMeta<kDtype>(mn, mx);
-  const uint2 codes = EncodeLane<kDtype>(x, meta, mn, mx);
+  GroupMeta meta[4];
+  if (a.group_size >= kChannels) {
+    float lo = fminf(fminf(mn[0], mn[1]), fminf(mn[2], mn[3]));
+    float hi = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+    GroupMinMax<kLanes, !kFp8>(a.group_size / kChannels, lo, hi);
+    meta[0] = MakeGroupMeta<kDtype>(__fmul_rn(lo, norm), __fmul_rn(hi, norm));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      meta[j] = meta[0];
+      mn[j] = lo;
+      mx[j] = hi;
+    }
+  } else {
+    if (a.group_size == 16) {
+#pragma unroll
+      for (int j = 0; j < 4; j += 2) {
+        mn[j] = mn[j + 1] = fminf(mn[j], mn[j + 1]);
+        mx[j] = mx[j + 1] = fmaxf(mx[j], mx[j + 1]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      meta[j] = MakeGroupMeta<kDtype>(__fmul_rn(mn[j], norm), __fmul_rn(mx[j], norm));
+    }
+  }
+  uint32_t codes[8];
+  EncodeLane<kDtype>(x, meta, mn, mx, norm, codes);
   if (!write) return;
   uint8_t* row = head_page + static_cast<size_t>(offset) * a.geo.code_bytes_per_token;
   if constexpr (kDtype == KvDtype::kInt4) {
-    *reinterpret_cast<uint32_t*>(row + chunk * 4) = codes.x;
+    *reinterpret_cast<uint4*>(row + chunk * 16) =
+        make_uint4(codes[0], codes[1], codes[2], codes[3]);
   } else {
-    *reinterpret_cast<uint2*>(row + chunk * 8) = codes;
+    *reinterpret_cast<uint4*>(row + chunk * 32) =
+        make_uint4(codes[0], codes[1], codes[2], codes[3]);
+    *reinterpret_cast<uint4*>(row + chunk * 32 + 16) =
+        make_uint4(codes[4], codes[5], codes[6], codes[7]);
   }
-  if (chunk % group_lanes == 0) {
-    *reinterpret_cast<uint32_t*>(head_page + a.geo.codes_bytes +
-                                 static_cast<size_t>(offset) * a.geo.meta_bytes_per_token +
-                                 (chunk / group_lanes) * 4) = meta.word;
+  uint8_t* meta_row =
+      head_page + a.geo.codes_bytes + static_cast<size_t>(offset) * a.geo.meta_bytes_per_token;
+  if (a.group_size >= kChannels) {
+    const int group_lanes = a.group_size / kChannels;
+    if (chunk % group_lanes == 0) {
+      *reinterpret_cast<uint32_t*>(meta_row + (chunk / group_lanes) * 4) = meta[0].word;
+    }
+  } else {
+    const int chunks_per_group = a.group_size / 8;  // 1 or 2
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j % chunks_per_group == 0) {
+        const int group = (chunk * kChannels + 8 * j) / a.group_size;
+        *reinterpret_cast<uint32_t*>(meta_row + group * 4) = meta[j].word;
+      }
+    }
   }
 }
 
-// Writes one item's fp16 K/V rows to the sink page of its block when its position is a sink.
-template <int kHeadDim>
+// The raw fp16 K and V words of one item that a lane owns, and the item's slot (-1: no write).
+struct ItemRaw {
+  uint4 k[4], v[4];
+  int64_t slot;
+};
+
+// Byte offset in an fp16 row of the lane's 16-byte word w. kContiguous: the lane's words are
+// channels [32 chunk, 32 chunk + 32); else word w is channels [8 (w kLanes + chunk), + 8), so
+// each load / store instruction of the warp covers whole rows (the fp16 copy: no rotation).
+template <int kHeadDim, bool kContiguous>
+__device__ __forceinline__ int WordByte(int chunk, int w) {
+  return kContiguous ? chunk * 64 + 16 * w : 16 * (w * (kHeadDim / kChannels) + chunk);
+}
+
+// Writes one item's fp16 K/V words to the sink page of its block when its position is a sink.
+template <int kHeadDim, bool kContiguous>
 __device__ __forceinline__ void StoreSinks(const QuantizeArgs& a, uint32_t token, int head,
-                                           int64_t block, int chunk, uint4 k, uint4 v) {
+                                           int64_t block, int chunk, const uint4 (&k)[4],
+                                           const uint4 (&v)[4]) {
   const int pos = a.positions[token];
   if (pos < 0 || pos >= a.sink_tokens) return;
   uint8_t* sink = a.sink_pages + static_cast<size_t>(block) * a.geo.sink_page_bytes;
   constexpr size_t kRowBytes = static_cast<size_t>(kHeadDim) * 2;
-  const size_t k_row = (static_cast<size_t>(head) * a.sink_tokens + pos) * kRowBytes;
-  const size_t v_row =
-      (static_cast<size_t>(a.num_kv_heads + head) * a.sink_tokens + pos) * kRowBytes;
-  *reinterpret_cast<uint4*>(sink + k_row + chunk * 16) = k;
-  *reinterpret_cast<uint4*>(sink + v_row + chunk * 16) = v;
+  uint8_t* k_row = sink + (static_cast<size_t>(head) * a.sink_tokens + pos) * kRowBytes;
+  uint8_t* v_row =
+      sink + (static_cast<size_t>(a.num_kv_heads + head) * a.sink_tokens + pos) * kRowBytes;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    *reinterpret_cast<uint4*>(k_row + WordByte<kHeadDim, kContiguous>(chunk, w)) = k[w];
+    *reinterpret_cast<uint4*>(v_row + WordByte<kHeadDim, kContiguous>(chunk, w)) = v[w];
+  }
 }
 
-// Each group of kHeadDim/8 consecutive lanes handles kItemsPerLaneGroup (token, KV head) items
-// (item g + u * lane_groups_in_grid); each lane owns channels [8 chunk, 8 chunk + 8) of K and V
-// of an item: 16-byte loads (all issued first), rotation in registers and warp shuffles, group
-// min/max by shuffles, quantize, packed stores.
-// Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 8))) blocks of kThreads.
+// Loads item `item`'s words (WordByte's order; zeros and slot -1 past the end).
+template <int kHeadDim, bool kContiguous>
+__device__ __forceinline__ void LoadItem(const QuantizeArgs& a, uint32_t item, int chunk,
+                                         ItemRaw& r) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) r.k[w] = r.v[w] = make_uint4(0, 0, 0, 0);
+  r.slot = -1;
+  if (item >= a.num_items) return;
+  const size_t row = static_cast<size_t>(item) * kHeadDim;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const size_t src = row + WordByte<kHeadDim, kContiguous>(chunk, w) / 2;
+    r.k[w] = LoadStreaming16(a.k + src);
+    r.v[w] = LoadStreaming16(a.v + src);
+  }
+  r.slot = a.slot_mapping[item / static_cast<uint32_t>(a.num_kv_heads)];
+  if (r.slot >= a.num_slots) r.slot = -1;  // the host validated; never write outside
+}
+
+// Each group of kHeadDim/32 consecutive lanes handles kItemsPerLaneGroup (token, KV head) items
+// (item g + u * lane_groups_in_grid), one after the other, the next item's loads issued before
+// the current one is processed; each lane owns 32 channels of K and V of an item: four 16-byte
+// loads each, sign flip on the raw fp16 words, rotation in registers (shuffles only for blocks
+// above 32), quantize, packed stores.
+// Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads.
+// At least 2 blocks per SM (<= 128 registers): measured faster than 1 block at ~148 registers.
 template <KvDtype kDtype, int kHeadDim, int kRot>
-__global__ void __launch_bounds__(kThreads) QuantizeAppendKernel(const QuantizeArgs a) {
-  constexpr int kLanes = kHeadDim / 8;
+__global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
+  constexpr int kLanes = kHeadDim / kChannels;
+  constexpr bool kFp16 = kDtype == KvDtype::kFp16;
   const uint32_t lane_group = (blockIdx.x * kThreads + threadIdx.x) / kLanes;
   const uint32_t lane_groups = gridDim.x * (kThreads / kLanes);
   const int chunk = static_cast<int>(threadIdx.x % kLanes);
-  float sign[8];  // the sign vector of this lane's channels, as +-1 multipliers
-  SignMultipliers8(SignByte(a.signs, chunk), sign);
+  uint32_t sign_mask[16] = {};
+  if constexpr (kRot > 0) HalfSignMasks32(a.signs, chunk, sign_mask);
 
-  // Inactive lanes keep going with zeros: the shuffles below need every lane of the warp.
-  uint4 kraw[kItemsPerLaneGroup], vraw[kItemsPerLaneGroup];
-  int64_t slot[kItemsPerLaneGroup];
-  uint32_t token[kItemsPerLaneGroup];
-#pragma unroll
+  ItemRaw cur, next;
+  LoadItem<kHeadDim, !kFp16>(a, lane_group, chunk, cur);
+#pragma unroll 1
   for (int u = 0; u < kItemsPerLaneGroup; ++u) {
     const uint32_t item = lane_group + u * lane_groups;
-    token[u] = item / static_cast<uint32_t>(a.num_kv_heads);
-    kraw[u] = vraw[u] = make_uint4(0, 0, 0, 0);
-    slot[u] = -1;
-    if (item < a.num_items) {
-      const size_t src = static_cast<size_t>(item) * kHeadDim + chunk * 8;
-      kraw[u] = LoadStreaming16(a.k + src);
-      vraw[u] = LoadStreaming16(a.v + src);
-      slot[u] = a.slot_mapping[token[u]];
-      if (slot[u] >= a.num_slots) slot[u] = -1;  // the host validated; never write outside
+    // Items grow with the lane and with u: once the whole warp is past the end, it is done.
+    // Otherwise inactive lanes keep going with zeros: the shuffles need every lane of the warp.
+    if (__all_sync(0xffffffffu, item >= a.num_items)) break;
+    if (u + 1 < kItemsPerLaneGroup) {
+      LoadItem<kHeadDim, !kFp16>(a, item + lane_groups, chunk, next);
     }
-  }
-#pragma unroll
-  for (int u = 0; u < kItemsPerLaneGroup; ++u) {
-    const uint32_t item = lane_group + u * lane_groups;
-    const int head = static_cast<int>(item - token[u] * a.num_kv_heads);
-    const bool write = slot[u] >= 0;
-    const int64_t block = slot[u] >> a.geo.block_tokens_log2;
-    const int offset = static_cast<int>(slot[u] & ((1 << a.geo.block_tokens_log2) - 1));
+    const uint32_t token = item / static_cast<uint32_t>(a.num_kv_heads);
+    const int head = static_cast<int>(item - token * a.num_kv_heads);
+    const bool write = cur.slot >= 0;
+    const int64_t block = cur.slot >> a.geo.block_tokens_log2;
+    const int offset = static_cast<int>(cur.slot & ((1 << a.geo.block_tokens_log2) - 1));
     uint8_t* k_page = a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes +
                       static_cast<size_t>(head) * a.geo.head_page_bytes;
     uint8_t* v_page = k_page + static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
     if (write && a.sink_tokens > 0) {
-      StoreSinks<kHeadDim>(a, token[u], head, block, chunk, kraw[u], vraw[u]);
+      StoreSinks<kHeadDim, !kFp16>(a, token, head, block, chunk, cur.k, cur.v);
     }
-    if constexpr (kDtype == KvDtype::kFp16) {
+    if constexpr (kFp16) {
       if (write) {
-        const size_t dst = static_cast<size_t>(offset) * a.geo.code_bytes_per_token + chunk * 16;
-        *reinterpret_cast<uint4*>(k_page + dst) = kraw[u];
-        *reinterpret_cast<uint4*>(v_page + dst) = vraw[u];
+        uint8_t* k_row = k_page + static_cast<size_t>(offset) * a.geo.code_bytes_per_token;
+        uint8_t* v_row = v_page + static_cast<size_t>(offset) * a.geo.code_bytes_per_token;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          *reinterpret_cast<uint4*>(k_row + WordByte<kHeadDim, false>(chunk, w)) = cur.k[w];
+          *reinterpret_cast<uint4*>(v_row + WordByte<kHeadDim, false>(chunk, w)) = cur.v[w];
+        }
       }
     } else {
-      float kx[8], vx[8];
-      UnpackHalf8(kraw[u], kx);
-      UnpackHalf8(vraw[u], vx);
-      if constexpr (kRot > 0) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          kx[i] *= sign[i];
-          vx[i] *= sign[i];
-        }
-        Hadamard8PerLane<kRot>(kx, chunk);
-        Hadamard8PerLane<kRot>(vx, chunk);
-      }
-      EncodeAndStore<kDtype, kHeadDim>(a, kx, k_page, offset, chunk, write);
-      EncodeAndStore<kDtype, kHeadDim>(a, vx, v_page, offset, chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.k, sign_mask, k_page, offset, chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.v, sign_mask, v_page, offset, chunk, write);
     }
+    cur = next;
   }
 }
 
 template <KvDtype kDtype, int kHeadDim, int kRot>
 KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
-  constexpr int kItemsPerBlock = kItemsPerLaneGroup * kThreads / (kHeadDim / 8);
+  constexpr int kItemsPerBlock = kItemsPerLaneGroup * kThreads / (kHeadDim / kChannels);
   QuantizeAppendKernel<kDtype, kHeadDim, kRot>
       <<<static_cast<unsigned>(CeilDiv(a.num_items, kItemsPerBlock)), kThreads, 0, stream>>>(a);
   return CheckLaunch("QuantizeAppendKernel");
@@ -280,7 +387,7 @@ bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 
 // positions and sink_pages when sink_tokens > 0. The device-side slot mapping cannot be checked
 // here: slots outside the arena are skipped by the kernel, and callers validate them (the CUDA
 // backend does, on its host copy). kUnsupported: sizes outside DispatchLayout's, group_size not
-// a multiple of 8, or more than 2^32 - 2^16 lanes of work.
+// a multiple of 8, or 2^31 items (tokens x KV heads) or more.
 KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_tokens < 0 || p.num_blocks < 0) {
@@ -296,8 +403,8 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
     return KernelStatus::kInvalidArgument;
   }
   if (l.quantized() && l.group_size % 8 != 0) return KernelStatus::kUnsupported;
-  const int64_t lanes = static_cast<int64_t>(p.num_tokens) * l.num_kv_heads * (l.head_dim / 8);
-  if (lanes > (int64_t{1} << 32) - (int64_t{1} << 16)) return KernelStatus::kUnsupported;
+  const int64_t items = static_cast<int64_t>(p.num_tokens) * l.num_kv_heads;
+  if (items >= (int64_t{1} << 31)) return KernelStatus::kUnsupported;
 
   QuantizeArgs a{};
   a.k = p.k;
@@ -306,7 +413,7 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   a.positions = p.positions;
   a.pages = p.pages;
   a.sink_pages = p.sink_pages;
-  a.num_items = static_cast<uint32_t>(static_cast<int64_t>(p.num_tokens) * l.num_kv_heads);
+  a.num_items = static_cast<uint32_t>(items);
   a.num_kv_heads = l.num_kv_heads;
   a.num_slots = p.num_blocks * l.block_tokens;
   a.group_size = l.quantized() ? l.group_size : 8;
