@@ -11,6 +11,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "service/store/clock.h"
 #include "service/store_metrics.h"
 
 namespace kvpool {
@@ -38,6 +39,18 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   RegisterStoreMetrics(s->store_.get(), &s->registry_);
   s->service_ =
       std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(), options.service);
+  if (s->backend_->name() == "cuda" && options.nccl_device >= 0) {
+    absl::StatusOr<std::unique_ptr<PeerTransportFactory>> factory =
+        NewNcclTransportFactory(options.nccl_device);
+    if (factory.ok()) {
+      s->transport_factory_ = *std::move(factory);
+      s->transport_service_ = std::make_unique<KvPoolTransportService>(
+          s->store_.get(), s->backend_.get(), s->transport_factory_.get(), SystemClock(),
+          options.transport);
+    } else if (!absl::IsUnimplemented(factory.status())) {  // unimplemented: built without NCCL
+      return factory.status();
+    }
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -48,6 +61,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(s->service_.get());
+  if (s->transport_service_ != nullptr) builder.RegisterService(s->transport_service_.get());
   s->max_message_bytes_ = options.max_message_bytes;
   s->grpc_server_ = builder.BuildAndStart();
   if (s->grpc_server_ == nullptr || (!options.grpc_address.empty() && s->port_ == 0)) {

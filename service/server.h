@@ -1,7 +1,8 @@
 // The kvpool server assembled: compute backend, store (with its start-up namespaces), gRPC
-// server (KvPool service, grpc.health.v1, server reflection), the /metrics exposer and a
-// lease-sweeper thread. Shutdown is graceful: health turns NOT_SERVING, in-flight RPCs drain
-// until the deadline, then the rest are cancelled.
+// server (KvPool service, KvPoolTransport (the NCCL data plane) on a CUDA backend built with
+// NCCL, grpc.health.v1, server reflection), the /metrics exposer and a lease-sweeper thread.
+// Shutdown is graceful: health turns NOT_SERVING, in-flight RPCs drain until the deadline, then
+// the rest are cancelled.
 #ifndef KVPOOL_SERVICE_SERVER_H_
 #define KVPOOL_SERVICE_SERVER_H_
 
@@ -26,6 +27,8 @@
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
+#include "service/transport/peer_transport.h"
+#include "service/transport/transport_service.h"
 
 namespace kvpool {
 
@@ -41,6 +44,10 @@ struct ServerOptions {
   // Namespaces created before the server starts serving (the first one is the default).
   std::vector<NamespaceConfig> namespaces;
   ServiceOptions service;
+  // The CUDA backend's device, on which KvPoolTransport opens NCCL channels; -1 = no
+  // KvPoolTransport. Ignored (no KvPoolTransport) for a non-CUDA backend or a build without NCCL.
+  int nccl_device = -1;
+  TransportOptions transport;
   int max_message_bytes = 64 << 20;
   // Period of the lease sweeper; zero disables it (leases still expire lazily on every call).
   absl::Duration lease_sweep_interval = absl::Seconds(1);
@@ -82,6 +89,8 @@ class Server {
   metrics::Registry registry_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;
   std::unique_ptr<KvPoolService> service_;
+  std::unique_ptr<PeerTransportFactory> transport_factory_;    // null without KvPoolTransport
+  std::unique_ptr<KvPoolTransportService> transport_service_;  // null without KvPoolTransport
   std::unique_ptr<grpc::Server> grpc_server_;
   std::unique_ptr<metrics::MetricsExposer> exposer_;
   int port_ = 0;

@@ -96,6 +96,7 @@ int Run() {
   options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.lease_sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_lease_sweep_ms));
+  if ((*backend)->name() == "cuda") options.nccl_device = absl::GetFlag(FLAGS_device);
   const uint64_t pool_bytes = options.store.pool_bytes;
 
   absl::StatusOr<std::unique_ptr<Server>> server =

@@ -96,12 +96,6 @@ std::vector<Round> PlanRounds(uint32_t first_layer, const std::vector<uint64_t>&
   return rounds;
 }
 
-uint64_t RoundBytes(const Round& r, uint32_t first_layer, const std::vector<uint64_t>& bytes) {
-  uint64_t total = 0;
-  for (uint32_t l = r.begin; l < r.end; ++l) total += 2 * bytes[l - first_layer];
-  return total;
-}
-
 }  // namespace
 
 NcclTransfers::NcclTransfers(KvStore* store, ComputeBackend* backend, ChannelManager* channels,

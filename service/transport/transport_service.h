@@ -4,11 +4,8 @@
 // takes, which must not hold gRPC's callback threads) and stream what it emits. A cancelled call
 // (the worker went away) aborts its channel's transport at once.
 //
-// Registration in the server (service/server.cc), with the CUDA backend's device:
-//   factory = NewNcclTransportFactory(device);
-//   transport = std::make_unique<KvPoolTransportService>(store, backend, factory.get(),
-//                                                        SystemClock(), TransportOptions{});
-//   builder.RegisterService(transport.get());
+// Server (service/server.cc) registers it beside KvPool when its backend is CUDA and the build
+// has NCCL, with a NewNcclTransportFactory on the backend's device (ServerOptions::nccl_device).
 #ifndef KVPOOL_SERVICE_TRANSPORT_TRANSPORT_SERVICE_H_
 #define KVPOOL_SERVICE_TRANSPORT_TRANSPORT_SERVICE_H_
 

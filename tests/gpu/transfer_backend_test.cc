@@ -1,0 +1,352 @@
+// The CUDA backend's transfer paths (GatherArena, DequantizeToArena, QuantizeAppendFromArena,
+// CheckFiniteArena: inputs and outputs in device memory, used by the NCCL data plane) against
+// the CPU backend on the same data, and against the CUDA backend's own host-memory paths.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "gtest/gtest.h"
+#include "kernels/fp16.h"
+#include "kernels/kv_kernels.h"
+#include "service/store/compute_backend.h"
+#include "tests/common/kv_test_data.h"
+
+namespace kvpool {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                     \
+  do {                                                                         \
+    if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: skipped"; \
+  } while (0)
+
+constexpr int64_t kNumBlocks = 12;
+constexpr int kTokens = 16 * 9 + 5;  // nine full blocks and a partial one
+
+PageLayout TestLayout(KvDtype dtype) {
+  PageLayout l;
+  l.num_kv_heads = 4;
+  l.head_dim = 128;
+  l.block_tokens = 16;
+  l.dtype = dtype;
+  l.group_size = 32;
+  l.rot_block = 64;
+  l.sign_seed = 77;
+  l.sink_tokens = 4;
+  return l;
+}
+
+std::unique_ptr<ComputeBackend> GpuBackend() {
+  auto backend = NewCudaBackend(0);
+  EXPECT_TRUE(backend.ok()) << backend.status();
+  return backend.ok() ? *std::move(backend) : nullptr;
+}
+
+// A device arena of the CUDA backend holding a copy of `bytes` host bytes.
+uint8_t* Upload(ComputeBackend& gpu, const void* host, size_t bytes) {
+  absl::StatusOr<uint8_t*> arena = gpu.AllocateArena(bytes);
+  EXPECT_TRUE(arena.ok()) << arena.status();
+  if (!arena.ok()) return nullptr;
+  EXPECT_EQ(cudaMemcpy(*arena, host, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  return *arena;
+}
+
+std::vector<uint8_t> Download(ComputeBackend& backend, const uint8_t* arena, size_t bytes) {
+  std::vector<uint8_t> out(bytes);
+  EXPECT_TRUE(backend.ReadArena(arena, bytes, out.data()).ok());
+  return out;
+}
+
+std::vector<uint8_t> RandomBytes(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> out(n);
+  for (uint8_t& b : out) b = static_cast<uint8_t>(rng());
+  return out;
+}
+
+// Slots of kTokens tokens spread over the arena's blocks in a shuffled order, with every 7th
+// token skipped (slot -1), and their positions in the sequence.
+void MakeSlots(std::vector<int64_t>* slots, std::vector<int32_t>* positions) {
+  std::vector<int64_t> blocks(kNumBlocks);
+  for (int64_t b = 0; b < kNumBlocks; ++b) blocks[b] = b;
+  std::shuffle(blocks.begin(), blocks.end(), std::mt19937(11));
+  for (int t = 0; t < kTokens; ++t) {
+    slots->push_back(t % 7 == 3 ? -1 : blocks[t / 16] * 16 + t % 16);
+    positions->push_back(t);
+  }
+}
+
+TEST(CudaTransferBackend, GatherArenaCopiesEveryRunInOrderLikeTheCpuBackend) {
+  SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
+  constexpr size_t kSourceBytes = size_t{24} << 20;
+  const std::vector<uint8_t> source = RandomBytes(kSourceBytes, 3);
+  uint8_t* gpu_src = Upload(*gpu, source.data(), kSourceBytes);
+  absl::StatusOr<uint8_t*> cpu_src = cpu->AllocateArena(kSourceBytes);
+  ASSERT_TRUE(gpu_src != nullptr && cpu_src.ok());
+  std::memcpy(*cpu_src, source.data(), kSourceBytes);
+
+  // More runs than the grid has warps; most 16-byte aligned page-sized runs, some of odd size
+  // or offset (the byte path), some empty.
+  std::mt19937_64 rng(5);
+  std::vector<size_t> offsets, sizes;
+  size_t total = 0;
+  for (int i = 0; i < 20000; ++i) {
+    const bool odd = i % 97 == 0;
+    const size_t bytes = i % 501 == 0 ? 0 : odd ? 1 + rng() % 3000 : 16 * (1 + rng() % 600);
+    const size_t offset = (rng() % (kSourceBytes - bytes)) & (odd ? ~size_t{0} : ~size_t{15});
+    offsets.push_back(offset);
+    sizes.push_back(bytes);
+    total += bytes;
+  }
+  std::vector<ComputeBackend::ArenaRun> gpu_runs, cpu_runs;
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    gpu_runs.push_back({gpu_src + offsets[i], sizes[i]});
+    cpu_runs.push_back({*cpu_src + offsets[i], sizes[i]});
+  }
+  absl::StatusOr<uint8_t*> gpu_dst = gpu->AllocateArena(total);
+  absl::StatusOr<uint8_t*> cpu_dst = cpu->AllocateArena(total);
+  ASSERT_TRUE(gpu_dst.ok() && cpu_dst.ok());
+  ASSERT_TRUE(gpu->GatherArena(gpu_runs, *gpu_dst).ok());
+  ASSERT_TRUE(cpu->GatherArena(cpu_runs, *cpu_dst).ok());
+  const std::vector<uint8_t> got = Download(*gpu, *gpu_dst, total);
+  ASSERT_EQ(std::memcmp(got.data(), *cpu_dst, total), 0);
+  size_t at = 0;
+  for (size_t i = 0; i < offsets.size(); at += sizes[i], ++i) {
+    ASSERT_EQ(std::memcmp(got.data() + at, source.data() + offsets[i], sizes[i]), 0) << "run " << i;
+  }
+  EXPECT_TRUE(gpu->GatherArena({}, *gpu_dst).ok());
+  EXPECT_EQ(gpu->GatherArena(gpu_runs, nullptr).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(CudaTransferBackend, GatherArenaSeesAppendsQueuedBeforeIt) {
+  SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  const PageLayout l = TestLayout(KvDtype::kInt4);
+  absl::StatusOr<uint8_t*> pages = gpu->AllocateArena(kNumBlocks * l.layer_page_bytes());
+  ASSERT_TRUE(pages.ok());
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions;
+  MakeSlots(&slots, &positions);
+  const testing::KvData d =
+      testing::MakeKv(kTokens, l.num_kv_heads, l.head_dim, testing::Outliers::kSpikes, 9);
+  const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
+  const size_t row = static_cast<size_t>(l.num_kv_heads) * l.head_dim;
+  // One asynchronous append per token, spread over the backend's lanes.
+  for (int t = 0; t < kTokens; ++t) {
+    QuantizeAppendParams p;
+    p.layout = l;
+    p.layout.sink_tokens = 0;
+    p.k = k.data() + t * row;
+    p.v = v.data() + t * row;
+    p.slot_mapping = &slots[t];
+    p.num_tokens = 1;
+    p.pages = *pages;
+    p.num_blocks = kNumBlocks;
+    ASSERT_TRUE(gpu->QuantizeAppend(p).ok());
+  }
+  const size_t bytes = kNumBlocks * l.layer_page_bytes();
+  absl::StatusOr<uint8_t*> gathered = gpu->AllocateArena(bytes);
+  ASSERT_TRUE(gathered.ok());
+  const ComputeBackend::ArenaRun run{*pages, bytes};
+  ASSERT_TRUE(gpu->GatherArena(absl::MakeConstSpan(&run, 1), *gathered).ok());
+  ASSERT_TRUE(gpu->Synchronize().ok());
+  EXPECT_EQ(Download(*gpu, *gathered, bytes), Download(*gpu, *pages, bytes));
+}
+
+class CudaTransferDtype : public ::testing::TestWithParam<KvDtype> {};
+
+TEST_P(CudaTransferDtype, DequantizeToArenaMatchesHostPathAndCpuBackend) {
+  SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
+  const PageLayout l = TestLayout(GetParam());
+  const size_t page_bytes = kNumBlocks * l.layer_page_bytes();
+  absl::StatusOr<uint8_t*> cpu_pages = cpu->AllocateArena(page_bytes);
+  ASSERT_TRUE(cpu_pages.ok());
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions;
+  MakeSlots(&slots, &positions);
+  const testing::KvData d =
+      testing::MakeKv(kTokens, l.num_kv_heads, l.head_dim, testing::Outliers::kRope, 21);
+  const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
+  QuantizeAppendParams q;
+  q.layout = l;
+  q.layout.sink_tokens = 0;
+  q.k = k.data();
+  q.v = v.data();
+  q.slot_mapping = slots.data();
+  q.num_tokens = kTokens;
+  q.pages = *cpu_pages;
+  q.num_blocks = kNumBlocks;
+  ASSERT_TRUE(cpu->QuantizeAppend(q).ok());
+  // The same pages on the GPU, so both backends dequantize identical bytes.
+  uint8_t* gpu_pages = Upload(*gpu, *cpu_pages, page_bytes);
+  ASSERT_NE(gpu_pages, nullptr);
+
+  const std::vector<int32_t> ids = {7, 0, 11, 3, 3, 5};
+  const int head_begin = 1, head_end = 4;
+  const size_t elems =
+      ids.size() * l.block_tokens * static_cast<size_t>(head_end - head_begin) * l.head_dim;
+  DequantizeParams p;
+  p.layout = l;
+  p.block_ids = ids.data();
+  p.num_out_blocks = static_cast<int>(ids.size());
+  p.head_begin = head_begin;
+  p.head_end = head_end;
+  p.num_blocks = kNumBlocks;
+
+  std::vector<uint16_t> cpu_k(elems), cpu_v(elems), host_k(elems), host_v(elems);
+  p.pages = *cpu_pages;
+  p.k_out = cpu_k.data();
+  p.v_out = cpu_v.data();
+  ASSERT_TRUE(cpu->Dequantize(p).ok());
+  p.pages = gpu_pages;
+  p.k_out = host_k.data();
+  p.v_out = host_v.data();
+  ASSERT_TRUE(gpu->Dequantize(p).ok());
+  absl::StatusOr<uint8_t*> out = gpu->AllocateArena(2 * elems * sizeof(uint16_t));
+  ASSERT_TRUE(out.ok());
+  p.k_out = reinterpret_cast<uint16_t*>(*out);
+  p.v_out = reinterpret_cast<uint16_t*>(*out) + elems;
+  ASSERT_TRUE(gpu->DequantizeToArena(p).ok());
+  const std::vector<uint8_t> got = Download(*gpu, *out, 2 * elems * sizeof(uint16_t));
+  std::vector<uint16_t> arena_k(elems), arena_v(elems);
+  std::memcpy(arena_k.data(), got.data(), elems * sizeof(uint16_t));
+  std::memcpy(arena_v.data(), got.data() + elems * sizeof(uint16_t), elems * sizeof(uint16_t));
+
+  EXPECT_EQ(arena_k, host_k);
+  EXPECT_EQ(arena_v, host_v);
+  for (size_t i = 0; i < elems; ++i) {
+    for (int kv = 0; kv < 2; ++kv) {
+      const float a = HalfToFloat((kv == 0 ? cpu_k : cpu_v)[i]);
+      const float b = HalfToFloat((kv == 0 ? arena_k : arena_v)[i]);
+      ASSERT_LE(std::fabs(a - b), 2e-3f * std::fabs(a) + 1e-3f)
+          << (kv == 0 ? "k" : "v") << " element " << i << ": cpu " << a << " gpu " << b;
+    }
+  }
+
+  std::vector<int32_t> bad_ids = ids;
+  bad_ids[2] = kNumBlocks;
+  p.block_ids = bad_ids.data();
+  EXPECT_EQ(gpu->DequantizeToArena(p).code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_P(CudaTransferDtype, QuantizeAppendFromArenaMatchesHostPathAndCpuBackend) {
+  SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
+  const PageLayout l = TestLayout(GetParam());
+  const size_t page_bytes = kNumBlocks * l.layer_page_bytes();
+  const size_t sink_bytes = kNumBlocks * l.sink_page_bytes();
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions;
+  MakeSlots(&slots, &positions);
+  const testing::KvData d =
+      testing::MakeKv(kTokens, l.num_kv_heads, l.head_dim, testing::Outliers::kOffset, 33);
+  const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
+  const size_t kv_bytes = k.size() * sizeof(uint16_t);
+
+  QuantizeAppendParams p;
+  p.layout = l;
+  p.slot_mapping = slots.data();
+  p.positions = positions.data();
+  p.num_tokens = kTokens;
+  p.num_blocks = kNumBlocks;
+  // Three targets: the CPU backend, the CUDA host path, the CUDA arena path.
+  absl::StatusOr<uint8_t*> cpu_pages = cpu->AllocateArena(page_bytes);
+  absl::StatusOr<uint8_t*> cpu_sinks = cpu->AllocateArena(sink_bytes);
+  absl::StatusOr<uint8_t*> host_pages = gpu->AllocateArena(page_bytes);
+  absl::StatusOr<uint8_t*> host_sinks = gpu->AllocateArena(sink_bytes);
+  absl::StatusOr<uint8_t*> arena_pages = gpu->AllocateArena(page_bytes);
+  absl::StatusOr<uint8_t*> arena_sinks = gpu->AllocateArena(sink_bytes);
+  ASSERT_TRUE(cpu_pages.ok() && cpu_sinks.ok() && host_pages.ok() && host_sinks.ok() &&
+              arena_pages.ok() && arena_sinks.ok());
+  p.k = k.data();
+  p.v = v.data();
+  p.pages = *cpu_pages;
+  p.sink_pages = *cpu_sinks;
+  ASSERT_TRUE(cpu->QuantizeAppend(p).ok());
+  p.pages = *host_pages;
+  p.sink_pages = *host_sinks;
+  ASSERT_TRUE(gpu->QuantizeAppend(p).ok());
+  uint8_t* gpu_k = Upload(*gpu, k.data(), kv_bytes);
+  uint8_t* gpu_v = Upload(*gpu, v.data(), kv_bytes);
+  ASSERT_TRUE(gpu_k != nullptr && gpu_v != nullptr);
+  p.k = reinterpret_cast<const uint16_t*>(gpu_k);
+  p.v = reinterpret_cast<const uint16_t*>(gpu_v);
+  p.pages = *arena_pages;
+  p.sink_pages = *arena_sinks;
+  ASSERT_TRUE(gpu->QuantizeAppendFromArena(p).ok());
+  ASSERT_TRUE(gpu->Synchronize().ok());
+
+  const std::vector<uint8_t> arena = Download(*gpu, *arena_pages, page_bytes);
+  EXPECT_EQ(arena, Download(*gpu, *host_pages, page_bytes));
+  const std::vector<uint8_t> sinks = Download(*gpu, *arena_sinks, sink_bytes);
+  EXPECT_EQ(sinks, Download(*gpu, *host_sinks, sink_bytes));
+  // Sinks are fp16 copies: exact. Pages: the CUDA kernel may round a rare tie the other way
+  // (one code step, one fp16 ulp of a scale), so only a few bytes may differ from the CPU's.
+  EXPECT_EQ(std::memcmp(sinks.data(), *cpu_sinks, sink_bytes), 0);
+  size_t differing = 0;
+  for (size_t i = 0; i < page_bytes; ++i) differing += arena[i] != (*cpu_pages)[i];
+  EXPECT_LE(differing, page_bytes / 100) << differing << " of " << page_bytes << " bytes";
+  if (GetParam() == KvDtype::kFp16) {
+    EXPECT_EQ(differing, 0u);
+  }
+
+  std::vector<int64_t> bad_slots = slots;
+  bad_slots[4] = kNumBlocks * l.block_tokens;
+  p.slot_mapping = bad_slots.data();
+  EXPECT_EQ(gpu->QuantizeAppendFromArena(p).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Download(*gpu, *arena_pages, page_bytes), arena);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaTransferDtype,
+                         ::testing::Values(KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3,
+                                           KvDtype::kFp16));
+
+TEST(CudaTransferBackend, CheckFiniteArenaFindsTheFirstNanOrInfLikeTheCpuBackend) {
+  SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
+  // Odd length, several grid strides, outlier channels; checked from an aligned and from an
+  // unaligned start (the scalar path).
+  const testing::KvData d = testing::MakeKv(3001, 8, 128, testing::Outliers::kVariance, 44);
+  std::vector<uint16_t> x = testing::ToHalf(d.k);
+  x.pop_back();
+  const size_t n = x.size();
+  // Per case, the indices made non-finite (NaN, then +Inf, then -Inf).
+  const std::vector<std::vector<size_t>> cases = {
+      {}, {n - 1}, {n / 2 + 3, 17}, {123457, 900001, 5}, {0}};
+  const uint16_t specials[3] = {0x7e00, 0x7c00, 0xfc00};
+  for (size_t shift : {size_t{0}, size_t{1}}) {
+    for (const std::vector<size_t>& bad : cases) {
+      std::vector<uint16_t> y = x;
+      for (size_t i = 0; i < bad.size(); ++i) y[bad[i]] = specials[i % 3];
+      uint8_t* arena = Upload(*gpu, y.data(), n * sizeof(uint16_t));
+      ASSERT_NE(arena, nullptr);
+      const auto* values = reinterpret_cast<const uint16_t*>(arena) + shift;
+      const absl::Status got = gpu->CheckFiniteArena(values, n - shift, "k");
+      const absl::Status want = cpu->CheckFiniteArena(y.data() + shift, n - shift, "k");
+      EXPECT_EQ(got, want) << "shift " << shift << ", " << bad.size() << " bad values";
+      gpu->FreeArena(arena);
+    }
+  }
+  EXPECT_TRUE(gpu->CheckFiniteArena(nullptr, 0, "v").ok());
+}
+
+}  // namespace
+}  // namespace kvpool
