@@ -1,55 +1,72 @@
 #!/usr/bin/env bash
-# The whole GPU job in one call on the H200 machine (DEVICE.md): GPU tests, then the kernel
-# benchmarks, then the service over gRPC loopback. Expects binaries packed into carry/ by
-# tests/gpu/package_for_device.sh; writes results under $OUT (or ./out).
+# The whole GPU job in one call on the GPU machine (DEVICE.md): GPU tests, the kernel benchmarks
+# with the PyTorch SDPA anchor, the NCCL tests and benchmark when two GPUs are visible, then the
+# service over gRPC loopback. Expects binaries packed by tests/gpu/package_for_device.sh
+# (carry/ or carry.tar.xz); writes at most 8 result files under $OUT (or ./out).
 #   tests/bench/device_suite.sh <commit>
 set -uo pipefail
 commit=${1:-unknown}
 out=${OUT:-out}
+tmp=$(mktemp -d)
 mkdir -p "$out"
 [[ -d carry ]] || tar -xJf carry.tar.xz
 # NCCL is not carried: PyTorch's wheel ships it on the GPU machine.
 nccl_lib=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" 2>/dev/null)
 export LD_LIBRARY_PATH=$PWD/carry/lib${nccl_lib:+:$nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 bin=$PWD/carry/bin
-log=$out/suite.log
-exec > >(tee -a "$log") 2>&1
-echo "device suite: commit $commit, $(date -u +%FT%TZ), $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader)"
+exec > >(tee -a "$out/suite.log") 2>&1
+gpus=$(nvidia-smi -L | wc -l)
+echo "device suite: commit $commit, $(date -u +%FT%TZ), $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
 
 status=0
+run_test() {  # name: runs carry/bin/<name> if present, full output to gpu_tests.log
+  [[ -x $bin/$1 ]] || return 0
+  if "$bin/$1" >> "$out/gpu_tests.log" 2>&1; then echo "$1: PASSED"; else echo "$1: FAILED"; status=1; fi
+}
+
 echo "== GPU tests"
-for t in quantize_gpu_test cuda_backend_test attention_gpu_test transfer_backend_test; do
-  [[ -x $bin/$t ]] || continue
-  "$bin/$t" --gtest_brief=1 > "$out/gpu_tests.log.$t" 2>&1 && echo "$t: PASSED" || { echo "$t: FAILED"; status=1; }
+for t in quantize_gpu_test quantize_gpu_test_a cuda_backend_test attention_gpu_test \
+         transfer_backend_test; do
+  run_test "$t"
 done
-cat "$out"/gpu_tests.log.* > "$out/gpu_tests.log" && rm -f "$out"/gpu_tests.log.*
 
 echo "== quantize kernel benchmark"
 "$bin/quantize_bench" --commit="$commit" --out="$out/quantize_h200.json" || status=1
+if [[ -x $bin/quantize_bench_a ]]; then
+  "$bin/quantize_bench_a" --commit="$commit-a" --out="$out/quantize_h200_a.json" || status=1
+fi
 
 echo "== attention kernel benchmark and SDPA anchor"
-"$bin/attention_bench" --commit="$commit" --out="$out/attention_kvpool.json" || status=1
-python3 tests/bench/attention_peer.py run --out="$out/attention_peer.json" || status=1
-python3 tests/bench/attention_peer.py merge --kvpool "$out/attention_kvpool.json" \
-  --peer "$out/attention_peer.json" --out "$out/attention.json" || status=1
+"$bin/attention_bench" --commit="$commit" --out="$tmp/attention_kvpool.json" || status=1
+python3 tests/bench/attention_peer.py run --out="$tmp/attention_peer.json" || status=1
+python3 tests/bench/attention_peer.py merge --kvpool "$tmp/attention_kvpool.json" \
+  --peer "$tmp/attention_peer.json" --out "$out/attention.json" || status=1
+
+if ((gpus >= 2)); then
+  echo "== NCCL transfer test and benchmark (GPU 0 server, GPU 1 worker)"
+  run_test nccl_transfer_test
+  timeout 300 "$bin/nccl_bench" --commit="$commit" --out="$out/nccl.json" || status=1
+fi
 
 echo "== service over gRPC loopback (CUDA backend)"
-"$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 > "$out/server.log" 2>&1 &
+"$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 > "$tmp/server.log" 2>&1 &
 server=$!
 for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
 grpc=$out/grpc_bench.txt
+cli() { timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 "$@" | tee -a "$grpc" || status=1; }
 for streams in 1 4 8 16; do
   for chunk in 64 256; do
-    timeout 60 "$bin/kvpool" --target=127.0.0.1:50051 bench put --streams=$streams \
-      --chunk_tokens=$chunk --tokens=1024 --seconds=3 | tee -a "$grpc" || status=1
+    cli bench put --streams=$streams --chunk_tokens=$chunk --tokens=1024 --seconds=3
   done
 done
-timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 bench attend --batch=1 --context=32768 \
-  --iters=200 | tee -a "$grpc" || status=1
-timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 bench attend --batch=32 --context=4096 \
-  --iters=200 | tee -a "$grpc" || status=1
-timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 demo | tee -a "$grpc" || status=1
-curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_ratio|quantization_rel)' | tee -a "$grpc"
-kill -TERM "$server"; wait "$server"; echo "server exit: $?"
+cli bench attend --batch=1 --context=32768 --iters=200
+cli bench attend --batch=32 --context=4096 --iters=200
+cli demo
+curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_ratio|quantization_rel)' \
+  | tee -a "$grpc"
+kill -TERM "$server"
+wait "$server"
+echo "server exit: $?"
+cat "$tmp/server.log"
 echo "suite status: $status"
 exit $status
