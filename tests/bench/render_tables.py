@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Prints the README's result tables (markdown) from the JSON files in tests/bench/results/.
+
+usage: python3 tests/bench/render_tables.py [results-dir]
+Each table names the file, date, commit and machine it came from; nothing here is typed by hand.
+"""
+import json
+import pathlib
+import sys
+
+RESULTS = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else
+                       pathlib.Path(__file__).resolve().parent / "results")
+
+
+def load(name):
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def accuracy():
+    d = load("accuracy_cpu.json")
+    if not d:
+        return
+    cols = ["int4_naive", "int4_rot16", "int4_rot32", "int4_rot64", "int4_rot128", "int8_rot128",
+            "fp8_rot128", "fp16"]
+    print(f"Attention-output relative L2 error vs fp64 attention over the original K/V "
+          f"({d['tokens']} tokens, head_dim {d['head_dim']}, median of {d['seeds']} seeds; "
+          f"`{d['command']}`, {d['date']}, commit {d['commit']}, {d['machine']}):\n")
+    print("| generator | " + " | ".join(cols) + " | naive / rot128 |")
+    print("|---" * (len(cols) + 2) + "|")
+    for gen, row in d["errors"].items():
+        ratio = row["int4_naive"] / row["int4_rot128"]
+        print(f"| {gen} | " + " | ".join(f"{row[c]:.4f}" for c in cols) + f" | {ratio:.2f}x |")
+    print()
+
+
+def quantize():
+    d = load("quantize_h200.json")
+    if not d:
+        return
+    print(f"Fused quantize-append, {d['geometry']['input_bytes'] / 2**30:.0f} GiB of fp16 K+V "
+          f"({d['geometry']['kv_heads']} heads x {d['geometry']['head_dim']}), median of "
+          f"{d['runs']} runs; streaming copy measured in the same run: "
+          f"{d['streaming_copy']['gbps']:.0f} GB/s (`{d['command']}`, {d['date']}, commit "
+          f"{d['commit']}, {d['gpu']}):\n")
+    print("| dtype | rotation block | ms | GB/s | of streaming copy |")
+    print("|---|---|---|---|---|")
+    for c in d["cases"]:
+        print(f"| {c['dtype']} | {c['rot_block'] or 'none'} | {c['ms']:.3f} | {c['gbps']:.0f} | "
+              f"{100 * c['fraction_of_copy']:.1f}% |")
+    print(f"\nRotation overhead (INT4 rotation 128 vs none): "
+          f"{100 * d['rotation_overhead_int4_rot128_vs_rot0']:+.1f}%.\n")
+
+
+def attention():
+    files = sorted(RESULTS.glob("attention_2*.json"))
+    if not files:
+        return
+    d = json.loads(files[-1].read_text())
+    k = d["kvpool"]
+    print(f"Decode attention, 32 q heads / {k['kv_heads']} KV heads, head_dim {k['head_dim']}, "
+          f"block_tokens {k['block_tokens']}, median of {k['iters']} runs; anchor PyTorch "
+          f"{d['peer'].get('torch', '?')} SDPA flash fp16 ({d['peer'].get('gqa', '')}) in the same "
+          f"file; streaming read {k['stream_read_tbps']:.2f} TB/s ({files[-1].name}, commit "
+          f"{k['commit']}, {k['device']}):\n")
+    print("| batch x context | SDPA fp16 ms | format | ms | speed-up | TB/s | of streaming read | "
+          "rel. error vs fp16 (mean) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in d["cases"]:
+        print(f"| {c['batch']} x {c['context'] // 1024}K | {c['sdpa_flash_fp16_ms']:.3f} | "
+              f"{c['format']} | {c['ms']:.3f} | {c['speedup_vs_sdpa']:.2f}x | {c['tbps']:.2f} | "
+              f"{100 * c['frac_stream']:.0f}% | {c['rel_err_vs_fp16_mean']:.4f} |")
+    if d["peer"].get("flashinfer_unavailable"):
+        print(f"\nFlashInfer: not measured — {d['peer']['flashinfer_unavailable']}.")
+    print()
+
+
+def nccl():
+    d = load("nccl.json")
+    if not d:
+        return
+    print(f"NCCL data plane (`{d.get('command', '')}`, {d.get('date', '')}, commit "
+          f"{d.get('commit', '')}, {d.get('device', d.get('gpu', ''))}):\n")
+    print("```")
+    print(json.dumps(d.get("points", d.get("cases", d)), indent=1)[:4000])
+    print("```\n")
+
+
+def grpc():
+    path = RESULTS / "grpc_bench.txt"
+    if path.exists():
+        print("Service over gRPC loopback (`tests/bench/device_suite.sh`):\n")
+        print("```")
+        print(path.read_text().strip())
+        print("```\n")
+
+
+if __name__ == "__main__":
+    accuracy()
+    quantize()
+    attention()
+    nccl()
+    grpc()
