@@ -14,9 +14,10 @@
 namespace kvpool::cuda {
 namespace {
 
-// Auto split count: enough CTAs for ~8 per SM on a 132-SM part, but no split under 512 tokens.
-constexpr int kTargetCtas = 132 * 8;
-constexpr int kMinTokensPerSplit = 512;
+// Auto split count (AutoSplits): SMs of the part, and the fixed cost of a split CTA (pipeline
+// fill, q' fragments, end-of-CTA merge, partial writes) in tokens of its work.
+constexpr int kNumSms = 132;
+constexpr int kCtaFixedTokens = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -57,6 +58,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int chunk = threadIdx.x % V::kLanes;
   const int head = blockIdx.y * V::kVecs + threadIdx.x / V::kLanes;
   const bool active = head < num_q_heads;
+  AllowDependentLaunch();  // the split kernel prefetches pages while q' is computed
   const size_t row = (static_cast<size_t>(blockIdx.x) * num_q_heads + head) * kHeadDim;
   float x[8] = {};
   if (active) UnpackHalf8(*reinterpret_cast<const uint4*>(q + row + chunk * 8), x);
@@ -105,6 +107,7 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
   __shared__ float warp_max[kWarps];
   __shared__ float group_l[V::kVecs];
   __shared__ float4 group_o[V::kVecs][kHeadDim / 4];
+  GridDependencyWait();  // the split partials
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
   const int lane = threadIdx.x % 32;
@@ -236,6 +239,31 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   return KernelStatus::kOk;
 }
 
+// The split count that minimizes the modelled time of the split kernel,
+// waves * (tokens per split + kCtaFixedTokens), where waves = ceil(CTAs / resident CTAs) with
+// AttnMmaCtasPerSm resident per SM for the tensor-core kernel (4 assumed for the other one).
+// Equal-length sequences make CTAs of one wave finish together, so a partial last wave costs a
+// whole one. Counts beyond 4 waves' worth of CTAs are not tried; ties go to fewer splits.
+int AutoSplits(const PageLayout& layout, int64_t ctas, int max_tokens, int stage_tokens) {
+  const bool mma = !layout.quantized() || layout.group_size == layout.head_dim;
+  const int64_t slots =
+      static_cast<int64_t>(kNumSms) * (mma ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4);
+  const int64_t max_splits =
+      std::min<int64_t>(CeilDiv(max_tokens, stage_tokens), CeilDiv(4 * slots, ctas));
+  int best = 1;
+  int64_t best_cost = INT64_MAX;
+  for (int s = 1; s <= max_splits; ++s) {
+    const int64_t tokens = CeilDiv(CeilDiv(max_tokens, s), stage_tokens) * stage_tokens;
+    const int64_t cost =
+        CeilDiv(ctas * CeilDiv(max_tokens, tokens), slots) * (tokens + kCtaFixedTokens);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s;
+    }
+  }
+  return best;
+}
+
 }  // namespace
 
 AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int num_q_heads,
@@ -249,8 +277,7 @@ AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int nu
   if (splits <= 0) {
     const int64_t ctas = std::max<int64_t>(
         1, static_cast<int64_t>(num_seqs) * layout.num_kv_heads * plan.head_groups);
-    splits = static_cast<int>(
-        std::min<int64_t>(CeilDiv(kTargetCtas, ctas), CeilDiv(max_tokens, kMinTokensPerSplit)));
+    splits = AutoSplits(layout, ctas, max_tokens, stage_tokens);
   }
   splits = std::clamp(splits, 1, static_cast<int>(CeilDiv(max_tokens, stage_tokens)));
   plan.tokens_per_split =
@@ -336,9 +363,10 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
         if (st != KernelStatus::kOk) return st;
         st = LaunchAttentionSplits<kDtype, kHeadDim>(split, p.num_seqs, s);
         if (st != KernelStatus::kOk) return st;
-        MergeSplitsKernel<kHeadDim, kRot>
-            <<<dim3(p.num_seqs, p.num_q_heads), kAttnThreads, 0, s>>>(merge);
-        return CheckLaunch("MergeSplitsKernel");
+        return CheckCuda(LaunchDependent(MergeSplitsKernel<kHeadDim, kRot>,
+                                         dim3(p.num_seqs, p.num_q_heads), dim3(kAttnThreads), 0,
+                                         s, merge),
+                         "MergeSplitsKernel");
       });
 }
 

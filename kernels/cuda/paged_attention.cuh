@@ -1,7 +1,9 @@
 // Paged decode attention on the GPU: the pieces shared by the driver (paged_attention.cu) and the
 // per-dtype instantiation files of the split kernel (paged_attention_<dtype>.cu).
 //
-// One call runs three kernels on the caller's stream:
+// One call runs three kernels on the caller's stream; the tensor-core split kernel and the merge
+// are launched as programmatic dependents of the kernel before them (LaunchDependent), so their
+// launch and their work that needs no result of that kernel overlap it:
 //   1. RotateQueryKernel<head_dim, rot_block>: q (fp16, original space) -> q' = H(sign . q) in
 //      fp32, into the workspace. Once per (sequence, query head).
 //   2. a split kernel (LaunchAttentionSplits below picks one): for each (split of the context,
@@ -18,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/kv_kernels.h"
@@ -38,6 +41,46 @@ __host__ __device__ constexpr int AttnStageTokens(KvDtype dtype, int head_dim) {
   const int kv_bytes_per_token = 2 * (head_dim * DtypeBits(dtype) / 8 + 4);
   const int fit = 16384 / kv_bytes_per_token;
   return fit >= 64 ? 64 : fit >= 32 ? 32 : 16;
+}
+
+// Programmatic dependent launch. A kernel launched by LaunchDependent may start once every CTA
+// of the kernel before it on the stream has called AllowDependentLaunch (or exited); before it
+// reads anything that kernel writes it must call GridDependencyWait, which returns once that
+// kernel has completed and its writes are visible. Both are no-ops in a kernel launched plainly.
+__device__ __forceinline__ void GridDependencyWait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+template <typename... Params, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
+                            cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Register budget of the tensor-core split kernel (CTAs per SM the compiler must fit, and the
+// occupancy PlanAttentionSplits assumes): 4 (16 warps) where the accumulators fit in 128
+// registers (head_dim 64, INT4 at 128), 3 for INT8/FP8 at 128, 2 for FP16 at 128 (its 16-byte
+// units) and for head_dim 256 (FP16 256 still spills, and its shared memory fits one CTA).
+__host__ __device__ constexpr int AttnMmaCtasPerSm(KvDtype dtype, int head_dim) {
+  return head_dim > 128 || dtype == KvDtype::kFp16
+             ? (head_dim == 64 ? 4 : 2)
+             : (head_dim == 64 || dtype == KvDtype::kInt4) ? 4 : 3;
 }
 
 // Split-K geometry of one call, identical in AttentionWorkspaceBytes and the launch.

@@ -51,10 +51,37 @@ __device__ __forceinline__ uint32_t PackHalf2(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) |
          (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
+// Copies 16 bytes when `valid`, else writes 16 zero bytes and reads nothing: branch-free, so the
+// source addresses of a tile's copies are computed once, not under each copy's predicate.
+__device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+// (x & mask) | bits in one LOP3 (written as two when both constants are immediates).
+__device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+  return r;
+}
+// 2^x (MUFU.EX2, subnormal results flushed to 0; 2^-inf = 0).
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
 // {1024 + a, 1024 + b} as half2 bits -> {a, b} (exact for integers < 1024).
 __device__ __forceinline__ uint32_t Sub1024(uint32_t h) {
   const __half2 r =
       __hsub2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+// {1024 + 16 a, 1024 + 16 b} as half2 bits -> {a, b} with one fma by 1/16 and -64 (exact for
+// integers < 64): unpacks a high nibble in place, without a shift.
+__device__ __forceinline__ uint32_t Div16Sub64(uint32_t h) {
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h),
+                            __half2half2(__ushort_as_half(0x2C00)),
+                            __half2half2(__ushort_as_half(0xD400)));
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 __device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t pair16) {
@@ -76,14 +103,17 @@ struct MmaCodec {
   __device__ static void UnpackUnit(const uint8_t* p, uint32_t (&out)[4]) {
     if constexpr (kDtype == KvDtype::kInt4) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) out[i] = Sub1024(((w >> (4 * i)) & 0x000F000Fu) | 0x64006400u);
+      const uint32_t w8 = w >> 8;
+      out[0] = Sub1024(AndOr(w, 0x000F000Fu, 0x64006400u));
+      out[1] = Div16Sub64(AndOr(w, 0x00F000F0u, 0x64006400u));
+      out[2] = Sub1024(AndOr(w8, 0x000F000Fu, 0x64006400u));
+      out[3] = Div16Sub64(AndOr(w8, 0x00F000F0u, 0x64006400u));
     } else if constexpr (kDtype == KvDtype::kInt8) {
       const uint2 w = *reinterpret_cast<const uint2*>(p);
-      out[0] = Sub1024((__byte_perm(w.x, 0, 0x1100) & 0x00FF00FFu) | 0x64006400u);
-      out[1] = Sub1024((__byte_perm(w.x, 0, 0x3322) & 0x00FF00FFu) | 0x64006400u);
-      out[2] = Sub1024((__byte_perm(w.y, 0, 0x1100) & 0x00FF00FFu) | 0x64006400u);
-      out[3] = Sub1024((__byte_perm(w.y, 0, 0x3322) & 0x00FF00FFu) | 0x64006400u);
+      out[0] = Sub1024(AndOr(__byte_perm(w.x, 0, 0x1100), 0x00FF00FFu, 0x64006400u));
+      out[1] = Sub1024(AndOr(__byte_perm(w.x, 0, 0x3322), 0x00FF00FFu, 0x64006400u));
+      out[2] = Sub1024(AndOr(__byte_perm(w.y, 0, 0x1100), 0x00FF00FFu, 0x64006400u));
+      out[3] = Sub1024(AndOr(__byte_perm(w.y, 0, 0x3322), 0x00FF00FFu, 0x64006400u));
     } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
       const uint2 w = *reinterpret_cast<const uint2*>(p);
       out[0] = Fp8PairToHalf2(w.x & 0xFFFFu);
@@ -106,14 +136,14 @@ struct MmaCodec {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t x = __byte_perm(a, b, i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12));
-        out[2 * i] = Sub1024((x & 0x000F000Fu) | 0x64006400u);
-        out[2 * i + 1] = Sub1024(((x >> 4) & 0x000F000Fu) | 0x64006400u);
+        out[2 * i] = Sub1024(AndOr(x, 0x000F000Fu, 0x64006400u));
+        out[2 * i + 1] = Div16Sub64(AndOr(x, 0x00F000F0u, 0x64006400u));
       }
     } else if constexpr (kDtype == KvDtype::kInt8) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t x = __byte_perm(a, b, i | ((4 + i) << 8));
-        out[i] = Sub1024((x & 0x00FF00FFu) | 0x64006400u);
+        out[i] = Sub1024(AndOr(x, 0x00FF00FFu, 0x64006400u));
       }
     } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
 #pragma unroll
@@ -137,17 +167,7 @@ struct MmaTraits {
   static constexpr int kCodeStride = kCodeBytes + 16;
   static constexpr int kMetaBytes = kQuantized ? 4 : 0;  // one {scale, zero} per token
   static constexpr int kTileBytes = 2 * kTileTokens * (kCodeStride + kMetaBytes);
-  // Tile stages per warp: about 10 KiB, at least 2 (one loading while one is used).
-  static constexpr int kStages = kTileBytes * 8 <= 10240   ? 8
-                                 : kTileBytes * 2 >= 10240 ? 2
-                                                           : 10240 / kTileBytes;
-  // Register budget (CTAs per SM the compiler must fit): 4 (16 warps) where the accumulators fit
-  // in 128 registers with little or no spilling (head_dim 64, INT4 at 128), 3 for INT8/FP8 at
-  // 128, 2 for FP16 at 128 (its 16-byte units) and for head_dim 256 (FP16 256 still spills).
-  static constexpr int kMinCtasPerSm = kHeadDim > 128 || kDtype == KvDtype::kFp16
-                                           ? (kHeadDim == 64 ? 4 : 2)
-                                       : (kHeadDim == 64 || kDtype == KvDtype::kInt4) ? 4
-                                                                                      : 3;
+  static constexpr int kMinCtasPerSm = AttnMmaCtasPerSm(kDtype, kHeadDim);
   static constexpr int kSlabs = kHeadDim / 16;     // k16 slabs of the score MMA
   static constexpr int kVTiles = kHeadDim / 8;     // n8 tiles of the value MMA
   static constexpr int kVChannels = kHeadDim / 8;  // channels per thread in the value MMA
@@ -156,10 +176,16 @@ struct MmaTraits {
   // Shared memory: per warp kStages tiles; the q' A fragments [kSlabs][32 lanes] uint4; the
   // sums of q' [kH]. The end-of-CTA merge reuses the tiles: {m, l} [warps][kH] and
   // o [warps][kH][kHeadDim] floats.
+  static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4;
+  // Tile stages per warp: as many as fit (at most 8, at least 2: one loading while one is used)
+  // when kMinCtasPerSm CTAs share an SM's 228 KiB of shared memory, 1 KiB of it reserved per CTA.
+  static constexpr int kFitStages =
+      (228 * 1024 / kMinCtasPerSm - 1024 - kQBytes) / (kMmaWarps * kTileBytes);
+  static constexpr int kStages = kFitStages > 8 ? 8 : kFitStages < 2 ? 2 : kFitStages;
   static constexpr size_t kStageArea = static_cast<size_t>(kMmaWarps) * kStages * kTileBytes;
   static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kHeadDim + 2) * 4;
   static constexpr size_t kTilesArea = kStageArea > kMergeBytes ? kStageArea : kMergeBytes;
-  static constexpr size_t kSharedBytes = kTilesArea + kSlabs * 32 * 16 + kH * 4;
+  static constexpr size_t kSharedBytes = kTilesArea + kQBytes;
 };
 
 template <KvDtype kDtype, int kHeadDim>
@@ -170,6 +196,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   constexpr int kH = T::kH;
   extern __shared__ __align__(16) uint8_t smem[];
 
+  AllowDependentLaunch();  // the merge may be scheduled as soon as every split CTA runs
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
@@ -208,26 +235,37 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const int num_tiles = (end - first_token + kTileTokens - 1) / kTileTokens;
   const int my_tiles = num_tiles > warp ? (num_tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
 
-  // Enqueues this warp's local tile i (CTA tile warp + 4 i) into stage i % kStages: K and V code
-  // rows of tokens in [begin, end), and their meta. `block` is the tile's block id (a tile never
-  // crosses a block: block_tokens >= 16). Always commits one group per lane.
-  auto issue = [&](int i, int block) {
+  // A tile's K (then V) code rows are kTileTokens * kCodeBytes contiguous bytes of the page; one
+  // pass of the warp's 16-byte copies covers kRowsPerPass rows, so copy j of this lane moves the
+  // bytes at lane * 16 + (j % kPassesPerKv) * 512 of K (j < kPassesPerKv) or V, into row
+  // copy_row + (j % kPassesPerKv) * kRowsPerPass of the stage.
+  static_assert(T::kCodeChunks % 2 == 0, "a pass of 32 copies covers whole rows of one of K|V");
+  constexpr int kPassesPerKv = T::kCodeChunks / 2;
+  constexpr int kRowsPerPass = 32 / T::kCodeChunks;
+  const int copy_row = lane / T::kCodeChunks;
+  const int copy_dst = copy_row * T::kCodeStride + (lane % T::kCodeChunks) * 16;
+
+  // Enqueues this warp's local tile i (CTA tile warp + 4 i) into stage `stage`: K and V code
+  // rows of tokens in [begin, end) (the other rows are zeroed), and their meta. `block` is the
+  // tile's block id (a tile never crosses a block: block_tokens >= 16). Always commits one group
+  // per lane.
+  auto issue = [&](int i, int block, int stage) {
     if (i < my_tiles) {
       const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
-      uint8_t* base = my_stages + (i % T::kStages) * T::kTileBytes;
+      uint8_t* base = my_stages + stage * T::kTileBytes;
       const uint8_t* page =
           a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes + k_offset;
       const int in_block = t0 & ((1 << bt_log2) - 1);
-      constexpr int kCodeCopies = 2 * kTileTokens * T::kCodeChunks;
+      const int row_lo = begin - t0;  // rows of tokens in [begin, end): [row_lo, row_hi)
+      const int row_hi = end - t0;
+      const uint8_t* src = page + in_block * T::kCodeBytes + lane * 16;
 #pragma unroll
-      for (int c = lane; c < kCodeCopies; c += 32) {
-        const int kv = c / (kTileTokens * T::kCodeChunks);
-        const int r = (c / T::kCodeChunks) % kTileTokens;
-        const int part = c % T::kCodeChunks;
-        const int t = t0 + r;
-        if (t < begin || t >= end) continue;
-        CpAsync16(base + (kv * kTileTokens + r) * T::kCodeStride + part * 16,
-                  page + kv * v_minus_k + (in_block + r) * T::kCodeBytes + part * 16);
+      for (int j = 0; j < T::kCodeChunks; ++j) {
+        const int kv = j / kPassesPerKv;
+        const int pass = j % kPassesPerKv;
+        const int row = copy_row + pass * kRowsPerPass;
+        CpAsync16OrZero(base + copy_dst + (kv * kTileTokens + pass * kRowsPerPass) * T::kCodeStride,
+                        src + kv * v_minus_k + pass * 512, row >= row_lo && row < row_hi);
       }
       if constexpr (T::kQuantized) {
         if (lane < 8) {  // 4 copies of 4 tokens' meta per K|V
@@ -248,10 +286,14 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
                : 0;
   };
 
-  for (int i = 0; i < T::kStages - 1; ++i) issue(i, tile_block(i));
+  for (int i = 0; i < T::kStages - 1; ++i) issue(i, tile_block(i), i);
   int next_block = tile_block(T::kStages - 1);
+  int load_stage = T::kStages - 1;  // stage of local tile i + kStages - 1 in iteration i
+  int use_stage = 0;                // stage of local tile i
 
-  // Prologue: q' hi/lo A fragments of every k16 slab, and sum(q') per head.
+  // Prologue: q' hi/lo A fragments of every k16 slab, and sum(q') per head (kSumLanes lanes per
+  // head).
+  GridDependencyWait();  // q' of the rotation kernel
   const float* q_src = a.q_rot + head_row * kHeadDim;
   for (int i = tid; i < T::kSlabs * 32; i += kAttnThreads) {
     const int slab = i / 32, fl = i % 32, fg = fl / 4, ft = fl % 4;
@@ -272,15 +314,16 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     qfrag[i] = make_uint4(PackHalf2(hi[0], hi[1]), PackHalf2(lo[0], lo[1]), PackHalf2(hi[2], hi[3]),
                           PackHalf2(lo[2], lo[3]));
   }
-  if (warp == 0) {
-    for (int h = 0; h < kH; ++h) {
-      float s = 0.0f;
-      if (h < nh) {
-        for (int c = lane; c < kHeadDim; c += 32) s += q_src[h * kHeadDim + c];
-      }
-      s = GroupSum<32>(s);
-      if (lane == 0) qsum_s[h] = s;
+  {
+    constexpr int kSumLanes = kAttnThreads / kH;
+    const int h = tid / kSumLanes;
+    float s = 0.0f;
+    if (h < nh) {
+#pragma unroll
+      for (int c = tid % kSumLanes; c < kHeadDim; c += kSumLanes) s += q_src[h * kHeadDim + c];
     }
+    s = GroupSum<kSumLanes>(s);
+    if (tid % kSumLanes == 0) qsum_s[h] = s;
   }
   __syncthreads();
   const float qsum = qsum_s[g];
@@ -297,8 +340,10 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     __syncwarp();  // tile i landed for the whole warp; tile i - 1's stage is free
     const int block = next_block;
     next_block = tile_block(i + T::kStages);
-    issue(i + T::kStages - 1, block);
-    const uint8_t* base = my_stages + (i % T::kStages) * T::kTileBytes;
+    issue(i + T::kStages - 1, block, load_stage);
+    const uint8_t* base = my_stages + use_stage * T::kTileBytes;
+    load_stage = load_stage + 1 == T::kStages ? 0 : load_stage + 1;
+    use_stage = use_stage + 1 == T::kStages ? 0 : use_stage + 1;
     const uint8_t* k_codes = base;
     const uint8_t* v_codes = base + kTileTokens * T::kCodeStride;
     const uint8_t* k_meta = base + 2 * kTileTokens * T::kCodeStride;
@@ -330,7 +375,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       }
     }
     // This lane's tokens: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig. Rows outside [lo, hi) hold
-    // stale bytes (codes and meta, possibly inf/NaN as floats): they are selected away, never
+    // zeroed codes and stale meta (possibly inf/NaN as floats): they are selected away, never
     // multiplied by 0.
     int tok[4];
     bool valid[4];
@@ -350,7 +395,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     float tile_max = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
     tile_max = GroupMax<4>(tile_max);
     const float m_new = fmaxf(m_run, tile_max);  // finite: the tile has a token in [lo, hi)
-    const float alpha = exp2f(m_run - m_new);
+    const float alpha = Exp2Ftz(m_run - m_new);
     m_run = m_new;
     l_run *= alpha;
     z_run *= alpha;
@@ -366,7 +411,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     __half p_hi[4], p_lo[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const float p = exp2f(s[u] - m_new);
+      const float p = Exp2Ftz(s[u] - m_new);
       l_run += p;
       float ps = p;
       if constexpr (T::kQuantized) {
@@ -452,8 +497,8 @@ KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
   KVPOOL_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(T::kSharedBytes)));
   const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
-  kernel<<<grid, kAttnThreads, T::kSharedBytes, stream>>>(args);
-  return CheckLaunch("AttentionSplitMmaKernel");
+  return CheckCuda(LaunchDependent(kernel, grid, dim3(kAttnThreads), T::kSharedBytes, stream, args),
+                   "AttentionSplitMmaKernel");
 }
 
 }  // namespace attention_internal
