@@ -25,16 +25,12 @@ run_test() {  # name: runs carry/bin/<name> if present, full output to gpu_tests
 }
 
 echo "== GPU tests"
-for t in quantize_gpu_test quantize_gpu_test_a cuda_backend_test attention_gpu_test \
-         transfer_backend_test; do
+for t in quantize_gpu_test cuda_backend_test attention_gpu_test transfer_backend_test; do
   run_test "$t"
 done
 
 echo "== quantize kernel benchmark"
 "$bin/quantize_bench" --commit="$commit" --out="$out/quantize_h200.json" || status=1
-if [[ -x $bin/quantize_bench_a ]]; then
-  "$bin/quantize_bench_a" --commit="$commit-a" --out="$out/quantize_h200_a.json" || status=1
-fi
 
 echo "== attention kernel benchmark and SDPA anchor"
 "$bin/attention_bench" --commit="$commit" --out="$tmp/attention_kvpool.json" || status=1
