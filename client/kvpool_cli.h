@@ -11,6 +11,8 @@
 #include "absl/flags/declare.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/types/span.h"
 #include "client/kvpool_client.h"
 
@@ -60,6 +62,19 @@ struct RelativeError {
   double err2 = 0, ref2 = 0;
   void Add(absl::Span<const float> out, absl::Span<const double> ref);
   double Value() const;
+};
+
+// The first error any of several worker threads saw.
+class FirstError {
+ public:
+  // Keeps `s`, its message prefixed with "`where`: " when `where` is not empty, unless an error
+  // is already kept or `s` is OK.
+  void Set(const absl::Status& s, absl::string_view where = {});
+  absl::Status Get() const;
+
+ private:
+  mutable absl::Mutex mu_;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
 // fp32 values of an AttendResponse.out requested as OUTPUT_DTYPE_FP32.

@@ -8,7 +8,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/kvpool_cli.h"
 #include "tests/common/kv_test_data.h"
@@ -56,8 +55,7 @@ int RunBenchPut() {
   const absl::Duration duration = absl::Seconds(absl::GetFlag(FLAGS_seconds));
 
   std::atomic<uint64_t> bytes{0}, puts{0}, stored{0};
-  absl::Mutex mu;
-  absl::Status first_error;  // guarded by mu
+  FirstError first_error;
   const absl::Time start = absl::Now();
   std::vector<std::thread> threads;
   for (int s = 0; s < streams; ++s) {
@@ -68,11 +66,7 @@ int RunBenchPut() {
         const std::vector<int32_t> ids =
             MakeTokenIds(tokens, absl::GetFlag(FLAGS_seed) * 7919 + (s << 24) + i);
         absl::StatusOr<v1::PutResponse> r = c->Put(spec.name(), ids, kv, Call());
-        if (!r.ok()) {
-          absl::MutexLock lock(&mu);
-          if (first_error.ok()) first_error = r.status();
-          return;
-        }
+        if (!r.ok()) return first_error.Set(r.status());
         bytes += r->bytes_received();
         stored += r->tokens_stored();
         ++puts;
@@ -81,8 +75,8 @@ int RunBenchPut() {
   }
   for (std::thread& t : threads) t.join();
   const double secs = absl::ToDoubleSeconds(absl::Now() - start);
-  if (!first_error.ok()) {
-    std::fprintf(stderr, "bench put: %s\n", first_error.ToString().c_str());
+  if (absl::Status s = first_error.Get(); !s.ok()) {
+    std::fprintf(stderr, "bench put: %s\n", s.ToString().c_str());
     return 1;
   }
   std::printf("bench put: %d streams, %llu puts of %d tokens (%d layers, %d tokens/message) in "

@@ -4,6 +4,7 @@
 #include <random>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "client/kvpool_cli.h"
 #include "kernels/fp16.h"
@@ -126,6 +127,17 @@ void RelativeError::Add(absl::Span<const float> out, absl::Span<const double> re
 }
 
 double RelativeError::Value() const { return ref2 > 0 ? std::sqrt(err2 / ref2) : 0.0; }
+
+void FirstError::Set(const absl::Status& s, absl::string_view where) {
+  absl::MutexLock lock(&mu_);
+  if (!status_.ok() || s.ok()) return;
+  status_ = where.empty() ? s : absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
+}
+
+absl::Status FirstError::Get() const {
+  absl::MutexLock lock(&mu_);
+  return status_;
+}
 
 std::vector<float> Floats(const std::string& bytes) {
   std::vector<float> out(bytes.size() / sizeof(float));

@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
@@ -89,23 +88,6 @@ class Progress {
   absl::Mutex mu_;
   int prefilled_ ABSL_GUARDED_BY(mu_) = 0;
   int stepped_ ABSL_GUARDED_BY(mu_) = 0;
-};
-
-// The first error any worker saw.
-class FirstError {
- public:
-  void Set(const absl::Status& s, const char* where) {
-    absl::MutexLock lock(&mu_);
-    if (status_.ok() && !s.ok()) status_ = absl::Status(s.code(), absl::StrCat(where, ": ", s.message()));
-  }
-  absl::Status Get() {
-    absl::MutexLock lock(&mu_);
-    return status_;
-  }
-
- private:
-  absl::Mutex mu_;
-  absl::Status status_ ABSL_GUARDED_BY(mu_);
 };
 
 absl::StatusOr<v1::NamespaceInfo> DemoNamespace(client::KvPoolClient& c) {

@@ -25,8 +25,9 @@ std::string FormatValue(double v) {
   return std::string(buf, r.ptr);
 }
 
-// HELP text escapes backslash and newline.
-std::string EscapeHelp(std::string_view s) {
+// Escapes backslash and newline, as HELP text needs; label values (`quote`) also escape the double
+// quote.
+std::string Escape(std::string_view s, bool quote) {
   std::string out;
   out.reserve(s.size());
   for (char c : s) {
@@ -34,23 +35,7 @@ std::string EscapeHelp(std::string_view s) {
       out += "\\\\";
     } else if (c == '\n') {
       out += "\\n";
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
-// Label values also escape the double quote.
-std::string EscapeLabelValue(std::string_view s) {
-  std::string out;
-  out.reserve(s.size());
-  for (char c : s) {
-    if (c == '\\') {
-      out += "\\\\";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '"') {
+    } else if (quote && c == '"') {
       out += "\\\"";
     } else {
       out += c;
@@ -66,7 +51,7 @@ std::string LabelText(const std::vector<std::string>& names, const std::vector<s
   std::string out = "{";
   for (size_t i = 0; i < names.size(); ++i) {
     if (i > 0) out += ',';
-    absl::StrAppend(&out, names[i], "=\"", EscapeLabelValue(values[i]), "\"");
+    absl::StrAppend(&out, names[i], "=\"", Escape(values[i], /*quote=*/true), "\"");
   }
   if (!extra_name.empty()) {
     if (!names.empty()) out += ',';
@@ -78,8 +63,8 @@ std::string LabelText(const std::vector<std::string>& names, const std::vector<s
 
 template <typename T>
 void AppendHeader(const Family<T>& f, absl::string_view type, std::string* out) {
-  absl::StrAppend(out, "# HELP ", f.name(), " ", EscapeHelp(f.help()), "\n", "# TYPE ", f.name(),
-                  " ", type, "\n");
+  absl::StrAppend(out, "# HELP ", f.name(), " ", Escape(f.help(), /*quote=*/false), "\n",
+                  "# TYPE ", f.name(), " ", type, "\n");
 }
 
 template <typename T>

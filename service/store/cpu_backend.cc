@@ -6,12 +6,11 @@
 #include <memory>
 #include <string>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
-#include "absl/synchronization/mutex.h"
 #include "kernels/kv_kernels.h"
+#include "service/store/arena_registry.h"
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store_impl.h"
 
@@ -24,7 +23,7 @@ constexpr size_t kArenaAlignment = 64;
 class CpuBackend final : public ComputeBackend {
  public:
   ~CpuBackend() override {
-    for (auto& [arena, bytes] : arenas_) std::free(arena);
+    for (uint8_t* arena : arenas_.TakeAll()) std::free(arena);
   }
 
   std::string name() const override { return "cpu"; }
@@ -38,22 +37,12 @@ class CpuBackend final : public ComputeBackend {
           absl::StrFormat("cannot allocate a host arena of %d bytes", rounded));
     }
     std::memset(arena, 0, rounded);
-    absl::MutexLock l(&mu_);
-    arenas_[arena] = rounded;
-    arena_bytes_ += rounded;
+    arenas_.Add(arena, rounded);
     return arena;
   }
 
   void FreeArena(uint8_t* arena) override {
-    if (arena == nullptr) return;
-    {
-      absl::MutexLock l(&mu_);
-      auto it = arenas_.find(arena);
-      if (it == arenas_.end()) return;
-      arena_bytes_ -= it->second;
-      arenas_.erase(it);
-    }
-    std::free(arena);
+    if (arenas_.Remove(arena)) std::free(arena);
   }
 
   absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
@@ -90,17 +79,13 @@ class CpuBackend final : public ComputeBackend {
   }
 
   ComputeBackendStats Stats() const override {
-    absl::MutexLock l(&mu_);
     ComputeBackendStats s;
-    s.arena_bytes = arena_bytes_;
+    s.arena_bytes = arenas_.bytes();
     return s;
   }
 
  private:
-  mutable absl::Mutex mu_;
-  // Live arenas and their sizes.
-  absl::flat_hash_map<uint8_t*, size_t> arenas_ ABSL_GUARDED_BY(mu_);
-  uint64_t arena_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  ArenaRegistry arenas_;
 };
 
 }  // namespace

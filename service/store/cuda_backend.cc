@@ -21,7 +21,6 @@
 #include <memory>
 #include <string>
 
-#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
@@ -29,6 +28,7 @@
 #include "absl/types/span.h"
 #include "kernels/cuda/transfer_kernels.h"
 #include "kernels/kv_kernels.h"
+#include "service/store/arena_registry.h"
 #include "service/store/compute_backend.h"
 
 namespace kvpool {
@@ -146,7 +146,7 @@ class CudaBackend final : public ComputeBackend {
       }
       if (lane.stream != nullptr) cudaStreamDestroy(lane.stream);
     }
-    for (auto& [arena, bytes] : arenas_) cudaFree(arena);
+    for (uint8_t* arena : arenas_.TakeAll()) cudaFree(arena);
   }
 
   // Creates the lanes' streams and events.
@@ -178,21 +178,12 @@ class CudaBackend final : public ComputeBackend {
       cudaFree(arena);
       return CudaError(fill, "cudaMemset(arena)");
     }
-    absl::MutexLock l(&mu_);
-    arenas_[static_cast<uint8_t*>(arena)] = bytes;
-    arena_bytes_ += bytes;
+    arenas_.Add(static_cast<uint8_t*>(arena), bytes);
     return static_cast<uint8_t*>(arena);
   }
 
   void FreeArena(uint8_t* arena) override {
-    if (arena == nullptr) return;
-    {
-      absl::MutexLock l(&mu_);
-      auto it = arenas_.find(arena);
-      if (it == arenas_.end()) return;
-      arena_bytes_ -= it->second;
-      arenas_.erase(it);
-    }
+    if (!arenas_.Remove(arena)) return;
     cudaSetDevice(device_);
     // cudaFree waits for queued work on the device, so no kernel still reads the arena.
     cudaFree(arena);
@@ -447,10 +438,7 @@ class CudaBackend final : public ComputeBackend {
 
   ComputeBackendStats Stats() const override {
     ComputeBackendStats s;
-    {
-      absl::MutexLock l(&mu_);
-      s.arena_bytes = arena_bytes_;
-    }
+    s.arena_bytes = arenas_.bytes();
     size_t free_bytes = 0, total_bytes = 0;
     if (cudaSetDevice(device_) == cudaSuccess &&
         cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess) {
@@ -507,10 +495,7 @@ class CudaBackend final : public ComputeBackend {
   const int device_;
   Lane lanes_[kNumLanes];
   std::atomic<uint32_t> next_lane_{0};
-
-  mutable absl::Mutex mu_;
-  absl::flat_hash_map<uint8_t*, size_t> arenas_ ABSL_GUARDED_BY(mu_);
-  uint64_t arena_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  ArenaRegistry arenas_;
 };
 
 }  // namespace

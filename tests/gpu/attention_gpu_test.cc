@@ -14,6 +14,7 @@
 #include "kernels/page_layout.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/gpu/attention_test_util.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kvpool {
 namespace {
@@ -25,9 +26,6 @@ using testing::Outliers;
 
 constexpr double kMaxRelError = 1e-3;
 constexpr double kMaxLseError = 1e-3;
-
-#define SKIP_WITHOUT_GPU() \
-  if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: GPU attention not tested"
 
 PageLayout Layout(KvDtype dtype, int head_dim, int block_tokens, int num_kv_heads = 2) {
   PageLayout l;
@@ -113,7 +111,7 @@ constexpr KvDtype kAllDtypes[] = {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E
                                   KvDtype::kFp16};
 
 TEST(CudaPagedAttention, MatchesReferenceForEveryDtypeHeadDimAndBlockSize) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   uint64_t seed = 100;
   for (KvDtype dtype : kAllDtypes) {
     for (int head_dim : {64, 128, 256}) {
@@ -127,7 +125,7 @@ TEST(CudaPagedAttention, MatchesReferenceForEveryDtypeHeadDimAndBlockSize) {
 }
 
 TEST(CudaPagedAttention, SharesPagesAcrossGqaRatios) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   uint64_t seed = 200;
   for (KvDtype dtype : kAllDtypes) {
     for (int ratio : {1, 4, 8, 12}) {  // 12: two CTAs per KV head, the second one partial
@@ -138,7 +136,7 @@ TEST(CudaPagedAttention, SharesPagesAcrossGqaRatios) {
 }
 
 TEST(CudaPagedAttention, MergesFp16SinksByLogSumExp) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   uint64_t seed = 300;
   for (KvDtype dtype : kAllDtypes) {
     for (int bt : {16, 64}) {
@@ -154,7 +152,7 @@ TEST(CudaPagedAttention, MergesFp16SinksByLogSumExp) {
 }
 
 TEST(CudaPagedAttention, AppliesPerGroupScalesAndEveryRotationBlock) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   uint64_t seed = 400;
   for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3}) {
     for (int group : {16, 32, 64}) {
@@ -169,7 +167,7 @@ TEST(CudaPagedAttention, AppliesPerGroupScalesAndEveryRotationBlock) {
 }
 
 TEST(CudaPagedAttention, ExplicitSplitCountsAgreeWithTheReference) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   const PageLayout l = Layout(KvDtype::kInt4, 128, 16);
   for (int splits : {1, 2, 7, 64}) {
     ExpectMatchesReference(l, 4, {3000, 17, 1200}, Outliers::kRope, 500 + splits, splits);
@@ -177,7 +175,7 @@ TEST(CudaPagedAttention, ExplicitSplitCountsAgreeWithTheReference) {
 }
 
 TEST(CudaPagedAttention, LongContextsUpTo64K) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   PageLayout l = Layout(KvDtype::kInt4, 128, 16, 1);
   ExpectMatchesReference(l, 4, {65536, 40003, 1}, Outliers::kRope, 600);
   l.dtype = KvDtype::kFp8E4M3;
@@ -186,7 +184,7 @@ TEST(CudaPagedAttention, LongContextsUpTo64K) {
 }
 
 TEST(CudaPagedAttention, RejectsWhatItCannotServe) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   HostBatch b;
   ASSERT_TRUE(MakeHostBatch(Layout(KvDtype::kInt4, 128, 16), 8, {100}, Outliers::kNone, 700, &b));
   std::vector<float> out(8 * 128);

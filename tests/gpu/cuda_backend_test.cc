@@ -19,14 +19,10 @@
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
 #include "tests/common/kv_test_data.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kvpool {
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                     \
-  do {                                                                         \
-    if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: skipped"; \
-  } while (0)
 
 constexpr int kTokens = 16 * 6 + 9;  // six full blocks and a partial one (ignored)
 
@@ -79,7 +75,7 @@ std::unique_ptr<KvStore> MakeStoreWithPut(ComputeBackend* backend,
 }
 
 TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   auto gpu_backend = NewCudaBackend(0);
   ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
   EXPECT_EQ((*gpu_backend)->name(), "cuda");
@@ -187,7 +183,7 @@ TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
 }
 
 TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   auto backend = NewCudaBackend(0);
   ASSERT_TRUE(backend.ok()) << backend.status();
   const PageLayout l = LayerLayout(TestConfig(), 1);
@@ -220,7 +216,7 @@ TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
 }
 
 TEST(CudaBackend, ReportsMissingDevice) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   const auto backend = NewCudaBackend(4096);
   EXPECT_EQ(backend.status().code(), absl::StatusCode::kInvalidArgument);
 }

@@ -19,16 +19,12 @@
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
 #include "tests/common/kv_test_data.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kvpool {
 namespace {
 
 constexpr uint8_t kPoison = 0xAB;
-
-#define SKIP_WITHOUT_GPU()                                                     \
-  do {                                                                         \
-    if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: skipped"; \
-  } while (0)
 
 // Device memory for the duration of a test.
 class DeviceBuffer {
@@ -318,7 +314,7 @@ void ExpectFewTies(const CodeStats& s, const char* what) {
 }
 
 TEST(QuantizeGpu, MatchesCpuReferenceOverDtypeRotHeadDimBlockTokens) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   uint64_t seed = 1;
   for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3, KvDtype::kFp16}) {
     CodeStats stats;
@@ -336,7 +332,7 @@ TEST(QuantizeGpu, MatchesCpuReferenceOverDtypeRotHeadDimBlockTokens) {
 }
 
 TEST(QuantizeGpu, MatchesCpuReferenceWithGroupsSinksAndManyTokens) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   CodeStats stats;
   uint64_t seed = 1000;
   for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3, KvDtype::kFp16}) {
@@ -357,7 +353,7 @@ TEST(QuantizeGpu, MatchesCpuReferenceWithGroupsSinksAndManyTokens) {
 }
 
 TEST(QuantizeGpu, RejectsBadArgumentsAndUnsupportedSizes) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   const Inputs in = MakeInputs(Case{KvDtype::kInt4, 128, 128, 16}, 7);
   DeviceBuffer pages(in.num_blocks * in.layout.layer_page_bytes()), k(in.k.size() * 2),
       slots(in.slots.size() * 8);

@@ -18,14 +18,10 @@
 #include "kernels/kv_kernels.h"
 #include "service/store/compute_backend.h"
 #include "tests/common/kv_test_data.h"
+#include "tests/gpu/gpu_test_util.h"
 
 namespace kvpool {
 namespace {
-
-#define SKIP_WITHOUT_GPU()                                                     \
-  do {                                                                         \
-    if (!cuda::Available()) GTEST_SKIP() << "no CUDA device visible: skipped"; \
-  } while (0)
 
 constexpr int64_t kNumBlocks = 12;
 constexpr int kTokens = 16 * 9 + 5;  // nine full blocks and a partial one
@@ -84,7 +80,7 @@ void MakeSlots(std::vector<int64_t>* slots, std::vector<int32_t>* positions) {
 }
 
 TEST(CudaTransferBackend, GatherArenaCopiesEveryRunInOrderLikeTheCpuBackend) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   std::unique_ptr<ComputeBackend> gpu = GpuBackend();
   ASSERT_NE(gpu, nullptr);
   std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
@@ -129,7 +125,7 @@ TEST(CudaTransferBackend, GatherArenaCopiesEveryRunInOrderLikeTheCpuBackend) {
 }
 
 TEST(CudaTransferBackend, GatherArenaSeesAppendsQueuedBeforeIt) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   std::unique_ptr<ComputeBackend> gpu = GpuBackend();
   ASSERT_NE(gpu, nullptr);
   const PageLayout l = TestLayout(KvDtype::kInt4);
@@ -167,7 +163,7 @@ TEST(CudaTransferBackend, GatherArenaSeesAppendsQueuedBeforeIt) {
 class CudaTransferDtype : public ::testing::TestWithParam<KvDtype> {};
 
 TEST_P(CudaTransferDtype, DequantizeToArenaMatchesHostPathAndCpuBackend) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   std::unique_ptr<ComputeBackend> gpu = GpuBackend();
   ASSERT_NE(gpu, nullptr);
   std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
@@ -244,7 +240,7 @@ TEST_P(CudaTransferDtype, DequantizeToArenaMatchesHostPathAndCpuBackend) {
 }
 
 TEST_P(CudaTransferDtype, QuantizeAppendFromArenaMatchesHostPathAndCpuBackend) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   std::unique_ptr<ComputeBackend> gpu = GpuBackend();
   ASSERT_NE(gpu, nullptr);
   std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
@@ -318,7 +314,7 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaTransferDtype,
                                            KvDtype::kFp16));
 
 TEST(CudaTransferBackend, CheckFiniteArenaFindsTheFirstNanOrInfLikeTheCpuBackend) {
-  SKIP_WITHOUT_GPU();
+  KVPOOL_SKIP_WITHOUT_GPU();
   std::unique_ptr<ComputeBackend> gpu = GpuBackend();
   ASSERT_NE(gpu, nullptr);
   std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();

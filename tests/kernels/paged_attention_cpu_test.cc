@@ -2,8 +2,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <numeric>
-#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -11,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/fp16.h"
 #include "kernels/kv_kernels.h"
+#include "tests/common/attention_batch.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -19,79 +18,14 @@ namespace {
 
 using testing::MakeLayout;
 
+using Batch = testing::HostBatch;
+
 // A batch of sequences appended to shuffled blocks of one layer, with its queries.
-struct Batch {
-  PageLayout layout;
-  int num_q_heads = 0;
-  int max_blocks = 0;
-  int64_t num_blocks = 0;
-  std::vector<int32_t> seq_lens;
-  std::vector<int32_t> tables;              // [seqs][max_blocks]
-  std::vector<std::vector<uint16_t>> k, v;  // per seq [len][kv heads][dim] fp16
-  std::vector<uint16_t> q;                  // [seqs][q heads][dim] fp16
-  std::vector<uint8_t> pages, sink_pages;
-
-  PagedDecodeAttentionParams Params(float* out, float* lse) const {
-    PagedDecodeAttentionParams p;
-    p.layout = layout;
-    p.pages = pages.data();
-    p.sink_pages = layout.sink_tokens > 0 ? sink_pages.data() : nullptr;
-    p.q = q.data();
-    p.num_seqs = static_cast<int>(seq_lens.size());
-    p.num_q_heads = num_q_heads;
-    p.block_tables = tables.data();
-    p.max_blocks_per_seq = max_blocks;
-    p.seq_lens = seq_lens.data();
-    p.sm_scale = 1.0f / std::sqrt(static_cast<float>(layout.head_dim));
-    p.out = out;
-    p.lse = lse;
-    p.num_blocks = num_blocks;
-    return p;
-  }
-};
-
 Batch MakeBatch(const PageLayout& l, int num_q_heads, const std::vector<int32_t>& lens,
                 uint64_t seed) {
   Batch b;
-  b.layout = l;
-  b.num_q_heads = num_q_heads;
-  b.seq_lens = lens;
-  for (int len : lens)
-    b.max_blocks = std::max(b.max_blocks, (len + l.block_tokens - 1) / l.block_tokens);
-  b.num_blocks = static_cast<int64_t>(lens.size()) * b.max_blocks + 1;
-  std::vector<int32_t> ids(b.num_blocks);
-  std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
-  b.tables.assign(lens.size() * b.max_blocks, 0);
-  for (size_t i = 0; i < b.tables.size(); ++i) b.tables[i] = ids[i];
-  b.pages.assign(b.num_blocks * l.layer_page_bytes(), 0);
-  b.sink_pages.assign(b.num_blocks * l.sink_page_bytes(), 0);
-  for (size_t s = 0; s < lens.size(); ++s) {
-    const testing::KvData d = testing::MakeKv(lens[s], l.num_kv_heads, l.head_dim,
-                                              testing::Outliers::kOffset, seed * 131 + s);
-    b.k.push_back(testing::ToHalf(d.k));
-    b.v.push_back(testing::ToHalf(d.v));
-    std::vector<int64_t> slots(lens[s]);
-    std::vector<int32_t> positions(lens[s]);
-    for (int t = 0; t < lens[s]; ++t) {
-      slots[t] =
-          static_cast<int64_t>(b.tables[s * b.max_blocks + t / l.block_tokens]) * l.block_tokens +
-          t % l.block_tokens;
-      positions[t] = t;
-    }
-    QuantizeAppendParams qp;
-    qp.layout = l;
-    qp.k = b.k.back().data();
-    qp.v = b.v.back().data();
-    qp.slot_mapping = slots.data();
-    qp.positions = positions.data();
-    qp.num_tokens = lens[s];
-    qp.pages = b.pages.data();
-    qp.sink_pages = l.sink_tokens > 0 ? b.sink_pages.data() : nullptr;
-    qp.num_blocks = b.num_blocks;
-    EXPECT_EQ(cpu::QuantizeAppend(qp), KernelStatus::kOk);
-  }
-  b.q = testing::ToHalf(testing::MakeNormal(lens.size() * num_q_heads * l.head_dim, seed + 7));
+  EXPECT_TRUE(
+      testing::MakeHostBatch(l, num_q_heads, lens, testing::Outliers::kOffset, seed, &b));
   return b;
 }
 
@@ -105,7 +39,7 @@ template <typename RowFn>
 Expected NaiveAttention(const Batch& b, RowFn row) {
   const PageLayout& l = b.layout;
   const int ratio = b.num_q_heads / l.num_kv_heads;
-  const double sm_scale = b.Params(nullptr, nullptr).sm_scale;
+  const double sm_scale = b.HostParams(nullptr, nullptr).sm_scale;
   Expected e;
   e.out.assign(b.q.size(), 0.0);
   e.lse.assign(b.seq_lens.size() * b.num_q_heads, 0.0);
@@ -147,7 +81,7 @@ Expected ExpectedFromPages(const Batch& b) {
   const PageLayout& l = b.layout;
   return NaiveAttention(b, [&](size_t s, int kv, int head, int t) {
     if (t < l.sink_tokens) return InputRow(b, s, kv, head, t);
-    const int block = b.tables[s * b.max_blocks + t / l.block_tokens];
+    const int block = b.block_tables[s * b.max_blocks_per_seq + t / l.block_tokens];
     return testing::DecodeOriginal(l, b.pages.data(), block, kv, head, t % l.block_tokens);
   });
 }
@@ -177,7 +111,7 @@ TEST_P(PagedAttentionCpuTest, MatchesNaiveAttentionOverTheDequantizedCache) {
     const PageLayout l = MakeLayout(dtype, dtype == KvDtype::kFp16 ? 0 : 64, 64, 2, 128, 16, sinks);
     const Batch b = MakeBatch(l, 2 * ratio, {1, 17, 50, 16, 93}, 100 + ratio + sinks);
     std::vector<float> out(b.q.size()), lse(b.seq_lens.size() * b.num_q_heads);
-    ASSERT_EQ(cpu::PagedDecodeAttention(b.Params(out.data(), lse.data())), KernelStatus::kOk);
+    ASSERT_EQ(cpu::PagedDecodeAttention(b.HostParams(out.data(), lse.data())), KernelStatus::kOk);
     const Expected want = ExpectedFromPages(b);
     EXPECT_LT(MaxRelativeError(b, out, want.out), 1e-5) << "sinks " << sinks;
     for (size_t i = 0; i < lse.size(); ++i) EXPECT_NEAR(lse[i], want.lse[i], 1e-5) << i;
@@ -188,7 +122,7 @@ TEST_P(PagedAttentionCpuTest, MatchesNaiveAttentionOverTheDequantizedCache) {
       DequantizeParams dp;
       dp.layout = l;
       dp.pages = b.pages.data();
-      dp.block_ids = &b.tables[s * b.max_blocks + t / l.block_tokens];
+      dp.block_ids = &b.block_tables[s * b.max_blocks_per_seq + t / l.block_tokens];
       dp.num_out_blocks = 1;
       dp.head_begin = head;
       dp.head_end = head + 1;
@@ -219,7 +153,7 @@ TEST(PagedAttentionCpu, SequenceWithinTheSinksIsExactFp16Attention) {
   const PageLayout l = MakeLayout(KvDtype::kInt4, 128, 128, 1, 128, 16, 4);
   const Batch b = MakeBatch(l, 4, {3, 4}, 9);
   std::vector<float> out(b.q.size()), lse(b.seq_lens.size() * b.num_q_heads);
-  ASSERT_EQ(cpu::PagedDecodeAttention(b.Params(out.data(), lse.data())), KernelStatus::kOk);
+  ASSERT_EQ(cpu::PagedDecodeAttention(b.HostParams(out.data(), lse.data())), KernelStatus::kOk);
   const Expected want = NaiveAttention(
       b, [&](size_t s, int kv, int head, int t) { return InputRow(b, s, kv, head, t); });
   EXPECT_LT(MaxRelativeError(b, out, want.out), 1e-6);
@@ -232,8 +166,8 @@ TEST(PagedAttentionCpu, SinksMakeTheFirstTokensExactInLongerSequences) {
   const Batch bw = MakeBatch(with, 1, {40}, 4);
   const Batch bo = MakeBatch(without, 1, {40}, 4);
   std::vector<float> ow(bw.q.size()), oo(bo.q.size());
-  ASSERT_EQ(cpu::PagedDecodeAttention(bw.Params(ow.data(), nullptr)), KernelStatus::kOk);
-  ASSERT_EQ(cpu::PagedDecodeAttention(bo.Params(oo.data(), nullptr)), KernelStatus::kOk);
+  ASSERT_EQ(cpu::PagedDecodeAttention(bw.HostParams(ow.data(), nullptr)), KernelStatus::kOk);
+  ASSERT_EQ(cpu::PagedDecodeAttention(bo.HostParams(oo.data(), nullptr)), KernelStatus::kOk);
   const Expected exact = NaiveAttention(
       bw, [&](size_t s, int kv, int head, int t) { return InputRow(bw, s, kv, head, t); });
   EXPECT_LT(MaxRelativeError(bw, ow, exact.out), MaxRelativeError(bo, oo, exact.out));
@@ -254,16 +188,17 @@ TEST(PagedAttentionCpu, RejectsInvalidInputsWithoutWriting) {
       {"length past the table", [](Batch& b, PagedDecodeAttentionParams&) { b.seq_lens[1] = 33; }},
       {"block id past the arena",
        [](Batch& b, PagedDecodeAttentionParams&) {
-         b.tables[1] = static_cast<int32_t>(b.num_blocks);
+         b.block_tables[1] = static_cast<int32_t>(b.num_blocks);
        }},
-      {"negative block id", [](Batch& b, PagedDecodeAttentionParams&) { b.tables[2] = -1; }},
+      {"negative block id",
+       [](Batch& b, PagedDecodeAttentionParams&) { b.block_tables[2] = -1; }},
       {"sinks without sink pages",
        [](Batch&, PagedDecodeAttentionParams& p) { p.sink_pages = nullptr; }},
       {"bad layout", [](Batch&, PagedDecodeAttentionParams& p) { p.layout.rot_block = 12; }},
   };
   for (const Case& c : cases) {
     Batch b = good;
-    PagedDecodeAttentionParams p = b.Params(out.data(), lse.data());
+    PagedDecodeAttentionParams p = b.HostParams(out.data(), lse.data());
     c.mutate(b, p);
     EXPECT_EQ(cpu::PagedDecodeAttention(p), KernelStatus::kInvalidArgument) << c.what;
     EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == 7.0f; })) << c.what;
