@@ -63,13 +63,19 @@ def attention():
           f"{d['peer'].get('torch', '?')} SDPA flash fp16 ({d['peer'].get('gqa', '')}) in the same "
           f"file; streaming read {k['stream_read_tbps']:.2f} TB/s ({files[-1].name}, commit "
           f"{k['commit']}, {k['device']}):\n")
-    print("| batch x context | SDPA fp16 ms | format | ms | speed-up | TB/s | of streaming read | "
-          "rel. error vs fp16 (mean) |")
-    print("|---|---|---|---|---|---|---|---|")
+    rows = {}
     for c in d["cases"]:
-        print(f"| {c['batch']} x {c['context'] // 1024}K | {c['sdpa_flash_fp16_ms']:.3f} | "
-              f"{c['format']} | {c['ms']:.3f} | {c['speedup_vs_sdpa']:.2f}x | {c['tbps']:.2f} | "
-              f"{100 * c['frac_stream']:.0f}% | {c['rel_err_vs_fp16_mean']:.4f} |")
+        rows.setdefault((c["batch"], c["context"]), {})[c["format"]] = c
+    print("| batch x context | SDPA fp16 ms | INT4 (rot 128) ms | INT4 x SDPA | INT4 of stream. read "
+          "| INT8 x SDPA | FP8 x SDPA | FP16 paged x SDPA | error INT4 rot 128 / naive |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for (batch, ctx), f in rows.items():
+        i4, nv = f["int4_rot128"], f["int4_naive"]
+        print(f"| {batch} x {ctx // 1024}K | {i4['sdpa_flash_fp16_ms']:.3f} | {i4['ms']:.4f} | "
+              f"{i4['speedup_vs_sdpa']:.2f}x | {100 * i4['frac_stream']:.0f}% | "
+              f"{f['int8_rot128']['speedup_vs_sdpa']:.2f}x | {f['fp8_rot128']['speedup_vs_sdpa']:.2f}x | "
+              f"{f['fp16']['speedup_vs_sdpa']:.2f}x | "
+              f"{i4['rel_err_vs_fp16_mean']:.3f} / {nv['rel_err_vs_fp16_mean']:.3f} |")
     if d["peer"].get("flashinfer_unavailable"):
         print(f"\nFlashInfer: not measured — {d['peer']['flashinfer_unavailable']}.")
     print()
