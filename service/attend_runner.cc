@@ -78,8 +78,7 @@ absl::Status AttendRunner::Run(const v1::AttendRequest& request, v1::AttendRespo
     std::memcpy(out->data(), out_.data(), out->size());
   } else {
     out->resize(out_values * 2);
-    uint16_t* h = reinterpret_cast<uint16_t*>(out->data());
-    for (size_t i = 0; i < out_values; ++i) h[i] = FloatToHalf(out_[i]);
+    FloatsToHalves(out_.data(), reinterpret_cast<uint16_t*>(out->data()), out_values);
   }
   if (request.return_lse()) {
     response->mutable_lse()->Resize(static_cast<int>(lse_values), 0.0f);

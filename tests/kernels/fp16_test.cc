@@ -2,7 +2,10 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <random>
+#include <vector>
 
 #include "gtest/gtest.h"
 
@@ -59,6 +62,25 @@ TEST(Fp16, OverflowsToInfinityAndUnderflowsToZero) {
   EXPECT_EQ(FloatToHalf(std::nextafter(std::ldexp(1.0f, -25), 1.0f)), 0x0001);
   EXPECT_EQ(FloatToHalf(-1e-30f), 0x8000);
   EXPECT_FALSE(HalfIsFinite(FloatToHalf(std::nanf(""))));
+}
+
+TEST(Fp16, ArrayConversionMatchesFloatToHalfBitForBit) {
+  // Random bit patterns cover every exponent (normals, subnormals, ties, overflow), plus the
+  // specials; a NaN inside a block of 8 takes the scalar path.
+  std::mt19937 rng(7);
+  std::vector<float> in(1 << 16);
+  for (float& x : in) {
+    const uint32_t bits = rng();
+    std::memcpy(&x, &bits, sizeof(x));
+  }
+  const float specials[] = {0.0f, -0.0f, 65520.0f, 65519.99f, std::ldexp(1.0f, -25),
+                            std::numeric_limits<float>::infinity(), std::nanf("")};
+  for (size_t i = 0; i < sizeof(specials) / sizeof(specials[0]); ++i) in[100 + 3 * i] = specials[i];
+  std::vector<uint16_t> out(in.size() - 3);  // a length that is not a multiple of 8
+  FloatsToHalves(in.data(), out.data(), out.size());
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_EQ(out[i], FloatToHalf(in[i])) << "value " << in[i] << " at " << i;
+  }
 }
 
 TEST(Fp8E4M3, EveryCodeRoundTripsAndNaNIsOnlyS1111111) {
