@@ -18,6 +18,7 @@ ABSL_FLAG(double, seconds, 5.0, "bench put: duration");
 ABSL_FLAG(int32_t, batch, 8, "bench attend: sequences per Attend RPC");
 ABSL_FLAG(int32_t, context, 1024, "bench attend: cached tokens per sequence");
 ABSL_FLAG(int32_t, iters, 200, "bench attend: timed RPCs (after 10 warm-up RPCs)");
+ABSL_FLAG(bool, stream, false, "bench attend: one AttendStream step per call instead of unary Attend");
 
 namespace kvpool::cli {
 namespace {
@@ -127,6 +128,16 @@ int RunBenchAttend() {
   const int q_heads = spec.num_kv_heads() * absl::GetFlag(FLAGS_q_heads_per_kv_head);
   const std::vector<uint16_t> q =
       testing::ToHalf(testing::MakeNormal(size_t{1} * q_heads * spec.head_dim(), seed));
+  const bool stream = absl::GetFlag(FLAGS_stream);
+  std::unique_ptr<client::AttendSession> session;
+  if (stream && status.ok()) {
+    absl::StatusOr<std::unique_ptr<client::AttendSession>> opened = c->OpenAttendStream(Call());
+    if (opened.ok()) {
+      session = std::move(*opened);
+    } else {
+      status = opened.status();
+    }
+  }
   std::vector<double> latency_us;
   uint32_t attended = 0;
   for (int i = 0; i < iters + 10 && status.ok(); ++i) {
@@ -140,7 +151,7 @@ int RunBenchAttend() {
       item->set_new_token_id(-1);
     }
     const absl::Time start = absl::Now();
-    absl::StatusOr<v1::AttendResponse> r = c->Attend(req, Call());
+    absl::StatusOr<v1::AttendResponse> r = session ? session->Step(req) : c->Attend(req, Call());
     const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
     if (!r.ok()) {
       status = r.status();
@@ -149,14 +160,16 @@ int RunBenchAttend() {
     if (i >= 10) latency_us.push_back(us);
     if (r->context_tokens_size() > 0) attended = r->context_tokens(0);
   }
+  if (session) session->Finish().IgnoreError();
   for (uint64_t lease : leases) c->Release(lease, Call()).IgnoreError();
   if (!status.ok()) {
     std::fprintf(stderr, "bench attend: %s\n", status.ToString().c_str());
     return 1;
   }
-  std::printf("bench attend: batch %d x %u context tokens, %d q heads, %d RPCs: p50 %.0f us, "
+  std::printf("bench attend: batch %d x %u context tokens, %d q heads, %d %s: p50 %.0f us, "
               "p99 %.0f us\n",
-              batch, attended, q_heads, iters, Percentile(latency_us, 0.5),
+              batch, attended, q_heads, iters, stream ? "AttendStream steps" : "unary RPCs",
+              Percentile(latency_us, 0.5),
               Percentile(latency_us, 0.99));
   return 0;
 }

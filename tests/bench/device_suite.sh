@@ -57,9 +57,10 @@ for streams in 1 4 8 16; do
     cli bench put --streams=$streams --chunk_tokens=$chunk --tokens=1024 --seconds=3
   done
 done
-cli bench attend --batch=1 --context=32768 --iters=200
-cli bench attend --batch=8 --context=4096 --iters=200
-cli bench attend --batch=32 --context=4096 --iters=200
+for mode in --nostream --stream; do
+  cli bench attend --batch=1 --context=32768 --iters=300 $mode
+  cli bench attend --batch=32 --context=4096 --iters=300 $mode
+done
 cli demo
 curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_ratio|quantization_rel)' \
   | tee -a "$grpc"
