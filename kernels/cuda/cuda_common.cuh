@@ -204,35 +204,6 @@ __device__ __forceinline__ void Hadamard8PerLane(float (&x)[8], int chunk) {
   }
 }
 
-// The butterflies of Hadamard8PerLane (no 1/sqrt(kRot) scaling; the caller applies it) over a
-// vector spread as 32 consecutive channels per lane: lane `chunk32` holds channels
-// [32 chunk32, 32 chunk32 + 32). Blocks of up to 32 channels need no shuffle; larger blocks take
-// one cross-lane stage per doubling. All 32 lanes of the warp must call it.
-template <int kRot>
-__device__ __forceinline__ void HadamardButterflies32PerLane(float (&x)[32], int chunk32) {
-  static_assert(kRot >= 16 && kRot <= 128 && (kRot & (kRot - 1)) == 0, "rot block");
-  constexpr int kInLane = kRot < 32 ? kRot : 32;
-#pragma unroll
-  for (int h = 1; h < kInLane; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      if ((i & h) == 0) {
-        const float a = x[i], b = x[i + h];
-        x[i] = a + b;
-        x[i + h] = a - b;
-      }
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < kRot / 32; m <<= 1) {
-    const float sign = (chunk32 & m) != 0 ? -1.0f : 1.0f;
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      x[i] = __fmaf_rn(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
-    }
-  }
-}
-
 // ---- dispatch ----------------------------------------------------------------------------------
 
 template <KvDtype kValue>

@@ -11,8 +11,11 @@
 // mma.sync.m16n8k16 (fp16 inputs, fp32 accumulation):
 //   scores  S^T[16 x 8 tokens] = Q'[16 x D] . codes^T: rows 0..7 are the hi parts of the 8 query
 //           heads' q' (fp16), rows 8..15 the lo parts (q' - hi in fp16), so row g + row g + 8 is
-//           q' . codes to ~2^-22; codes (INT4/INT8 integers, e4m3 values, fp16 values) are exact
-//           in fp16. score = sm_scale * (scale_t * dot + zero_t * sum(q')) in the log2 domain.
+//           q' . codes to ~2^-22; q' enters times sm_scale (log2 domain). Codes (INT4/INT8
+//           integers, e4m3 values, fp16 values) are exact in fp16. Integer codes enter as
+//           1024 + c (INT4 high nibbles 1024 + 16 c, against q' / 16), unpacked without a
+//           subtraction: the accumulators start at minus 1024 times the sum of their A row.
+//           score = scale_t * dot + zero_t * sum(q').
 //   values  O[16 x D] += P[16 x 16 tokens] . codes: rows g / g + 8 carry hi / lo of
 //           p_t * scale_t, and sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
 // The thread that holds a score in the S^T accumulator holds the same entries of P as an A
@@ -45,6 +48,17 @@ __device__ __forceinline__ void Mma16816(float (&d)[4], const uint4& a, uint32_t
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
+// d = a . b + c for one m16n8k16 tile: starts an accumulation chain at c.
+__device__ __forceinline__ void Mma16816From(float (&d)[4], const uint4& a, uint32_t b0,
+                                             uint32_t b1, const float (&c)[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%11,%12,%13};\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+        "f"(c[3]));
 }
 
 __device__ __forceinline__ uint32_t PackHalf2(__half lo, __half hi) {
@@ -94,26 +108,35 @@ template <KvDtype kDtype>
 struct MmaCodec {
   static constexpr int kBits = DtypeBits(kDtype);
   static constexpr int kUnitBytes = kBits;  // 8 channels
-  // Channel (within a unit of 8) of each k-pair element UnpackUnit returns: pair i holds channels
-  // kPerm[2i] (low half) and kPerm[2i + 1] (high half).
+  // Channel (within a unit of 8) of each k-pair element UnpackUnitBiased returns: pair i holds
+  // channels kPerm[2i] (low half) and kPerm[2i + 1] (high half).
   __device__ static constexpr int Perm(int i) {
     return kDtype == KvDtype::kInt4 ? (i % 2 == 0 ? i / 2 : 4 + i / 2) : i;
   }
-  // The 8 channels of one unit of a page row as 4 half2 k-pairs (see Perm).
-  __device__ static void UnpackUnit(const uint8_t* p, uint32_t (&out)[4]) {
+  // Integer codes reach the score MMA biased, as the fp16 values their unpack makes without the
+  // subtraction: pair i holds 1024 + c, except INT4 high nibbles (odd pairs), 1024 + 16 c. With
+  // the A weights of pair i multiplied by PairWeight(i), sum_k a_k b_k is the code dot product
+  // plus kCodeBias * sum_k a_k, which the caller cancels.
+  static constexpr bool kIntCodes = kDtype == KvDtype::kInt4 || kDtype == KvDtype::kInt8;
+  static constexpr float kCodeBias = kIntCodes ? 1024.0f : 0.0f;
+  __device__ static constexpr float PairWeight(int pair) {
+    return kDtype == KvDtype::kInt4 && pair % 2 == 1 ? 1.0f / 16.0f : 1.0f;
+  }
+  // The 8 channels of one unit of a page row as 4 half2 k-pairs (see Perm), biased (kCodeBias).
+  __device__ static void UnpackUnitBiased(const uint8_t* p, uint32_t (&out)[4]) {
     if constexpr (kDtype == KvDtype::kInt4) {
       const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
       const uint32_t w8 = w >> 8;
-      out[0] = Sub1024(AndOr(w, 0x000F000Fu, 0x64006400u));
-      out[1] = Div16Sub64(AndOr(w, 0x00F000F0u, 0x64006400u));
-      out[2] = Sub1024(AndOr(w8, 0x000F000Fu, 0x64006400u));
-      out[3] = Div16Sub64(AndOr(w8, 0x00F000F0u, 0x64006400u));
+      out[0] = AndOr(w, 0x000F000Fu, 0x64006400u);
+      out[1] = AndOr(w, 0x00F000F0u, 0x64006400u);
+      out[2] = AndOr(w8, 0x000F000Fu, 0x64006400u);
+      out[3] = AndOr(w8, 0x00F000F0u, 0x64006400u);
     } else if constexpr (kDtype == KvDtype::kInt8) {
       const uint2 w = *reinterpret_cast<const uint2*>(p);
-      out[0] = Sub1024(AndOr(__byte_perm(w.x, 0, 0x1100), 0x00FF00FFu, 0x64006400u));
-      out[1] = Sub1024(AndOr(__byte_perm(w.x, 0, 0x3322), 0x00FF00FFu, 0x64006400u));
-      out[2] = Sub1024(AndOr(__byte_perm(w.y, 0, 0x1100), 0x00FF00FFu, 0x64006400u));
-      out[3] = Sub1024(AndOr(__byte_perm(w.y, 0, 0x3322), 0x00FF00FFu, 0x64006400u));
+      out[0] = AndOr(__byte_perm(w.x, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
+      out[1] = AndOr(__byte_perm(w.x, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
+      out[2] = AndOr(__byte_perm(w.y, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
+      out[3] = AndOr(__byte_perm(w.y, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
     } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
       const uint2 w = *reinterpret_cast<const uint2*>(p);
       out[0] = Fp8PairToHalf2(w.x & 0xFFFFu);
@@ -292,7 +315,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   int use_stage = 0;                // stage of local tile i
 
   // Prologue: q' hi/lo A fragments of every k16 slab, and sum(q') per head (kSumLanes lanes per
-  // head).
+  // head), both times score_scale: the MMA yields scores in the log2 domain.
   GridDependencyWait();  // q' of the rotation kernel
   const float* q_src = a.q_rot + head_row * kHeadDim;
   for (int i = tid; i < T::kSlabs * 32; i += kAttnThreads) {
@@ -303,7 +326,10 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     float x[4] = {0.f, 0.f, 0.f, 0.f};
     if (fg < nh) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[e] = q_src[fg * kHeadDim + unit_base + C::Perm(2 * pair0 + e)];
+      for (int e = 0; e < 4; ++e) {
+        x[e] = q_src[fg * kHeadDim + unit_base + C::Perm(2 * pair0 + e)] *
+               (a.score_scale * C::PairWeight(pair0 + e / 2));
+      }
     }
     __half hi[4], lo[4];
 #pragma unroll
@@ -323,10 +349,29 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       for (int c = tid % kSumLanes; c < kHeadDim; c += kSumLanes) s += q_src[h * kHeadDim + c];
     }
     s = GroupSum<kSumLanes>(s);
-    if (tid % kSumLanes == 0) qsum_s[h] = s;
+    if (tid % kSumLanes == 0) qsum_s[h] = s * a.score_scale;
   }
   __syncthreads();
   const float qsum = qsum_s[g];
+  // kCodeBias * the sum of this lane's A rows g (hi) and g + 8 (lo) over every slab: the first
+  // score chain of each n8 tile starts at minus it, so the chains end at the code dot product.
+  float bias_hi = 0.0f, bias_lo = 0.0f;
+  if constexpr (C::kIntCodes) {
+#pragma unroll
+    for (int slab = 0; slab < T::kSlabs; ++slab) {
+      const uint4 f = qfrag[slab * 32 + lane];
+      const float2 h0 = __half22float2(*reinterpret_cast<const __half2*>(&f.x));
+      const float2 l0 = __half22float2(*reinterpret_cast<const __half2*>(&f.y));
+      const float2 h1 = __half22float2(*reinterpret_cast<const __half2*>(&f.z));
+      const float2 l1 = __half22float2(*reinterpret_cast<const __half2*>(&f.w));
+      bias_hi += (h0.x + h0.y) + (h1.x + h1.y);
+      bias_lo += (l0.x + l0.y) + (l1.x + l1.y);
+    }
+    bias_hi = -C::kCodeBias * GroupSum<4>(bias_hi);
+    bias_lo = -C::kCodeBias * GroupSum<4>(bias_lo);
+  }
+  const float bias_start[4] = {bias_hi, bias_hi, bias_lo, bias_lo};
+  constexpr float kZeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
   float m_run = -INFINITY;  // head g, log2 domain; the same in the 4 lanes of the group
   float l_run = 0.0f;       // this lane's tokens only
@@ -354,13 +399,9 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 
     // Scores: two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and 8 + g. Each
     // n8 tile accumulates in two independent chains (the two slabs of a unit) for ILP.
+    // The first chain starts at minus the code bias of rows g / g + 8 (bias_start), the second
+    // at 0.
     float s_acc[2][2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int ch = 0; ch < 2; ++ch)
-        s_acc[nt][ch][0] = s_acc[nt][ch][1] = s_acc[nt][ch][2] = s_acc[nt][ch][3] = 0.f;
-    }
 #pragma unroll
     for (int cc = 0; cc < kHeadDim / 32; ++cc) {
       const uint4 qa = qfrag[(2 * cc) * 32 + lane];
@@ -368,10 +409,15 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         uint32_t pairs[4];
-        C::UnpackUnit(k_codes + (nt * 8 + g) * T::kCodeStride + (4 * cc + tig) * C::kUnitBytes,
-                      pairs);
-        Mma16816(s_acc[nt][0], qa, pairs[0], pairs[1]);
-        Mma16816(s_acc[nt][1], qb, pairs[2], pairs[3]);
+        C::UnpackUnitBiased(
+            k_codes + (nt * 8 + g) * T::kCodeStride + (4 * cc + tig) * C::kUnitBytes, pairs);
+        if (cc == 0) {
+          Mma16816From(s_acc[nt][0], qa, pairs[0], pairs[1], bias_start);
+          Mma16816From(s_acc[nt][1], qb, pairs[2], pairs[3], kZeros);
+        } else {
+          Mma16816(s_acc[nt][0], qa, pairs[0], pairs[1]);
+          Mma16816(s_acc[nt][1], qb, pairs[2], pairs[3]);
+        }
       }
     }
     // This lane's tokens: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig. Rows outside [lo, hi) hold
@@ -390,7 +436,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
         const float2 sz = LoadMeta(k_meta + tok[u] * 4, 0);
         dot = sz.x * dot + sz.y * qsum;
       }
-      s[u] = valid[u] ? dot * a.score_scale : -INFINITY;
+      s[u] = valid[u] ? dot : -INFINITY;
     }
     float tile_max = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
     tile_max = GroupMax<4>(tile_max);
@@ -426,7 +472,8 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
                                 PackHalf2(p_hi[2], p_hi[3]), PackHalf2(p_lo[2], p_lo[3]));
 
     // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
-    // word of each row at a time; rows outside [lo, hi) read as code 0.
+    // word of each row at a time; rows outside [lo, hi) hold the zeros of their copy (finite
+    // codes against p = 0).
     const uint32_t* vrow[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
@@ -437,7 +484,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     for (int w = 0; w < T::kVWords; ++w) {
       uint32_t word[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) word[u] = valid[u] ? vrow[u][w] : 0u;
+      for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
       uint32_t b01[C::kChPerWord], b23[C::kChPerWord];
       C::PairWord(word[0], word[1], b01);
       C::PairWord(word[2], word[3], b23);

@@ -1,13 +1,15 @@
 // The fused rotate-quantize-append kernel (DESIGN.md section 5) and kvpool::cuda::QuantizeAppend.
 // It reproduces the CPU reference's per-row math (kernels/cpu/page_codec.h) except that the
-// rotation runs in fp32 instead of double and its 1/sqrt(rot_block) is folded into the
-// reciprocal of the scale (meta stays exact), so a code may differ by one where x' sits within
-// an fp32 rounding of a half-way point. Unrotated rows match the reference bit for bit.
+// rotation runs in fp32 instead of double (tensor-core sums, then butterflies: hadamard_mma.cuh)
+// and its 1/sqrt(rot_block) is folded into the reciprocal of the scale (meta stays exact), so a
+// code may differ by one where x' sits within an fp32 rounding of a half-way point. Unrotated
+// rows match the reference bit for bit.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/hadamard_mma.cuh"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
 
@@ -159,36 +161,38 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
 }
 
 // Quantizes one row (K or V of an item) from its raw fp16 words, 32 consecutive channels per
-// lane (lane `chunk` of kHeadDim / 32 consecutive lanes): sign flip and Hadamard when kRot > 0,
-// per-group min / max (in-lane, then shuffles for groups wider than a lane), codes and meta
-// stored into token `offset` of `head_page` when `write`. Every lane of the warp must call it.
+// lane (lane `chunk` of kHeadDim / 32 consecutive lanes of the warp): sign flip and Hadamard
+// (HadamardMma32PerLane with `hadamard_b` from HadamardMmaFragments<kRot>) when kRot > 0,
+// per-group min / max (in-lane, then shuffles for groups wider than a lane), codes and meta stored
+// into token `offset` of `head_page` when `write`. Every lane of the warp must call it.
 template <KvDtype kDtype, int kHeadDim, int kRot>
 __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint4 (&raw)[4],
-                                               const uint32_t (&sign_mask)[16], uint8_t* head_page,
+                                               const uint32_t (&sign_mask)[16],
+                                               const uint32_t (&hadamard_b)[4], uint8_t* head_page,
                                                int offset, int chunk, bool write) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp8 = kDtype == KvDtype::kFp8E4M3;
   float x[32];
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    uint4 in = raw[w];
-    if constexpr (kRot > 0) {
-      in.x ^= sign_mask[4 * w];
-      in.y ^= sign_mask[4 * w + 1];
-      in.z ^= sign_mask[4 * w + 2];
-      in.w ^= sign_mask[4 * w + 3];
-    }
-    float part[8];
-    UnpackHalf8(in, part);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[8 * w + i] = part[i];
-  }
-  // x holds bare butterflies; x' = x * norm, and RN(x * norm) is monotonic in x, so the group
-  // extremes of x' are the rounded extremes of x.
+  // x holds the bare transform (no 1/sqrt(kRot)); x' = x * norm, and RN(x * norm) is monotonic
+  // in x, so the group extremes of x' are the rounded extremes of x.
   float norm = 1.0f;
   if constexpr (kRot > 0) {
-    HadamardButterflies32PerLane<kRot>(x, chunk);
+    uint4 flipped[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      flipped[w] = make_uint4(raw[w].x ^ sign_mask[4 * w], raw[w].y ^ sign_mask[4 * w + 1],
+                              raw[w].z ^ sign_mask[4 * w + 2], raw[w].w ^ sign_mask[4 * w + 3]);
+    }
+    HadamardMma32PerLane<kRot>(flipped, hadamard_b, x);
     norm = HadamardNorm<kRot>();
+  } else {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float part[8];
+      UnpackHalf8(raw[w], part);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[8 * w + i] = part[i];
+    }
   }
   float mn[4], mx[4];  // of x, per 8 channels (FP8: mx = max |x|)
 #pragma unroll
@@ -317,8 +321,8 @@ __device__ __forceinline__ void LoadItem(const QuantizeArgs& a, uint32_t item, i
 // Each group of kHeadDim/32 consecutive lanes handles kItemsPerLaneGroup (token, KV head) items
 // (item g + u * lane_groups_in_grid), one after the other, the next item's loads issued before
 // the current one is processed; each lane owns 32 channels of K and V of an item: four 16-byte
-// loads each, sign flip on the raw fp16 words, rotation in registers (shuffles only for blocks
-// above 32), quantize, packed stores.
+// loads each, sign flip on the raw fp16 words, rotation by tensor cores and butterflies in
+// registers (no shuffles), quantize, packed stores.
 // Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads.
 // At least 2 blocks per SM (<= 128 registers): measured faster than 1 block at ~148 registers.
 template <KvDtype kDtype, int kHeadDim, int kRot>
@@ -329,7 +333,11 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const uint32_t lane_groups = gridDim.x * (kThreads / kLanes);
   const int chunk = static_cast<int>(threadIdx.x % kLanes);
   uint32_t sign_mask[16] = {};
-  if constexpr (kRot > 0) HalfSignMasks32(a.signs, chunk, sign_mask);
+  uint32_t hadamard_b[4] = {};
+  if constexpr (kRot > 0) {
+    HalfSignMasks32(a.signs, chunk, sign_mask);
+    HadamardMmaFragments<kRot>(hadamard_b);
+  }
 
   ItemRaw cur, next;
   LoadItem<kHeadDim, !kFp16>(a, lane_group, chunk, cur);
@@ -364,8 +372,10 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
         }
       }
     } else {
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.k, sign_mask, k_page, offset, chunk, write);
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.v, sign_mask, v_page, offset, chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.k, sign_mask, hadamard_b, k_page, offset,
+                                             chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.v, sign_mask, hadamard_b, v_page, offset,
+                                             chunk, write);
     }
     cur = next;
   }
