@@ -23,6 +23,8 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/cuda_common.cuh"
+
 namespace kvpool::cuda {
 
 // The B fragments of the k-bit Kronecker product for kRot (16..128): b[2h], b[2h + 1] are the
@@ -48,16 +50,6 @@ __device__ __forceinline__ void HadamardMmaFragments(uint32_t (&b)[4]) {
   }
 }
 
-// d = a . b for one m16n8k16 tile (A row-major fp16, B column-major fp16, fp32 result).
-__device__ __forceinline__ void MmaZeroAcc16816(float (&d)[4], uint32_t a0, uint32_t a1,
-                                                uint32_t a2, uint32_t a3, uint32_t b0,
-                                                uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%10,%10,%10,%10};\n"
-      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "f"(0.0f));
-}
-
 // x = the un-normalized block Hadamard (no 1/sqrt(kRot); the caller applies it) of the lane's
 // 32 channels whose raw fp16 words (sign flip already applied) are `raw` (word j = raw[j / 4]'s
 // component j % 4), with `b` from HadamardMmaFragments<kRot>.
@@ -79,8 +71,9 @@ __device__ __forceinline__ void HadamardMma32PerLane(const uint4 (&raw)[4], cons
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float d[4];
-      MmaZeroAcc16816(d, w[2 * t], w[2 * t + 8], w[2 * t + 1], w[2 * t + 9], b[2 * h],
-                      b[2 * h + 1]);
+      constexpr float kZeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      Mma16816From(d, make_uint4(w[2 * t], w[2 * t + 8], w[2 * t + 1], w[2 * t + 9]), b[2 * h],
+                   b[2 * h + 1], kZeros);
       const int j = h + 2 * t;
       x[2 * j] = d[0];
       x[2 * j + 1] = d[1];
