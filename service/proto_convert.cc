@@ -45,6 +45,12 @@ v1::KvDtype ToProtoDtype(KvDtype d) {
 }
 
 absl::StatusOr<NamespaceConfig> FromProtoSpec(const v1::NamespaceSpec& spec) {
+  // Checked before layer_dtypes is sized from it.
+  if (spec.num_layers() == 0 || spec.num_layers() > static_cast<uint32_t>(kMaxNamespaceLayers)) {
+    return absl::InvalidArgumentError(absl::StrCat("namespace num_layers must be in [1, ",
+                                                   kMaxNamespaceLayers, "], got ",
+                                                   spec.num_layers()));
+  }
   if (spec.layer_dtypes_size() > static_cast<int>(spec.num_layers())) {
     return absl::InvalidArgumentError(absl::StrCat("layer_dtypes has ", spec.layer_dtypes_size(),
                                                    " entries for ", spec.num_layers(), " layers"));

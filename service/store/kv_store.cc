@@ -1,5 +1,5 @@
-// KvStore: namespaces, Match/leases and stats. Put sessions are in kv_store_put.cc, the decode
-// paths (Get, Append, Attend) in kv_store_decode.cc.
+// KvStore: namespaces, Match/leases and stats. Put sessions are in kv_store_put.cc, Get and
+// Append in kv_store_decode.cc, Attend in kv_store_attend.cc.
 #include "service/store/kv_store.h"
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// KvStore's decode paths: Get (ReadFp16, ReadRaw), Append and Attend, and the lease tail they
-// grow and publish.
+// KvStore's decode paths: Get (ReadFp16, ReadRaw, and their arena variants), Append, and the
+// lease tail that Append and Attend (kv_store_attend.cc) grow and publish.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>

@@ -114,10 +114,11 @@ class StoreImpl final : public KvStore {
   // The namespace `name` ("" = the first one), or null.
   NamespaceState* FindNamespaceLocked(std::string_view name) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // NOT_FOUND for an unknown namespace; INVALID_ARGUMENT for a token id list the store cannot
-  // hash (empty when !allow_empty, over max_sequence_tokens, or with a negative id).
+  // The namespace `name` ("" = the first one); NOT_FOUND when there is none.
   absl::StatusOr<NamespaceState*> ResolveLocked(std::string_view name) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT for a token id list the store cannot hash (empty when !allow_empty, or with
+  // a negative id); RESOURCE_EXHAUSTED over max_sequence_tokens.
   absl::Status CheckTokenIds(absl::Span<const int32_t> token_ids, bool allow_empty) const;
   // Drops leases past their expiry.
   size_t ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -10,8 +10,8 @@ namespace kvpool {
 namespace {
 
 constexpr int kMaxNameLength = 64;
-// Upper bounds that keep every size product of a namespace far from overflow.
-constexpr int kMaxLayers = 4096;
+// Upper bounds that, with kMaxNamespaceLayers, keep every size product of a namespace far from
+// overflow.
 constexpr int kMaxKvHeads = 1024;
 constexpr int kMaxHeadDim = 1024;
 constexpr int kMaxBlockTokens = 1024;
@@ -83,7 +83,10 @@ absl::Status ValidateNamespaceConfig(const NamespaceConfig& config) {
           "namespace name \"%s\" may only contain [a-zA-Z0-9._-]", name));
     }
   }
-  if (absl::Status s = CheckRange("num_layers", config.num_layers, kMaxLayers); !s.ok()) return s;
+  if (absl::Status s = CheckRange("num_layers", config.num_layers, kMaxNamespaceLayers);
+      !s.ok()) {
+    return s;
+  }
   if (absl::Status s = CheckRange("num_kv_heads", config.num_kv_heads, kMaxKvHeads); !s.ok()) {
     return s;
   }

@@ -12,6 +12,9 @@
 
 namespace kvpool {
 
+// Most layers a namespace may have (ValidateNamespaceConfig rejects more).
+inline constexpr int kMaxNamespaceLayers = 4096;
+
 struct NamespaceConfig {
   std::string name;
   int num_layers = 0;

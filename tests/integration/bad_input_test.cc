@@ -227,6 +227,28 @@ TEST_F(BadInput, NanOrInfInKvIsInvalidAndStoresNothing) {
   ExpectPoolUntouched();
 }
 
+TEST_F(BadInput, NamespaceLayerCountOutOfRangeIsInvalidWithoutAllocating) {
+  // 0xFFFFFFFF does not fit an int; 2e9 would size a multi-GiB per-layer table if unchecked.
+  for (const uint32_t layers : {0u, 4097u, 2000000000u, 0xFFFFFFFFu}) {
+    grpc::ClientContext ctx;
+    v1::CreateNamespaceRequest req;
+    v1::NamespaceSpec* spec = req.mutable_spec();
+    spec->set_name("huge");
+    spec->set_num_layers(layers);
+    spec->set_num_kv_heads(1);
+    spec->set_head_dim(32);
+    spec->set_capacity_bytes(1 << 16);
+    v1::CreateNamespaceResponse resp;
+    EXPECT_EQ(stub()->CreateNamespace(&ctx, req, &resp).error_code(),
+              grpc::StatusCode::INVALID_ARGUMENT)
+        << layers << " layers";
+  }
+  grpc::ClientContext ctx;
+  v1::ListNamespacesResponse list;
+  ASSERT_TRUE(stub()->ListNamespaces(&ctx, v1::ListNamespacesRequest(), &list).ok());
+  EXPECT_EQ(list.namespaces_size(), 1);
+}
+
 TEST(BadInputLimits, MessageOverLimitIsResourceExhausted) {
   const NamespaceConfig c = SmallNamespace("small", 1 << 20);
   auto t = TestServer::Start({c}, [](ServerOptions* o) { o->max_message_bytes = 16 << 10; });
