@@ -34,6 +34,7 @@ struct QuantizeArgs {
   int num_kv_heads;
   int64_t num_slots;  // num_blocks * block_tokens
   int group_size;     // channels per {scale, zero}: a power of two >= 8 dividing head_dim
+  int group_log2;     // log2(group_size)
   int sink_tokens;
   PageGeometry geo;
   RotationSigns signs;
@@ -100,21 +101,24 @@ __device__ __forceinline__ uint32_t PackLowBytes(uint32_t w0, uint32_t w1, uint3
   return __byte_perm(__byte_perm(w0, w1, 0x0040), __byte_perm(w2, w3, 0x0040), 0x5410);
 }
 
-// Quantizes the 32 channels x of one lane with the meta m[j] of channels [8j, 8j + 8), and
-// returns their packed codes as stored (INT4: 4 words, INT8 / FP8: 8 words). `x_scale` is the
-// factor between x and x' (the Hadamard normalization when x holds bare butterflies, else 1):
-// the code of x' is computed as fma(x, r * x_scale, b); x_mn / x_mx bound x over each j.
-template <KvDtype kDtype>
+// Quantizes the 32 channels x of one lane, channels [8j, 8j + 8) with the meta m[j] (m[0] for all
+// when kOneMeta), and returns their packed codes as stored (INT4: 4 words, INT8 / FP8: 8 words).
+// `x_scale` is the factor between x and x' (the Hadamard normalization when x holds bare
+// butterflies, else 1): the code of x' is computed as fma(x, r * x_scale, b); x_mn / x_mx bound x
+// over each j. Every lane of the warp must call it (the clamp decision is warp-uniform).
+template <KvDtype kDtype, bool kOneMeta>
 __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta (&m)[4],
                                            const float (&x_mn)[4], const float (&x_mx)[4],
                                            float x_scale, uint32_t (&out)[8]) {
-  float r[4];
+  constexpr int kMetas = kOneMeta ? 1 : 4;
+  auto meta = [](int i) { return kOneMeta ? 0 : i / 8; };  // meta of channel i
+  float r[kMetas];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) r[j] = x_scale == 1.0f ? m[j].r : __fmul_rn(m[j].r, x_scale);
+  for (int j = 0; j < kMetas; ++j) r[j] = x_scale == 1.0f ? m[j].r : __fmul_rn(m[j].r, x_scale);
   if constexpr (kDtype == KvDtype::kFp8E4M3) {
 #pragma unroll
     for (int w = 0; w < 8; ++w) {
-      const int j = w / 2;
+      const int j = meta(4 * w);
       uint32_t pair[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -129,19 +133,27 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
   } else {
     constexpr float kLevels = kDtype == KvDtype::kInt4 ? 15.0f : 255.0f;
     // q = fma(x, r, b) is monotonic in x, so each group's min and max bound its q: clamping is
-    // needed only when they round outside [0, levels] (fp16 rounding of s and z).
+    // needed only when they round outside [0, levels] (fp16 rounding of s and z), which is rare:
+    // the clamped loop runs only when some lane of the warp needs it.
     bool clamp = false;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kMetas; ++j) {
       clamp |= __fmaf_rn(x_mn[j], r[j], m[j].b) < -0.5f ||
                __fmaf_rn(x_mx[j], r[j], m[j].b) >= kLevels + 0.5f;
     }
     uint32_t t[32];  // bits of the rounded code + kRoundMagic
+    if (__any_sync(0xffffffffu, clamp)) {
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      float q = __fmaf_rn(x[i], r[i / 8], m[i / 8].b);
-      if (clamp) q = fminf(fmaxf(q, 0.0f), kLevels);
-      t[i] = __float_as_uint(__fadd_rn(q, kRoundMagic));
+      for (int i = 0; i < 32; ++i) {
+        const float q = __fmaf_rn(x[i], r[meta(i)], m[meta(i)].b);
+        t[i] = __float_as_uint(__fadd_rn(fminf(fmaxf(q, 0.0f), kLevels), kRoundMagic));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        t[i] = __float_as_uint(
+            __fadd_rn(__fmaf_rn(x[i], r[meta(i)], m[meta(i)].b), kRoundMagic));
+      }
     }
     if constexpr (kDtype == KvDtype::kInt4) {
       // Low byte of t[2k + 1] * 16 + t[2k]: code 2k + 1 in the high nibble, 2k in the low one.
@@ -210,17 +222,13 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
     }
   }
   GroupMeta meta[4];
-  if (a.group_size >= kChannels) {
-    float lo = fminf(fminf(mn[0], mn[1]), fminf(mn[2], mn[3]));
-    float hi = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
-    GroupMinMax<kLanes, !kFp8>(a.group_size / kChannels, lo, hi);
-    meta[0] = MakeGroupMeta<kDtype>(__fmul_rn(lo, norm), __fmul_rn(hi, norm));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      meta[j] = meta[0];
-      mn[j] = lo;
-      mx[j] = hi;
-    }
+  uint32_t codes[8];
+  if (a.group_size >= kChannels) {  // one group over the lane's channels: meta[0], mn[0], mx[0]
+    mn[0] = fminf(fminf(mn[0], mn[1]), fminf(mn[2], mn[3]));
+    mx[0] = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+    GroupMinMax<kLanes, !kFp8>(1 << (a.group_log2 - 5), mn[0], mx[0]);
+    meta[0] = MakeGroupMeta<kDtype>(__fmul_rn(mn[0], norm), __fmul_rn(mx[0], norm));
+    EncodeLane<kDtype, /*kOneMeta=*/true>(x, meta, mn, mx, norm, codes);
   } else {
     if (a.group_size == 16) {
 #pragma unroll
@@ -233,9 +241,8 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
     for (int j = 0; j < 4; ++j) {
       meta[j] = MakeGroupMeta<kDtype>(__fmul_rn(mn[j], norm), __fmul_rn(mx[j], norm));
     }
+    EncodeLane<kDtype, /*kOneMeta=*/false>(x, meta, mn, mx, norm, codes);
   }
-  uint32_t codes[8];
-  EncodeLane<kDtype>(x, meta, mn, mx, norm, codes);
   if (!write) return;
   uint8_t* row = head_page + static_cast<size_t>(offset) * a.geo.code_bytes_per_token;
   if constexpr (kDtype == KvDtype::kInt4) {
@@ -250,27 +257,21 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
   uint8_t* meta_row =
       head_page + a.geo.codes_bytes + static_cast<size_t>(offset) * a.geo.meta_bytes_per_token;
   if (a.group_size >= kChannels) {
-    const int group_lanes = a.group_size / kChannels;
-    if (chunk % group_lanes == 0) {
-      *reinterpret_cast<uint32_t*>(meta_row + (chunk / group_lanes) * 4) = meta[0].word;
+    const int group_lanes_log2 = a.group_log2 - 5;  // lanes per group: 2^this
+    if ((chunk & ((1 << group_lanes_log2) - 1)) == 0) {
+      *reinterpret_cast<uint32_t*>(meta_row + (chunk >> group_lanes_log2) * 4) = meta[0].word;
     }
   } else {
     const int chunks_per_group = a.group_size / 8;  // 1 or 2
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (j % chunks_per_group == 0) {
-        const int group = (chunk * kChannels + 8 * j) / a.group_size;
+        const int group = (chunk * kChannels + 8 * j) >> a.group_log2;
         *reinterpret_cast<uint32_t*>(meta_row + group * 4) = meta[j].word;
       }
     }
   }
 }
-
-// The raw fp16 K and V words of one item that a lane owns, and the item's slot (-1: no write).
-struct ItemRaw {
-  uint4 k[4], v[4];
-  int64_t slot;
-};
 
 // Byte offset in an fp16 row of the lane's 16-byte word w. kContiguous: the lane's words are
 // channels [32 chunk, 32 chunk + 32); else word w is channels [8 (w kLanes + chunk), + 8), so
@@ -299,28 +300,37 @@ __device__ __forceinline__ void StoreSinks(const QuantizeArgs& a, uint32_t token
   }
 }
 
-// Loads item `item`'s words (WordByte's order; zeros and slot -1 past the end).
+// An item (token, KV head) of a lane group, advanced by the grid's lane groups without a division.
+struct ItemPos {
+  uint32_t item, token;
+  int head;
+};
+
+// Loads the lane's raw fp16 words of row `item` of `src` (K or V; WordByte's order; zeros past
+// the end).
 template <int kHeadDim, bool kContiguous>
-__device__ __forceinline__ void LoadItem(const QuantizeArgs& a, uint32_t item, int chunk,
-                                         ItemRaw& r) {
+__device__ __forceinline__ void LoadRow(const QuantizeArgs& a, const uint16_t* src, uint32_t item,
+                                        int chunk, uint4 (&w)[4]) {
 #pragma unroll
-  for (int w = 0; w < 4; ++w) r.k[w] = r.v[w] = make_uint4(0, 0, 0, 0);
-  r.slot = -1;
+  for (int i = 0; i < 4; ++i) w[i] = make_uint4(0, 0, 0, 0);
   if (item >= a.num_items) return;
   const size_t row = static_cast<size_t>(item) * kHeadDim;
 #pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const size_t src = row + WordByte<kHeadDim, kContiguous>(chunk, w) / 2;
-    r.k[w] = LoadStreaming16(a.k + src);
-    r.v[w] = LoadStreaming16(a.v + src);
+  for (int i = 0; i < 4; ++i) {
+    w[i] = LoadStreaming16(src + row + WordByte<kHeadDim, kContiguous>(chunk, i) / 2);
   }
-  r.slot = a.slot_mapping[item / static_cast<uint32_t>(a.num_kv_heads)];
-  if (r.slot >= a.num_slots) r.slot = -1;  // the host validated; never write outside
+}
+
+// The slot of `pos`; -1 (no write) past the end or outside the arena.
+__device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos& pos) {
+  if (pos.item >= a.num_items) return -1;
+  const int64_t slot = a.slot_mapping[pos.token];
+  return slot < a.num_slots ? slot : -1;  // the host validated; never write outside
 }
 
 // Each group of kHeadDim/32 consecutive lanes handles kItemsPerLaneGroup (token, KV head) items
-// (item g + u * lane_groups_in_grid), one after the other, the next item's loads issued before
-// the current one is processed; each lane owns 32 channels of K and V of an item: four 16-byte
+// (item g + u * lane_groups_in_grid), one after the other, the next item's K loads issued before
+// the current one is processed and its V loads before the current V; each lane owns 32 channels of K and V of an item: four 16-byte
 // loads each, sign flip on the raw fp16 words, rotation by tensor cores and butterflies in
 // registers (no shuffles), quantize, packed stores.
 // Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads.
@@ -339,27 +349,41 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
     HadamardMmaFragments<kRot>(hadamard_b);
   }
 
-  ItemRaw cur, next;
-  LoadItem<kHeadDim, !kFp16>(a, lane_group, chunk, cur);
+  const uint32_t heads = static_cast<uint32_t>(a.num_kv_heads);
+  const uint32_t step_tokens = lane_groups / heads;
+  const int step_heads = static_cast<int>(lane_groups - step_tokens * heads);
+  ItemPos pos{lane_group, lane_group / heads, 0};
+  pos.head = static_cast<int>(lane_group - pos.token * heads);
+  uint4 cur_k[4], cur_v[4], next_k[4], next_v[4];
+  LoadRow<kHeadDim, !kFp16>(a, a.k, pos.item, chunk, cur_k);
+  LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, cur_v);
+  int64_t slot = LoadSlot(a, pos);
 #pragma unroll 1
   for (int u = 0; u < kItemsPerLaneGroup; ++u) {
-    const uint32_t item = lane_group + u * lane_groups;
     // Items grow with the lane and with u: once the whole warp is past the end, it is done.
     // Otherwise inactive lanes keep going with zeros: the shuffles need every lane of the warp.
-    if (__all_sync(0xffffffffu, item >= a.num_items)) break;
-    if (u + 1 < kItemsPerLaneGroup) {
-      LoadItem<kHeadDim, !kFp16>(a, item + lane_groups, chunk, next);
+    if (__all_sync(0xffffffffu, pos.item >= a.num_items)) break;
+    const uint32_t token = pos.token;
+    const int head = pos.head;
+    pos.item += lane_groups;
+    pos.token += step_tokens;
+    pos.head += step_heads;
+    if (pos.head >= a.num_kv_heads) {
+      pos.head -= a.num_kv_heads;
+      ++pos.token;
     }
-    const uint32_t token = item / static_cast<uint32_t>(a.num_kv_heads);
-    const int head = static_cast<int>(item - token * a.num_kv_heads);
-    const bool write = cur.slot >= 0;
-    const int64_t block = cur.slot >> a.geo.block_tokens_log2;
-    const int offset = static_cast<int>(cur.slot & ((1 << a.geo.block_tokens_log2) - 1));
+    // The next item's K loads now, its V loads once this item's K is encoded (fewer registers).
+    const bool more = u + 1 < kItemsPerLaneGroup;
+    if (more) LoadRow<kHeadDim, !kFp16>(a, a.k, pos.item, chunk, next_k);
+    const int64_t next_slot = more ? LoadSlot(a, pos) : -1;
+    const bool write = slot >= 0;
+    const int64_t block = slot >> a.geo.block_tokens_log2;
+    const int offset = static_cast<int>(slot & ((1 << a.geo.block_tokens_log2) - 1));
     uint8_t* k_page = a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes +
                       static_cast<size_t>(head) * a.geo.head_page_bytes;
     uint8_t* v_page = k_page + static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
     if (write && a.sink_tokens > 0) {
-      StoreSinks<kHeadDim, !kFp16>(a, token, head, block, chunk, cur.k, cur.v);
+      StoreSinks<kHeadDim, !kFp16>(a, token, head, block, chunk, cur_k, cur_v);
     }
     if constexpr (kFp16) {
       if (write) {
@@ -367,17 +391,24 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
         uint8_t* v_row = v_page + static_cast<size_t>(offset) * a.geo.code_bytes_per_token;
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          *reinterpret_cast<uint4*>(k_row + WordByte<kHeadDim, false>(chunk, w)) = cur.k[w];
-          *reinterpret_cast<uint4*>(v_row + WordByte<kHeadDim, false>(chunk, w)) = cur.v[w];
+          *reinterpret_cast<uint4*>(k_row + WordByte<kHeadDim, false>(chunk, w)) = cur_k[w];
+          *reinterpret_cast<uint4*>(v_row + WordByte<kHeadDim, false>(chunk, w)) = cur_v[w];
         }
       }
+      if (more) LoadRow<kHeadDim, false>(a, a.v, pos.item, chunk, next_v);
     } else {
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.k, sign_mask, hadamard_b, k_page, offset,
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_k, sign_mask, hadamard_b, k_page, offset,
                                              chunk, write);
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur.v, sign_mask, hadamard_b, v_page, offset,
+      if (more) LoadRow<kHeadDim, true>(a, a.v, pos.item, chunk, next_v);
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_v, sign_mask, hadamard_b, v_page, offset,
                                              chunk, write);
     }
-    cur = next;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      cur_k[w] = next_k[w];
+      cur_v[w] = next_v[w];
+    }
+    slot = next_slot;
   }
 }
 
@@ -427,6 +458,7 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   a.num_kv_heads = l.num_kv_heads;
   a.num_slots = p.num_blocks * l.block_tokens;
   a.group_size = l.quantized() ? l.group_size : 8;
+  a.group_log2 = __builtin_ctz(static_cast<unsigned>(a.group_size));
   a.sink_tokens = l.sink_tokens;
   a.geo = MakePageGeometry(l);
   a.signs = MakeRotationSigns(l);
