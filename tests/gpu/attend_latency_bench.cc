@@ -1,0 +1,264 @@
+// Where an Attend call's time goes on the server, without gRPC: for batch x context shapes over
+// an in-process KvStore on the CUDA backend (one INT4 layer, rotation 128, 8 KV heads x head_dim
+// 128, 32 query heads), the wall-clock p50/p99 of
+//   runner  AttendRunner::Run on a prepared AttendRequest: what the gRPC handler does;
+//   store   KvStore::Attend on the same items: locks, lease lookup, checks, block tables, the
+//           backend's staging copies, the kernels and the synchronization;
+//   backend ComputeBackend::PagedDecodeAttention of the CUDA backend on host q, block tables and
+//           lengths of the same shape over a synthetic arena: staging copies, kernels, copy back;
+//   kernel  cuda::PagedDecodeAttention alone on device-resident inputs of that arena (CUDA
+//           events, L2 as warm as in a decode loop).
+// The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
+//
+// usage: attend_latency_bench [--iters=300] [--out=results.json --commit=<sha>]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "kernels/kv_kernels.h"
+#include "service/attend_runner.h"
+#include "service/store/compute_backend.h"
+#include "service/store/kv_store.h"
+#include "service/store/namespace_config.h"
+#include "tests/common/kv_test_data.h"
+
+ABSL_FLAG(int, iters, 300, "timed calls per shape and path (after 20 warm-up calls)");
+ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
+ABSL_FLAG(std::string, commit, "unknown", "git commit of the build");
+
+namespace kvpool {
+namespace {
+
+constexpr int kKvHeads = 8;
+constexpr int kHeadDim = 128;
+constexpr int kQHeads = 32;
+constexpr int kBlockTokens = 16;
+constexpr int kWarmup = 20;
+
+struct Shape {
+  int batch, context;
+};
+constexpr Shape kShapes[] = {{1, 16}, {1, 32768}, {32, 16}, {32, 4096}};
+
+struct Times {
+  double p50_us, p99_us;
+};
+
+Times Percentiles(std::vector<double> us) {
+  std::sort(us.begin(), us.end());
+  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
+}
+
+template <typename F>
+Times TimeWall(int iters, F&& call) {
+  std::vector<double> us;
+  for (int i = 0; i < kWarmup + iters; ++i) {
+    const absl::Time start = absl::Now();
+    if (!call()) std::exit(1);
+    if (i >= kWarmup) us.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
+  }
+  return Percentiles(std::move(us));
+}
+
+#define BENCH_CUDA(expr)                                                               \
+  do {                                                                                 \
+    if (cudaError_t e = (expr); e != cudaSuccess) {                                    \
+      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e));                  \
+      std::exit(1);                                                                    \
+    }                                                                                  \
+  } while (0)
+
+struct ArenaTimes {
+  Times backend, kernel;
+};
+
+// The backend call and the bare kernel of `shape` over a synthetic arena: constant INT4 pages
+// (finite meta), contiguous block tables.
+ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Shape& shape,
+                     int iters) {
+  const int blocks_per_seq = (shape.context + kBlockTokens - 1) / kBlockTokens;
+  const int num_blocks = shape.batch * blocks_per_seq;
+  std::vector<int32_t> tables(num_blocks), lens(shape.batch, shape.context);
+  for (int b = 0; b < num_blocks; ++b) tables[b] = b;
+  const std::vector<uint16_t> q = testing::ToHalf(
+      testing::MakeNormal(static_cast<size_t>(shape.batch) * kQHeads * kHeadDim, 7));
+  PagedDecodeAttentionParams p;
+  p.layout = layout;
+  p.num_seqs = shape.batch;
+  p.num_q_heads = kQHeads;
+  p.max_blocks_per_seq = blocks_per_seq;
+  p.sm_scale = 0.088f;
+  p.num_blocks = num_blocks;
+  const size_t page_bytes = static_cast<size_t>(num_blocks) * layout.layer_page_bytes();
+  const size_t ws_bytes =
+      cuda::AttentionWorkspaceBytes(layout, shape.batch, kQHeads, blocks_per_seq, 0);
+  void *pages, *dq, *dtables, *dlens, *dout, *ws;
+  BENCH_CUDA(cudaMalloc(&pages, page_bytes));
+  BENCH_CUDA(cudaMemset(pages, 0x11, page_bytes));  // codes 1; meta 0x1111: small finite fp16
+  BENCH_CUDA(cudaMalloc(&dq, q.size() * 2));
+  BENCH_CUDA(cudaMalloc(&dtables, tables.size() * 4));
+  BENCH_CUDA(cudaMalloc(&dlens, lens.size() * 4));
+  BENCH_CUDA(cudaMalloc(&dout, static_cast<size_t>(shape.batch) * kQHeads * kHeadDim * 4));
+  BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
+  BENCH_CUDA(cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(dtables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemcpy(dlens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
+  p.pages = static_cast<const uint8_t*>(pages);
+  p.q = static_cast<const uint16_t*>(dq);
+  p.block_tables = static_cast<const int32_t*>(dtables);
+  p.seq_lens = static_cast<const int32_t*>(dlens);
+  p.out = static_cast<float*>(dout);
+  p.workspace = ws;
+  p.workspace_bytes = ws_bytes;
+  PagedDecodeAttentionParams host = p;
+  std::vector<float> out(static_cast<size_t>(shape.batch) * kQHeads * kHeadDim);
+  host.q = q.data();
+  host.block_tables = tables.data();
+  host.seq_lens = lens.data();
+  host.out = out.data();
+  const Times backend_times = TimeWall(iters, [&] {
+    const absl::Status s = backend->PagedDecodeAttention(host);
+    if (!s.ok()) std::fprintf(stderr, "backend: %s\n", s.ToString().c_str());
+    return s.ok();
+  });
+  // A non-blocking stream like the backend's lanes: the launches overlap as they do there.
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  cudaEvent_t start, stop;
+  BENCH_CUDA(cudaEventCreate(&start));
+  BENCH_CUDA(cudaEventCreate(&stop));
+  std::vector<double> us;
+  for (int i = 0; i < kWarmup + iters; ++i) {
+    BENCH_CUDA(cudaEventRecord(start, stream));
+    if (cuda::PagedDecodeAttention(p, stream) != KernelStatus::kOk) {
+      std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
+      std::exit(1);
+    }
+    BENCH_CUDA(cudaEventRecord(stop, stream));
+    BENCH_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= kWarmup) us.push_back(ms * 1e3);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  for (void* ptr : {pages, dq, dtables, dlens, dout, ws}) cudaFree(ptr);
+  return {backend_times, Percentiles(std::move(us))};
+}
+
+int Main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
+  auto backend = NewCudaBackend(0);
+  if (!backend.ok()) {
+    std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+    return 1;
+  }
+  NamespaceConfig config = DefaultNamespaceConfig(0);
+  config.name = "latency";
+  config.num_layers = 1;
+  config.layer_dtypes = {KvDtype::kInt4};
+  KvStore::Options options;
+  options.pool_bytes = uint64_t{4} << 30;
+  options.backend = backend->get();
+  options.quality_sample_every = 0;
+  auto store = KvStore::Create(options);
+  if (!store.ok() || !(*store)->CreateNamespace(config).ok()) {
+    std::fprintf(stderr, "store setup failed\n");
+    return 1;
+  }
+  const PageLayout layout = LayerLayout(config, 0);
+  const std::vector<uint16_t> q =
+      testing::ToHalf(testing::MakeNormal(static_cast<size_t>(kQHeads) * kHeadDim, 3));
+
+  std::string json = absl::StrFormat(
+      "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
+      "  \"cases\": [\n",
+      absl::GetFlag(FLAGS_commit), iters);
+  std::printf("%-12s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99", "store p50/99",
+              "backend p50/99", "kernel p50");
+  int seq = 0;
+  for (const Shape& shape : kShapes) {
+    std::vector<uint64_t> leases;
+    for (int b = 0; b < shape.batch; ++b, ++seq) {
+      std::vector<int32_t> ids(shape.context);
+      for (int t = 0; t < shape.context; ++t) ids[t] = seq * 1000003 + t;
+      const testing::KvData kv =
+          testing::MakeKv(shape.context, kKvHeads, kHeadDim, testing::Outliers::kSpikes, seq);
+      const std::vector<uint16_t> k = testing::ToHalf(kv.k), v = testing::ToHalf(kv.v);
+      auto put = (*store)->BeginPut(config.name, ids);
+      if (!put.ok() || !(*put)->AddChunk(0, 0, shape.context, k.data(), v.data()).ok() ||
+          !(*put)->Commit().ok()) {
+        std::fprintf(stderr, "put failed\n");
+        return 1;
+      }
+      auto m = (*store)->Match(config.name, ids, absl::Minutes(5));
+      if (!m.ok()) {
+        std::fprintf(stderr, "match: %s\n", m.status().ToString().c_str());
+        return 1;
+      }
+      leases.push_back(m->lease_id);
+    }
+    v1::AttendRequest request;
+    request.set_layer(0);
+    request.set_num_q_heads(kQHeads);
+    std::vector<KvStore::AttendItem> items;
+    for (uint64_t lease : leases) {
+      v1::AttendItem* item = request.add_items();
+      item->set_lease_id(lease);
+      item->set_q(q.data(), q.size() * 2);
+      items.push_back({lease, q.data()});
+    }
+    AttendRunner runner(store->get());
+    v1::AttendResponse response;
+    const Times run = TimeWall(iters, [&] {
+      const absl::Status s = runner.Run(request, &response);
+      if (!s.ok()) std::fprintf(stderr, "runner: %s\n", s.ToString().c_str());
+      return s.ok();
+    });
+    std::vector<float> out(static_cast<size_t>(shape.batch) * kQHeads * kHeadDim);
+    std::vector<uint32_t> attended(shape.batch);
+    const Times st = TimeWall(iters, [&] {
+      const absl::Status s = (*store)->Attend(0, kQHeads, 0.0f, items, out.data(), nullptr,
+                                              attended.data());
+      if (!s.ok()) std::fprintf(stderr, "store: %s\n", s.ToString().c_str());
+      return s.ok();
+    });
+    const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
+    std::printf("%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %8.1f us\n", shape.batch,
+                shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us,
+                arena.backend.p50_us, arena.backend.p99_us, arena.kernel.p50_us);
+    json += absl::StrFormat(
+        "    {\"batch\": %d, \"context\": %d, \"runner_p50_us\": %.1f, \"runner_p99_us\": %.1f, "
+        "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"backend_p50_us\": %.1f, "
+        "\"backend_p99_us\": %.1f, \"kernel_p50_us\": %.1f}%s\n",
+        shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us,
+        arena.backend.p50_us, arena.backend.p99_us, arena.kernel.p50_us,
+        &shape == &kShapes[std::size(kShapes) - 1] ? "" : ",");
+    for (uint64_t lease : leases) (*store)->Release(lease).IgnoreError();
+  }
+  json += "  ]\n}\n";
+  const std::string path = absl::GetFlag(FLAGS_out);
+  if (!path.empty()) {
+    FILE* f = std::fopen(path.c_str(), "w");
+    if (f == nullptr) return 1;
+    std::fputs(json.c_str(), f);
+    std::fclose(f);
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvpool
+
+int main(int argc, char** argv) { return kvpool::Main(argc, argv); }
