@@ -16,6 +16,9 @@ ABSL_FLAG(int32_t, tokens, 512, "tokens of the generated sequence");
 ABSL_FLAG(uint64_t, seed, 1, "seed of generated token ids and K/V");
 ABSL_FLAG(int32_t, q_heads_per_kv_head, 4, "query heads per KV head (GQA group) for attend");
 ABSL_FLAG(int32_t, deadline_ms, 60000, "deadline of each RPC (streams: the whole stream)");
+ABSL_FLAG(bool, wait_for_ready, true,
+          "calls wait (up to --deadline_ms) for the server to accept a connection instead of "
+          "failing at the first connect error");
 
 namespace kvpool::cli {
 
@@ -29,6 +32,7 @@ client::ClientOptions Options(int channel_index, size_t max_chunk_bytes) {
   client::ClientOptions options;
   options.default_deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   options.channel_index = channel_index;
+  options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
   if (max_chunk_bytes > 0) options.max_chunk_bytes = max_chunk_bytes;
   return options;
 }

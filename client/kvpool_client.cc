@@ -23,8 +23,9 @@ std::string Bytes(const uint16_t* data, size_t elements) {
 
 class GrpcAttendSession final : public AttendSession {
  public:
-  GrpcAttendSession(v1::KvPool::Stub* stub, absl::Time deadline) {
+  GrpcAttendSession(v1::KvPool::Stub* stub, absl::Time deadline, bool wait_for_ready) {
     context_.set_deadline(absl::ToChronoTime(deadline));
+    context_.set_wait_for_ready(wait_for_ready);
     stream_ = stub->AttendStream(&context_);
   }
   ~GrpcAttendSession() override {
@@ -73,7 +74,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
   absl::StatusOr<v1::NamespaceInfo> CreateNamespace(const v1::NamespaceSpec& spec,
                                                     const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::CreateNamespaceRequest req;
     *req.mutable_spec() = spec;
     v1::CreateNamespaceResponse resp;
@@ -85,7 +86,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
   absl::StatusOr<std::vector<v1::NamespaceInfo>> ListNamespaces(
       const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::ListNamespacesResponse resp;
     absl::Status s = FromGrpc(stub_->ListNamespaces(&ctx, v1::ListNamespacesRequest(), &resp));
     if (!s.ok()) return s;
@@ -117,7 +118,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
         std::max<size_t>(1, options_.max_chunk_bytes / std::max<size_t>(1, token_bytes)));
 
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::PutResponse resp;
     std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer = stub_->Put(&ctx, &resp);
     v1::PutRequest msg;
@@ -150,7 +151,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
                                           absl::Span<const int32_t> token_ids,
                                           absl::Duration ttl, const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::MatchRequest req;
     req.set_namespace_(std::string(ns));
     req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
@@ -163,7 +164,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
 
   absl::Status Release(uint64_t lease_id, const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::ReleaseRequest req;
     req.set_lease_id(lease_id);
     v1::ReleaseResponse resp;
@@ -172,7 +173,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
 
   absl::StatusOr<GetResult> Get(const v1::GetRequest& request, const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     std::unique_ptr<grpc::ClientReader<v1::GetResponse>> reader = stub_->Get(&ctx, request);
     // Messages of a layer, keyed by block_begin, joined once the stream is complete.
     std::map<uint32_t, std::map<uint32_t, v1::GetResponse>> parts;
@@ -214,7 +215,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
                                   absl::Span<const uint16_t> k, absl::Span<const uint16_t> v,
                                   const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::AppendRequest req;
     req.set_lease_id(lease_id);
     req.set_layer(layer);
@@ -231,7 +232,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
                                             const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::AttendResponse resp;
     absl::Status s = FromGrpc(stub_->Attend(&ctx, request, &resp));
     if (!s.ok()) return s;
@@ -240,12 +241,13 @@ class GrpcKvPoolClient final : public KvPoolClient {
 
   absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendStream(
       const CallOptions& call) override {
-    return std::make_unique<GrpcAttendSession>(stub_.get(), Deadline(call));
+    return std::make_unique<GrpcAttendSession>(stub_.get(), Deadline(call),
+                                               options_.wait_for_ready);
   }
 
   absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call) override {
     grpc::ClientContext ctx;
-    SetDeadline(ctx, call);
+    Prepare(ctx, call);
     v1::StatsResponse resp;
     absl::Status s = FromGrpc(stub_->Stats(&ctx, v1::StatsRequest(), &resp));
     if (!s.ok()) return s;
@@ -258,8 +260,9 @@ class GrpcKvPoolClient final : public KvPoolClient {
         call.deadline > absl::ZeroDuration() ? call.deadline : options_.default_deadline;
     return absl::Now() + d;
   }
-  void SetDeadline(grpc::ClientContext& ctx, const CallOptions& call) const {
+  void Prepare(grpc::ClientContext& ctx, const CallOptions& call) const {
     ctx.set_deadline(absl::ToChronoTime(Deadline(call)));
+    ctx.set_wait_for_ready(options_.wait_for_ready);
   }
 
   const ClientOptions options_;

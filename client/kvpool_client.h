@@ -33,6 +33,9 @@ struct ClientOptions {
   size_t max_chunk_bytes = 4 << 20;
   // Channels with different indices to one target use different connections (parallel streams).
   int channel_index = 0;
+  // gRPC wait_for_ready: a call made while the channel cannot connect waits for a connection
+  // until its deadline instead of failing with UNAVAILABLE at once.
+  bool wait_for_ready = false;
   // Channel credentials; null = insecure.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
 };

@@ -7,10 +7,12 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -188,6 +190,52 @@ TEST_F(KvPoolClientTest, CallDeadlineEndsACallTheServerNeverAnswers) {
   call.deadline = absl::Milliseconds(20);
   absl::StatusOr<v1::StatsResponse> r = Client(1 << 20)->Stats(call);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// A port nothing listens on: taken from a server that is shut down again.
+int FreePort() {
+  int port = 0;
+  FakeKvPool fake;
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&fake);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (server == nullptr) return 0;
+  server->Shutdown();
+  return port;
+}
+
+TEST(KvPoolClientConnect, WaitForReadyWaitsForALateServerAndFailFastDoesNot) {
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  const std::string target = "127.0.0.1:" + std::to_string(port);
+  CallOptions call;
+  call.deadline = absl::Seconds(10);
+  ClientOptions fail_fast;
+  EXPECT_EQ(KvPoolClient::Create(target, fail_fast)->Match("ns", {1}, absl::ZeroDuration(), call)
+                .status()
+                .code(),
+            absl::StatusCode::kUnavailable);
+
+  ClientOptions waiting;
+  waiting.wait_for_ready = true;
+  std::unique_ptr<KvPoolClient> client = KvPoolClient::Create(target, waiting);
+  FakeKvPool fake;
+  std::unique_ptr<grpc::Server> server;
+  std::thread starter([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(target, grpc::InsecureServerCredentials());
+    builder.RegisterService(&fake);
+    server = builder.BuildAndStart();
+  });
+  // The fake answers Match with INVALID_ARGUMENT: the call reached the server started late.
+  EXPECT_EQ(client->Match("ns", {1}, absl::ZeroDuration(), call).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  starter.join();
+  ASSERT_NE(server, nullptr);
+  fake.stats_release_.Notify();
+  server->Shutdown();
 }
 
 TEST_F(KvPoolClientTest, AttendSessionAnswersEachStepInOrderOnOneStream) {
