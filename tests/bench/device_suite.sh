@@ -44,6 +44,9 @@ if ((gpus >= 2)); then
   timeout 300 "$bin/nccl_bench" --commit="$commit" --out="$out/nccl.json" || status=1
 fi
 
+echo "== Attend server time in process: runner, store, backend, bare kernel"
+"$bin/attend_latency_bench" --commit="$commit" --out="$out/attend_latency.json" || status=1
+
 echo "== service over gRPC loopback (CUDA backend)"
 # 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
 "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 \
@@ -57,9 +60,21 @@ for streams in 1 4 8 16; do
     cli bench put --streams=$streams --chunk_tokens=$chunk --tokens=1024 --seconds=3
   done
 done
-for mode in --nostream --stream; do
-  cli bench attend --batch=1 --context=32768 --iters=300 $mode
-  cli bench attend --batch=32 --context=4096 --iters=300 $mode
+# Unary Attend also reports the server's mean handler time (kvpool_rpc_duration_seconds) over
+# the run; 16-token contexts give the floor of a call whose kernel costs next to nothing.
+attend_sum() {
+  curl -s 127.0.0.1:9464/metrics | awk '/^kvpool_rpc_duration_seconds_(sum|count)\{method="Attend"/{
+    v[$1 ~ /_sum/ ? "s" : "c"] = $2} END {print v["s"] + 0, v["c"] + 0}'
+}
+for shape in "1 32768" "32 4096" "1 16" "32 16"; do
+  read -r batch context <<< "$shape"
+  read -r s0 c0 < <(attend_sum)
+  cli bench attend --batch=$batch --context=$context --iters=300 --nostream
+  read -r s1 c1 < <(attend_sum)
+  awk -v a="$s0" -v b="$s1" -v n0="$c0" -v n1="$c1" 'BEGIN { if (n1 > n0)
+    printf "server handler: mean %.0f us over %d unary Attend calls\n", (b - a) / (n1 - n0) * 1e6, n1 - n0 }' \
+    | tee -a "$grpc"
+  cli bench attend --batch=$batch --context=$context --iters=300 --stream
 done
 cli demo
 curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_ratio|quantization_rel)' \
