@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Nsight Compute on the GPU machine, one call: issue, stall, occupancy and memory sections of the
-# quantize kernel (every case of quantize_bench, one launch each) and of the first attention
+# quantize kernel (the first 40 launches of quantize_bench after 3 warm-up ones: its INT4 and
+# INT8 cases, each warm-up and timed launch) and of the first attention
 # launches of attention_bench (batch 1 x 32K: query rotation, split kernel, merge). Expects
 # binaries packed by tests/gpu/package_for_device.sh; writes the reports under $OUT (or ./out).
 #   tests/bench/profile_suite.sh
@@ -14,7 +15,6 @@ ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 sections=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats
           --section Occupancy --section LaunchStats --section InstructionStats
           --section MemoryWorkloadAnalysis)
-# quantize_bench warms each case up 3 times before its timed run: profile one launch in four.
 timeout 250 "$ncu" "${sections[@]}" -k regex:QuantizeAppendKernel --launch-skip 3 \
   --launch-count 40 "$bin/quantize_bench" --runs=1 > "$out/ncu_quantize.txt" 2>&1
 echo "ncu quantize: $?"
