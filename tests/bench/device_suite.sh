@@ -76,7 +76,10 @@ for shape in "1 32768" "32 4096" "1 16" "32 16"; do
     | tee -a "$grpc"
   cli bench attend --batch=$batch --context=$context --iters=300 --stream
 done
-cli demo
+# The demo's progress line (stderr, redrawn with \r) stays out of the results; its errors do not.
+timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 demo 2> "$tmp/demo.err" | tee -a "$grpc" \
+  || status=1
+tr '\r' '\n' < "$tmp/demo.err" | grep -v '^\[demo\]' | grep . | tee -a "$grpc"
 curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_ratio|quantization_rel)' \
   | tee -a "$grpc"
 kill -TERM "$server"
