@@ -329,12 +329,14 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
 }
 
 // Each group of kHeadDim/32 consecutive lanes handles kItemsPerLaneGroup (token, KV head) items
-// (item g + u * lane_groups_in_grid), one after the other, the next item's K loads issued before
-// the current one is processed and its V loads before the current V; each lane owns 32 channels of K and V of an item: four 16-byte
-// loads each, sign flip on the raw fp16 words, rotation by tensor cores and butterflies in
-// registers (no shuffles), quantize, packed stores.
+// (item g + u * lane_groups_in_grid), one after the other: the next item's K loads are issued
+// before the current item is processed, its V loads before the current V. Each lane owns 32
+// channels of K and V of an item: four 16-byte loads each, sign flip on the raw fp16 words,
+// rotation by tensor cores and butterflies in registers (no shuffles), quantize, packed stores.
 // Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads.
-// At least 2 blocks per SM (<= 128 registers): measured faster than 1 block at ~148 registers.
+// 2 blocks per SM (<= 128 registers, a few spills when rotating): measured on the H200 against 1
+// block (no spills) and 3 or 4 blocks (80 / 64 registers, heavy spills), both far slower
+// (tests/bench/results/experiments_2026-11-29.md).
 template <KvDtype kDtype, int kHeadDim, int kRot>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
   constexpr int kLanes = kHeadDim / kChannels;
@@ -395,11 +397,11 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
           *reinterpret_cast<uint4*>(v_row + WordByte<kHeadDim, false>(chunk, w)) = cur_v[w];
         }
       }
-      if (more) LoadRow<kHeadDim, false>(a, a.v, pos.item, chunk, next_v);
+      if (more) LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, next_v);
     } else {
       EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_k, sign_mask, hadamard_b, k_page, offset,
                                              chunk, write);
-      if (more) LoadRow<kHeadDim, true>(a, a.v, pos.item, chunk, next_v);
+      if (more) LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, next_v);
       EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_v, sign_mask, hadamard_b, v_page, offset,
                                              chunk, write);
     }
