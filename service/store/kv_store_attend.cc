@@ -127,8 +127,8 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     p.pages = pool.layer_base(layer);
     p.sink_pages = pool.sink_base(layer);
     p.num_blocks = pool.num_blocks();
+    // Queued, not waited for: the attention below runs after it (ComputeBackend's ordering).
     s = backend()->QuantizeAppend(p);
-    if (s.ok()) s = backend()->Synchronize();
   }
   if (s.ok()) {
     std::vector<uint16_t> q;

@@ -4,6 +4,8 @@
 //   runner  AttendRunner::Run on a prepared AttendRequest: what the gRPC handler does;
 //   store   KvStore::Attend on the same items: locks, lease lookup, checks, block tables, the
 //           backend's staging copies, the kernels and the synchronization;
+//   append  the same with a new token's K/V per item, appended (fused quantize) before attention:
+//           a decode step;
 //   backend ComputeBackend::PagedDecodeAttention of the CUDA backend on host q, block tables and
 //           lengths of the same shape over a synthetic arena: staging copies, kernels, copy back;
 //   kernel  cuda::PagedDecodeAttention alone on device-resident inputs of that arena (CUDA
@@ -185,8 +187,8 @@ int Main(int argc, char** argv) {
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
       "  \"cases\": [\n",
       absl::GetFlag(FLAGS_commit), iters);
-  std::printf("%-12s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99", "store p50/99",
-              "backend p50/99", "kernel p50");
+  std::printf("%-12s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99", "store p50/99",
+              "append p50/99", "backend p50/99", "kernel p50");
   int seq = 0;
   for (const Shape& shape : kShapes) {
     std::vector<uint64_t> leases;
@@ -234,16 +236,31 @@ int Main(int argc, char** argv) {
       if (!s.ok()) std::fprintf(stderr, "store: %s\n", s.ToString().c_str());
       return s.ok();
     });
+    const std::vector<uint16_t> new_kv = testing::ToHalf(
+        testing::MakeNormal(static_cast<size_t>(kKvHeads) * kHeadDim, 11));
+    std::vector<KvStore::AttendItem> append_items = items;
+    for (KvStore::AttendItem& item : append_items) {
+      item.new_k = item.new_v = new_kv.data();
+      item.new_token_id = 7;
+    }
+    const Times app = TimeWall(iters, [&] {
+      const absl::Status s = (*store)->Attend(0, kQHeads, 0.0f, append_items, out.data(), nullptr,
+                                              attended.data());
+      if (!s.ok()) std::fprintf(stderr, "append: %s\n", s.ToString().c_str());
+      return s.ok();
+    });
     const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
-    std::printf("%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %8.1f us\n", shape.batch,
-                shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us,
-                arena.backend.p50_us, arena.backend.p99_us, arena.kernel.p50_us);
+    std::printf("%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %8.1f us\n",
+                shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us,
+                app.p50_us, app.p99_us, arena.backend.p50_us, arena.backend.p99_us,
+                arena.kernel.p50_us);
     json += absl::StrFormat(
         "    {\"batch\": %d, \"context\": %d, \"runner_p50_us\": %.1f, \"runner_p99_us\": %.1f, "
-        "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"backend_p50_us\": %.1f, "
-        "\"backend_p99_us\": %.1f, \"kernel_p50_us\": %.1f}%s\n",
-        shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us,
-        arena.backend.p50_us, arena.backend.p99_us, arena.kernel.p50_us,
+        "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"append_p50_us\": %.1f, "
+        "\"append_p99_us\": %.1f, \"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, "
+        "\"kernel_p50_us\": %.1f}%s\n",
+        shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
+        app.p99_us, arena.backend.p50_us, arena.backend.p99_us, arena.kernel.p50_us,
         &shape == &kShapes[std::size(kShapes) - 1] ? "" : ",");
     for (uint64_t lease : leases) (*store)->Release(lease).IgnoreError();
   }

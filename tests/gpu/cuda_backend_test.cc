@@ -182,6 +182,71 @@ TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
   EXPECT_GT(stats.arena_bytes, 0u);
 }
 
+// Decode steps through KvStore::Attend with a new token each: the CUDA backend's outputs follow
+// the CPU backend's at every layer (every dtype of TestConfig) and step. Each new key is aligned
+// with the query, so the new token carries most of the softmax weight: an attention that ran
+// before its append had landed would be far off.
+TEST(CudaBackend, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBackend) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  auto gpu_backend = NewCudaBackend(0);
+  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
+  std::unique_ptr<ComputeBackend> cpu_backend = NewCpuBackend();
+  const NamespaceConfig config = TestConfig();
+  std::mt19937 rng(77);
+  std::vector<int32_t> tokens(kTokens);
+  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 32000);
+  std::vector<testing::KvData> data;
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    data.push_back(testing::MakeKv(kTokens, config.num_kv_heads, config.head_dim,
+                                   testing::Outliers::kSpikes, 300 + layer));
+  }
+  auto cpu_store = MakeStoreWithPut(cpu_backend.get(), tokens, data);
+  auto gpu_store = MakeStoreWithPut(gpu_backend->get(), tokens, data);
+  ASSERT_NE(cpu_store, nullptr);
+  ASSERT_NE(gpu_store, nullptr);
+  const auto cpu_match = cpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
+  const auto gpu_match = gpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
+  ASSERT_TRUE(cpu_match.ok() && gpu_match.ok());
+
+  const int kv_heads = config.num_kv_heads, dim = config.head_dim, q_heads = 2 * kv_heads;
+  for (int step = 0; step < 3; ++step) {
+    for (int layer = 0; layer < config.num_layers; ++layer) {
+      SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << layer);
+      const std::vector<float> q = testing::MakeNormal(static_cast<size_t>(q_heads) * dim,
+                                                       1000 + 10 * step + layer);
+      std::vector<float> k(static_cast<size_t>(kv_heads) * dim);
+      for (int h = 0; h < kv_heads; ++h) {
+        for (int c = 0; c < dim; ++c) k[h * dim + c] = 0.5f * q[(2 * h) * dim + c];
+      }
+      const std::vector<float> v =
+          testing::MakeNormal(static_cast<size_t>(kv_heads) * dim, 2000 + 10 * step + layer);
+      const std::vector<uint16_t> hq = testing::ToHalf(q), hk = testing::ToHalf(k),
+                                  hv = testing::ToHalf(v);
+      std::vector<float> cpu_out(q.size()), gpu_out(q.size());
+      uint32_t cpu_ctx = 0, gpu_ctx = 0;
+      const int32_t token = 5000 + step;
+      const KvStore::AttendItem cpu_item{cpu_match->lease_id, hq.data(), hk.data(), hv.data(),
+                                         token};
+      const KvStore::AttendItem gpu_item{gpu_match->lease_id, hq.data(), hk.data(), hv.data(),
+                                         token};
+      ASSERT_TRUE(cpu_store->Attend(layer, q_heads, 0.0f, {cpu_item}, cpu_out.data(), nullptr,
+                                    &cpu_ctx)
+                      .ok());
+      ASSERT_TRUE(gpu_store->Attend(layer, q_heads, 0.0f, {gpu_item}, gpu_out.data(), nullptr,
+                                    &gpu_ctx)
+                      .ok());
+      ASSERT_EQ(gpu_ctx, cpu_ctx);
+      ASSERT_EQ(gpu_ctx, 96u + step + 1);
+      double err = 0, norm = 0;
+      for (size_t i = 0; i < q.size(); ++i) {
+        err += (gpu_out[i] - cpu_out[i]) * (gpu_out[i] - cpu_out[i]);
+        norm += cpu_out[i] * cpu_out[i];
+      }
+      EXPECT_LE(std::sqrt(err / norm), 2e-3) << "relative L2 error of the GPU output";
+    }
+  }
+}
+
 TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
   KVPOOL_SKIP_WITHOUT_GPU();
   auto backend = NewCudaBackend(0);
