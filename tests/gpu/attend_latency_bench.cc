@@ -32,6 +32,7 @@
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
 #include "tests/common/kv_test_data.h"
+#include "tests/gpu/attention_test_util.h"
 
 ABSL_FLAG(int, iters, 300, "timed calls per shape and path (after 20 warm-up calls)");
 ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
@@ -71,14 +72,6 @@ Times TimeWall(int iters, F&& call) {
   return Percentiles(std::move(us));
 }
 
-#define BENCH_CUDA(expr)                                                               \
-  do {                                                                                 \
-    if (cudaError_t e = (expr); e != cudaSuccess) {                                    \
-      std::fprintf(stderr, "%s: %s\n", #expr, cudaGetErrorString(e));                  \
-      std::exit(1);                                                                    \
-    }                                                                                  \
-  } while (0)
-
 struct ArenaTimes {
   Times backend, kernel;
 };
@@ -103,23 +96,16 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
   const size_t page_bytes = static_cast<size_t>(num_blocks) * layout.layer_page_bytes();
   const size_t ws_bytes =
       cuda::AttentionWorkspaceBytes(layout, shape.batch, kQHeads, blocks_per_seq, 0);
-  void *pages, *dq, *dtables, *dlens, *dout, *ws;
-  BENCH_CUDA(cudaMalloc(&pages, page_bytes));
-  BENCH_CUDA(cudaMemset(pages, 0x11, page_bytes));  // codes 1; meta 0x1111: small finite fp16
-  BENCH_CUDA(cudaMalloc(&dq, q.size() * 2));
-  BENCH_CUDA(cudaMalloc(&dtables, tables.size() * 4));
-  BENCH_CUDA(cudaMalloc(&dlens, lens.size() * 4));
-  BENCH_CUDA(cudaMalloc(&dout, static_cast<size_t>(shape.batch) * kQHeads * kHeadDim * 4));
-  BENCH_CUDA(cudaMalloc(&ws, ws_bytes));
-  BENCH_CUDA(cudaMemcpy(dq, q.data(), q.size() * 2, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(dtables, tables.data(), tables.size() * 4, cudaMemcpyHostToDevice));
-  BENCH_CUDA(cudaMemcpy(dlens, lens.data(), lens.size() * 4, cudaMemcpyHostToDevice));
-  p.pages = static_cast<const uint8_t*>(pages);
-  p.q = static_cast<const uint16_t*>(dq);
-  p.block_tables = static_cast<const int32_t*>(dtables);
-  p.seq_lens = static_cast<const int32_t*>(dlens);
-  p.out = static_cast<float*>(dout);
-  p.workspace = ws;
+  const testing::DeviceBuffer pages(page_bytes), dq(q), dtables(tables), dlens(lens),
+      dout(static_cast<size_t>(shape.batch) * kQHeads * kHeadDim * sizeof(float)), ws(ws_bytes);
+  // Codes 1 and meta 0x1111 (a small finite fp16) everywhere.
+  KVPOOL_CUDA_CHECK(cudaMemset(pages.get(), 0x11, page_bytes));
+  p.pages = pages.get<const uint8_t>();
+  p.q = dq.get<const uint16_t>();
+  p.block_tables = dtables.get<const int32_t>();
+  p.seq_lens = dlens.get<const int32_t>();
+  p.out = dout.get<float>();
+  p.workspace = ws.get();
   p.workspace_bytes = ws_bytes;
   PagedDecodeAttentionParams host = p;
   std::vector<float> out(static_cast<size_t>(shape.batch) * kQHeads * kHeadDim);
@@ -134,27 +120,26 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
   });
   // A non-blocking stream like the backend's lanes: the launches overlap as they do there.
   cudaStream_t stream;
-  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  KVPOOL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaEvent_t start, stop;
-  BENCH_CUDA(cudaEventCreate(&start));
-  BENCH_CUDA(cudaEventCreate(&stop));
+  KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
+  KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
   std::vector<double> us;
   for (int i = 0; i < kWarmup + iters; ++i) {
-    BENCH_CUDA(cudaEventRecord(start, stream));
+    KVPOOL_CUDA_CHECK(cudaEventRecord(start, stream));
     if (cuda::PagedDecodeAttention(p, stream) != KernelStatus::kOk) {
       std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
       std::exit(1);
     }
-    BENCH_CUDA(cudaEventRecord(stop, stream));
-    BENCH_CUDA(cudaEventSynchronize(stop));
+    KVPOOL_CUDA_CHECK(cudaEventRecord(stop, stream));
+    KVPOOL_CUDA_CHECK(cudaEventSynchronize(stop));
     float ms = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    KVPOOL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
     if (i >= kWarmup) us.push_back(ms * 1e3);
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);
-  for (void* ptr : {pages, dq, dtables, dlens, dout, ws}) cudaFree(ptr);
   return {backend_times, Percentiles(std::move(us))};
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -74,46 +75,62 @@ std::unique_ptr<KvStore> MakeStoreWithPut(ComputeBackend* backend,
   return std::move(*store);
 }
 
-TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
-  KVPOOL_SKIP_WITHOUT_GPU();
-  auto gpu_backend = NewCudaBackend(0);
-  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
-  EXPECT_EQ((*gpu_backend)->name(), "cuda");
-  std::unique_ptr<ComputeBackend> cpu_backend = NewCpuBackend();
-
-  const NamespaceConfig config = TestConfig();
-  std::mt19937 rng(2024);
-  std::vector<int32_t> tokens(kTokens);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 32000);
-  std::vector<testing::KvData> data;
-  for (int layer = 0; layer < config.num_layers; ++layer) {
-    data.push_back(testing::MakeKv(kTokens, config.num_kv_heads, config.head_dim,
-                                   static_cast<testing::Outliers>(1 + layer % 4), 100 + layer));
+// A store over the CUDA backend and one over the CPU backend holding the same put (kTokens
+// random tokens, per-layer K/V with outliers from `outliers(layer)` and seed data_seed + layer),
+// and a lease on each over its cached prefix.
+class CudaVsCpuStores : public ::testing::Test {
+ protected:
+  void PutBoth(uint32_t token_seed, testing::Outliers (*outliers)(int layer), int data_seed) {
+    auto backend = NewCudaBackend(0);
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    gpu_backend_ = std::move(*backend);
+    cpu_backend_ = NewCpuBackend();
+    std::mt19937 rng(token_seed);
+    std::vector<int32_t> tokens(kTokens);
+    for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 32000);
+    std::vector<testing::KvData> data;
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
+      data.push_back(testing::MakeKv(kTokens, config_.num_kv_heads, config_.head_dim,
+                                     outliers(layer), data_seed + layer));
+    }
+    cpu_store_ = MakeStoreWithPut(cpu_backend_.get(), tokens, data);
+    gpu_store_ = MakeStoreWithPut(gpu_backend_.get(), tokens, data);
+    ASSERT_NE(cpu_store_, nullptr);
+    ASSERT_NE(gpu_store_, nullptr);
+    auto cpu_match = cpu_store_->Match("gpu-test", tokens, absl::ZeroDuration());
+    auto gpu_match = gpu_store_->Match("gpu-test", tokens, absl::ZeroDuration());
+    ASSERT_TRUE(cpu_match.ok() && gpu_match.ok());
+    ASSERT_EQ(gpu_match->cached_tokens, 96u);
+    ASSERT_EQ(gpu_match->num_blocks, cpu_match->num_blocks);
+    cpu_match_ = *cpu_match;
+    gpu_match_ = *gpu_match;
   }
-  auto cpu_store = MakeStoreWithPut(cpu_backend.get(), tokens, data);
-  auto gpu_store = MakeStoreWithPut(gpu_backend->get(), tokens, data);
-  ASSERT_NE(cpu_store, nullptr);
-  ASSERT_NE(gpu_store, nullptr);
 
-  const auto cpu_match = cpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
-  const auto gpu_match = gpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
-  ASSERT_TRUE(cpu_match.ok() && gpu_match.ok());
-  ASSERT_EQ(gpu_match->cached_tokens, 96u);
-  ASSERT_EQ(gpu_match->num_blocks, cpu_match->num_blocks);
-  const uint32_t blocks = gpu_match->num_blocks;
-  const uint32_t heads = config.num_kv_heads;
+  const NamespaceConfig config_ = TestConfig();
+  std::unique_ptr<ComputeBackend> gpu_backend_, cpu_backend_;
+  std::unique_ptr<KvStore> gpu_store_, cpu_store_;
+  KvStore::MatchResult gpu_match_, cpu_match_;
+};
+
+TEST_F(CudaVsCpuStores, StoreMatchesCpuBackendForTheSamePuts) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  ASSERT_NO_FATAL_FAILURE(
+      PutBoth(2024, [](int layer) { return static_cast<testing::Outliers>(1 + layer % 4); }, 100));
+  EXPECT_EQ(gpu_backend_->name(), "cuda");
+  const uint32_t blocks = gpu_match_.num_blocks;
+  const uint32_t heads = config_.num_kv_heads;
 
   uint64_t codes = 0, off_by_one = 0;
-  for (int layer = 0; layer < config.num_layers; ++layer) {
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
     SCOPED_TRACE(::testing::Message() << "layer " << layer);
-    const PageLayout l = LayerLayout(config, layer);
+    const PageLayout l = LayerLayout(config_, layer);
     const size_t raw_bytes = blocks * heads * l.head_page_bytes();
     std::vector<uint8_t> ck(raw_bytes), cv(raw_bytes), gk(raw_bytes), gv(raw_bytes);
     ASSERT_TRUE(
-        cpu_store->ReadRaw(cpu_match->lease_id, layer, 0, blocks, 0, heads, ck.data(), cv.data())
+        cpu_store_->ReadRaw(cpu_match_.lease_id, layer, 0, blocks, 0, heads, ck.data(), cv.data())
             .ok());
     ASSERT_TRUE(
-        gpu_store->ReadRaw(gpu_match->lease_id, layer, 0, blocks, 0, heads, gk.data(), gv.data())
+        gpu_store_->ReadRaw(gpu_match_.lease_id, layer, 0, blocks, 0, heads, gk.data(), gv.data())
             .ok());
     // Per (block, head) row: codes within one, meta within one ulp; the largest scale of the
     // row bounds how far its fp16 read may move when a code differs.
@@ -156,10 +173,10 @@ TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
     const size_t elems = static_cast<size_t>(blocks) * l.block_tokens * heads * l.head_dim;
     std::vector<uint16_t> cfk(elems), cfv(elems), gfk(elems), gfv(elems);
     ASSERT_TRUE(
-        cpu_store->ReadFp16(cpu_match->lease_id, layer, 0, blocks, 0, heads, cfk.data(), cfv.data())
+        cpu_store_->ReadFp16(cpu_match_.lease_id, layer, 0, blocks, 0, heads, cfk.data(), cfv.data())
             .ok());
     ASSERT_TRUE(
-        gpu_store->ReadFp16(gpu_match->lease_id, layer, 0, blocks, 0, heads, gfk.data(), gfv.data())
+        gpu_store_->ReadFp16(gpu_match_.lease_id, layer, 0, blocks, 0, heads, gfk.data(), gfv.data())
             .ok());
     const size_t token_elems = static_cast<size_t>(heads) * l.head_dim;
     for (size_t i = 0; i < elems; ++i) {
@@ -177,7 +194,7 @@ TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
   EXPECT_GT(codes, 0u);
   EXPECT_LE(off_by_one, codes / 1000);
 
-  const ComputeBackendStats stats = (*gpu_backend)->Stats();
+  const ComputeBackendStats stats = gpu_backend_->Stats();
   EXPECT_GT(stats.device_total_bytes, 0u);
   EXPECT_GT(stats.arena_bytes, 0u);
 }
@@ -186,31 +203,12 @@ TEST(CudaBackend, StoreMatchesCpuBackendForTheSamePuts) {
 // the CPU backend's at every layer (every dtype of TestConfig) and step. Each new key is aligned
 // with the query, so the new token carries most of the softmax weight: an attention that ran
 // before its append had landed would be far off.
-TEST(CudaBackend, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBackend) {
+TEST_F(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBackend) {
   KVPOOL_SKIP_WITHOUT_GPU();
-  auto gpu_backend = NewCudaBackend(0);
-  ASSERT_TRUE(gpu_backend.ok()) << gpu_backend.status();
-  std::unique_ptr<ComputeBackend> cpu_backend = NewCpuBackend();
-  const NamespaceConfig config = TestConfig();
-  std::mt19937 rng(77);
-  std::vector<int32_t> tokens(kTokens);
-  for (int32_t& t : tokens) t = static_cast<int32_t>(rng() % 32000);
-  std::vector<testing::KvData> data;
-  for (int layer = 0; layer < config.num_layers; ++layer) {
-    data.push_back(testing::MakeKv(kTokens, config.num_kv_heads, config.head_dim,
-                                   testing::Outliers::kSpikes, 300 + layer));
-  }
-  auto cpu_store = MakeStoreWithPut(cpu_backend.get(), tokens, data);
-  auto gpu_store = MakeStoreWithPut(gpu_backend->get(), tokens, data);
-  ASSERT_NE(cpu_store, nullptr);
-  ASSERT_NE(gpu_store, nullptr);
-  const auto cpu_match = cpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
-  const auto gpu_match = gpu_store->Match("gpu-test", tokens, absl::ZeroDuration());
-  ASSERT_TRUE(cpu_match.ok() && gpu_match.ok());
-
-  const int kv_heads = config.num_kv_heads, dim = config.head_dim, q_heads = 2 * kv_heads;
+  ASSERT_NO_FATAL_FAILURE(PutBoth(77, [](int) { return testing::Outliers::kSpikes; }, 300));
+  const int kv_heads = config_.num_kv_heads, dim = config_.head_dim, q_heads = 2 * kv_heads;
   for (int step = 0; step < 3; ++step) {
-    for (int layer = 0; layer < config.num_layers; ++layer) {
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
       SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << layer);
       const std::vector<float> q = testing::MakeNormal(static_cast<size_t>(q_heads) * dim,
                                                        1000 + 10 * step + layer);
@@ -225,14 +223,14 @@ TEST(CudaBackend, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBackend) {
       std::vector<float> cpu_out(q.size()), gpu_out(q.size());
       uint32_t cpu_ctx = 0, gpu_ctx = 0;
       const int32_t token = 5000 + step;
-      const KvStore::AttendItem cpu_item{cpu_match->lease_id, hq.data(), hk.data(), hv.data(),
+      const KvStore::AttendItem cpu_item{cpu_match_.lease_id, hq.data(), hk.data(), hv.data(),
                                          token};
-      const KvStore::AttendItem gpu_item{gpu_match->lease_id, hq.data(), hk.data(), hv.data(),
+      const KvStore::AttendItem gpu_item{gpu_match_.lease_id, hq.data(), hk.data(), hv.data(),
                                          token};
-      ASSERT_TRUE(cpu_store->Attend(layer, q_heads, 0.0f, {cpu_item}, cpu_out.data(), nullptr,
+      ASSERT_TRUE(cpu_store_->Attend(layer, q_heads, 0.0f, {cpu_item}, cpu_out.data(), nullptr,
                                     &cpu_ctx)
                       .ok());
-      ASSERT_TRUE(gpu_store->Attend(layer, q_heads, 0.0f, {gpu_item}, gpu_out.data(), nullptr,
+      ASSERT_TRUE(gpu_store_->Attend(layer, q_heads, 0.0f, {gpu_item}, gpu_out.data(), nullptr,
                                     &gpu_ctx)
                       .ok());
       ASSERT_EQ(gpu_ctx, cpu_ctx);
