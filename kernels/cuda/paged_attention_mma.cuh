@@ -16,9 +16,14 @@
 //           1024 + c (INT4 high nibbles 1024 + 16 c, against q' / 16), unpacked without a
 //           subtraction: the accumulators start at minus 1024 times the sum of their A row.
 //           score = scale_t * dot + zero_t * sum(q').
-//   values  O[16 x D] += P[16 x 16 tokens] . codes: rows g / g + 8 carry hi / lo of
-//           p_t * scale_t, and sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
-// The thread that holds a score in the S^T accumulator holds the same entries of P as an A
+//   values  O^T[D x 8 kPT] += codes^T[D x 16 tokens] . P^T[16 tokens x 8 kPT]: the codes are
+//           the A operand (16 channels per m16 tile), and the columns of P^T carry the hi / lo
+//           parts of p_t * scale_t: with kPT == 1 (at most 4 query heads) columns 0..3 are the
+//           hi parts of heads 0..3 and 4..7 their lo parts, and S^T rows 4..7 / 12..15 repeat
+//           heads 0..3 so that group g computes the scores of head g % 4; with kPT == 2 (up to
+//           8 heads) n8 tile 0 holds the hi parts of heads 0..7 and tile 1 the lo parts.
+//           sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
+// The thread that holds a score in the S^T accumulator holds the same entries of P^T as a B
 // operand, so scores never leave registers. At the end the four warps' states are merged in
 // shared memory into the split's {m, l} and o'.
 #ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
@@ -172,12 +177,12 @@ struct MmaTraits {
   static constexpr int kTileBytes = 2 * kTileTokens * (kCodeStride + kMetaBytes);
   static constexpr int kMinCtasPerSm = AttnMmaCtasPerSm(kDtype, kHeadDim);
   static constexpr int kSlabs = kHeadDim / 16;     // k16 slabs of the score MMA
-  static constexpr int kVTiles = kHeadDim / 8;     // n8 tiles of the value MMA
+  static constexpr int kMTiles = kHeadDim / 16;    // m16 tiles (channels) of the value MMA
   static constexpr int kVChannels = kHeadDim / 8;  // channels per thread in the value MMA
   static constexpr int kVWords = kVChannels * DtypeBits(kDtype) / 32;
   static constexpr int kH = kAttnMaxHeadsPerCta;
   // Shared memory: per warp kStages tiles; the q' A fragments [kSlabs][32 lanes] uint4; the
-  // sums of q' [kH]. The end-of-CTA merge reuses the tiles: {m, l} [warps][kH] and
+  // sums of q' [kH]. The end-of-CTA merge reuses the tiles: {m, l, z} [warps][kH] and
   // o [warps][kH][kHeadDim] floats.
   static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4;
   // Tile stages per warp: as many as fit (at most 8, at least 2: one loading while one is used)
@@ -186,12 +191,13 @@ struct MmaTraits {
       (228 * 1024 / kMinCtasPerSm - 1024 - kQBytes) / (kMmaWarps * kTileBytes);
   static constexpr int kStages = kFitStages > 8 ? 8 : kFitStages < 2 ? 2 : kFitStages;
   static constexpr size_t kStageArea = static_cast<size_t>(kMmaWarps) * kStages * kTileBytes;
-  static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kHeadDim + 2) * 4;
+  static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kHeadDim + 3) * 4;
   static constexpr size_t kTilesArea = kStageArea > kMergeBytes ? kStageArea : kMergeBytes;
   static constexpr size_t kSharedBytes = kTilesArea + kQBytes;
 };
 
-template <KvDtype kDtype, int kHeadDim>
+// kPT: n8 tiles of P^T, 1 when the CTA serves at most 4 query heads, else 2.
+template <KvDtype kDtype, int kHeadDim, int kPT>
 __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kMinCtasPerSm))
     AttentionSplitMmaKernel(const AttnSplitArgs a) {
   using T = MmaTraits<kDtype, kHeadDim>;
@@ -203,8 +209,11 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int g = lane / 4;    // mma group: head g, token g of an n8 tile
+  const int g = lane / 4;    // mma group: S^T row g (a head), token g of an n8 tile
   const int tig = lane % 4;  // thread in group
+  // The query head of S^T rows g and g + 8, and of P^T column g (kPT == 1: columns g >= 4 are
+  // the lo parts of head g - 4).
+  const int head_g = kPT == 1 ? g % 4 : g;
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / a.plan.head_groups;
   const int h_first = (blockIdx.y % a.plan.head_groups) * kH;
@@ -299,15 +308,16 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   GridDependencyWait();  // q' of the rotation kernel
   const float* q_src = a.q_rot + head_row * kHeadDim;
   for (int i = tid; i < T::kSlabs * 32; i += kAttnThreads) {
-    const int slab = i / 32, fl = i % 32, fg = fl / 4, ft = fl % 4;
+    const int slab = i / 32, fl = i % 32, ft = fl % 4;
+    const int fh = kPT == 1 ? (fl / 4) % 4 : fl / 4;  // the head of A rows fl / 4 and + 8
     // Slab `slab` = 32-channel chunk slab / 2, half slab % 2 of each unit's k-pairs.
     const int unit_base = (slab / 2) * 32 + 8 * ft;
     const int pair0 = 2 * (slab % 2);  // k = 2 ft, 2 ft + 1 -> pair pair0; k + 8 -> pair0 + 1
     float x[4] = {0.f, 0.f, 0.f, 0.f};
-    if (fg < nh) {
+    if (fh < nh) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        x[e] = q_src[fg * kHeadDim + unit_base + C::Perm(2 * pair0 + e)] *
+        x[e] = q_src[fh * kHeadDim + unit_base + C::Perm(2 * pair0 + e)] *
                (a.score_scale * C::PairWeight(pair0 + e / 2));
       }
     }
@@ -332,7 +342,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     if (tid % kSumLanes == 0) qsum_s[h] = s * a.score_scale;
   }
   __syncthreads();
-  const float qsum = qsum_s[g];
+  const float qsum = qsum_s[head_g];
   // kCodeBias * the sum of this lane's A rows g (hi) and g + 8 (lo) over every slab: the first
   // score chain of each n8 tile starts at minus it, so the chains end at the code dot product.
   float bias_hi = 0.0f, bias_lo = 0.0f;
@@ -353,12 +363,17 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const float bias_start[4] = {bias_hi, bias_hi, bias_lo, bias_lo};
   constexpr float kZeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
-  float m_run = -INFINITY;  // head g, log2 domain; the same in the 4 lanes of the group
+  float m_run = -INFINITY;  // head head_g, log2 domain; the same in the 4 lanes of the group
   float l_run = 0.0f;       // this lane's tokens only
   float z_run = 0.0f;       // sum p_t zero_t, this lane's tokens only
-  float acc[T::kVTiles][4];
+  // O^T: acc[mt][j] rows g / g + 8 are channels kVChannels g + 2 mt / + 1, columns 2 tig and
+  // 2 tig + 1 of P^T tile j.
+  float acc[T::kMTiles][kPT][4];
 #pragma unroll
-  for (int j = 0; j < T::kVTiles; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+  for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+    for (int j = 0; j < kPT; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.0f;
+  }
 
   for (int i = 0; i < my_tiles; ++i) {
     CpAsyncWait<T::kStages - 2>();
@@ -426,12 +441,22 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     l_run *= alpha;
     z_run *= alpha;
     if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
+      // Column 2 tig (+1) of acc holds the state of the group whose g is that column (kPT == 1:
+      // mod 4): its alpha, fetched from lane 4 * column.
+      float col_alpha[2];
 #pragma unroll
-      for (int j = 0; j < T::kVTiles; ++j) {
-        acc[j][0] *= alpha;
-        acc[j][1] *= alpha;
-        acc[j][2] *= alpha;
-        acc[j][3] *= alpha;
+      for (int c = 0; c < 2; ++c) {
+        col_alpha[c] = __shfl_sync(0xffffffffu, alpha, 4 * (2 * tig + c));
+      }
+#pragma unroll
+      for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+        for (int j = 0; j < kPT; ++j) {
+          acc[mt][j][0] *= col_alpha[0];
+          acc[mt][j][1] *= col_alpha[1];
+          acc[mt][j][2] *= col_alpha[0];
+          acc[mt][j][3] *= col_alpha[1];
+        }
       }
     }
     __half p_hi[4], p_lo[4];
@@ -448,8 +473,20 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       p_hi[u] = __float2half_rn(ps);
       p_lo[u] = __float2half_rn(ps - __half2float(p_hi[u]));
     }
-    const uint4 pa = make_uint4(PackHalf2(p_hi[0], p_hi[1]), PackHalf2(p_lo[0], p_lo[1]),
-                                PackHalf2(p_hi[2], p_hi[3]), PackHalf2(p_lo[2], p_lo[3]));
+    // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 and 8 + 2 tig, 9 + 2 tig.
+    uint32_t pb0[kPT], pb1[kPT];
+    if constexpr (kPT == 1) {
+      __half p[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) p[u] = g < 4 ? p_hi[u] : p_lo[u];
+      pb0[0] = PackHalf2(p[0], p[1]);
+      pb1[0] = PackHalf2(p[2], p[3]);
+    } else {
+      pb0[0] = PackHalf2(p_hi[0], p_hi[1]);
+      pb1[0] = PackHalf2(p_hi[2], p_hi[3]);
+      pb0[1] = PackHalf2(p_lo[0], p_lo[1]);
+      pb1[1] = PackHalf2(p_lo[2], p_lo[3]);
+    }
 
     // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
     // word of each row at a time; rows outside [lo, hi) hold the zeros of their copy (finite
@@ -465,35 +502,57 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       uint32_t word[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
-      uint32_t b01[C::kChPerWord], b23[C::kChPerWord];
-      C::PairWord(word[0], word[1], b01);
-      C::PairWord(word[2], word[3], b23);
+      uint32_t c01[C::kChPerWord], c23[C::kChPerWord];
+      C::PairWord(word[0], word[1], c01);
+      C::PairWord(word[2], word[3], c23);
 #pragma unroll
-      for (int e = 0; e < C::kChPerWord; ++e)
-        Mma16816(acc[w * C::kChPerWord + e], pa, b01[e], b23[e]);
+      for (int e = 0; e < C::kChPerWord; e += 2) {
+        // Channels e and e + 1 of the word are A rows g and g + 8 of m16 tile mt.
+        const int mt = (w * C::kChPerWord + e) / 2;
+        const uint4 va = make_uint4(c01[e], c01[e + 1], c23[e], c23[e + 1]);
+#pragma unroll
+        for (int j = 0; j < kPT; ++j) Mma16816(acc[mt][j], va, pb0[j], pb1[j]);
+      }
     }
   }
 
-  // Merge the warps: {m, l} [warp][head] then o [warp][head][channel] in the freed tiles.
+  // Merge the warps: {m, l, z} [warp][head] then o [warp][head][channel] in the freed tiles.
   CpAsyncWait<0>();
   __syncthreads();
-  float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][2]
-  float* o_s = ml_s + kMmaWarps * kH * 2;        // [kMmaWarps][kH][kHeadDim]
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
-  l_run += __shfl_xor_sync(0xffffffffu, l_run, 2);
-  z_run += __shfl_xor_sync(0xffffffffu, z_run, 1);
-  z_run += __shfl_xor_sync(0xffffffffu, z_run, 2);
-  if (tig == 0) {
-    ml_s[(warp * kH + g) * 2] = m_run;
-    ml_s[(warp * kH + g) * 2 + 1] = l_run;
+  float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][3]
+  float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][kH][kHeadDim]
+  l_run = GroupSum<4>(l_run);
+  z_run = GroupSum<4>(z_run);
+  if (tig == 0 && g == head_g) {
+    ml_s[(warp * kH + g) * 3] = m_run;
+    ml_s[(warp * kH + g) * 3 + 1] = l_run;
+    ml_s[(warp * kH + g) * 3 + 2] = z_run;
   }
-  float* my_o = o_s + (warp * kH + g) * kHeadDim;
+  // Column c of P^T tile j is head c + 8 j - 8 (kPT == 2: hi / lo in tiles 0 / 1) or head c % 4
+  // (kPT == 1: hi / lo in columns c < 4 / c >= 4): sum the hi and lo columns of each head.
+  if constexpr (kPT == 1) {
 #pragma unroll
-  for (int j = 0; j < T::kVTiles; ++j) {
-    // acc[j]: rows g (hi) and g + 8 (lo) of head g; columns 2 tig, 2 tig + 1 are channels
-    // kVChannels * (2 tig) + j and kVChannels * (2 tig + 1) + j.
-    my_o[T::kVChannels * (2 * tig) + j] = acc[j][0] + acc[j][2] + z_run;
-    my_o[T::kVChannels * (2 * tig + 1) + j] = acc[j][1] + acc[j][3] + z_run;
+    for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][0][r] += __shfl_xor_sync(0xffffffffu, acc[mt][0][r], 2);
+    }
+  } else {
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][0][r] += acc[mt][1][r];
+    }
+  }
+  if (kPT == 2 || tig < 2) {
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int head = 2 * tig + r % 2;
+        const int channel = T::kVChannels * g + 2 * mt + r / 2;
+        o_s[(warp * kH + head) * kHeadDim + channel] = acc[mt][0][r];
+      }
+    }
   }
   __syncthreads();
   for (int i = tid; i < nh * kHeadDim; i += kAttnThreads) {
@@ -501,31 +560,39 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     const int c = i % kHeadDim;
     float m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, ml_s[(w * kH + h) * 2]);
+    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, ml_s[(w * kH + h) * 3]);
     float l = 0.0f, o = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) {
-      const float mw = ml_s[(w * kH + h) * 2];
-      if (mw == -INFINITY) continue;  // a warp without tiles
-      const float wgt = exp2f(mw - m);
-      l += wgt * ml_s[(w * kH + h) * 2 + 1];
-      o += wgt * o_s[(w * kH + h) * kHeadDim + c];
+      const float* mlz = ml_s + (w * kH + h) * 3;
+      if (mlz[0] == -INFINITY) continue;  // a warp without tiles
+      const float wgt = exp2f(mlz[0] - m);
+      l += wgt * mlz[1];
+      o += wgt * (o_s[(w * kH + h) * kHeadDim + c] + mlz[2]);
     }
     o_out[static_cast<size_t>(h) * num_splits * kHeadDim + c] = o;
     if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
   }
 }
 
-template <KvDtype kDtype, int kHeadDim>
-KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
-                                      cudaStream_t stream) {
+template <KvDtype kDtype, int kHeadDim, int kPT>
+KernelStatus LaunchAttentionSplitsMmaPT(const AttnSplitArgs& args, int num_seqs,
+                                        cudaStream_t stream) {
   using T = MmaTraits<kDtype, kHeadDim>;
-  auto* kernel = AttentionSplitMmaKernel<kDtype, kHeadDim>;
+  auto* kernel = AttentionSplitMmaKernel<kDtype, kHeadDim, kPT>;
   KVPOOL_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(T::kSharedBytes)));
   const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
   return CheckCuda(LaunchDependent(kernel, grid, dim3(kAttnThreads), T::kSharedBytes, stream, args),
                    "AttentionSplitMmaKernel");
+}
+
+// One P^T tile when every CTA serves at most 4 query heads (GQA ratio <= 4), else two.
+template <KvDtype kDtype, int kHeadDim>
+KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
+                                      cudaStream_t stream) {
+  return args.ratio <= 4 ? LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, 1>(args, num_seqs, stream)
+                         : LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, 2>(args, num_seqs, stream);
 }
 
 }  // namespace attention_internal
