@@ -107,29 +107,30 @@ struct MmaCodec {
   __device__ static constexpr float PairWeight(int pair) {
     return kDtype == KvDtype::kInt4 && pair % 2 == 1 ? 1.0f / 16.0f : 1.0f;
   }
-  // The 8 channels of one unit of a page row as 4 half2 k-pairs (see Perm), biased (kCodeBias).
-  __device__ static void UnpackUnitBiased(const uint8_t* p, uint32_t (&out)[4]) {
+  // The 8 channels of one unit of a page row (its kUnitBytes / 4 words w[0], ...) as 4 half2
+  // k-pairs (see Perm), biased (kCodeBias).
+  __device__ static void UnpackUnitBiased(const uint32_t* u, uint32_t (&out)[4]) {
     if constexpr (kDtype == KvDtype::kInt4) {
-      const uint32_t w = *reinterpret_cast<const uint32_t*>(p);
+      const uint32_t w = u[0];
       const uint32_t w8 = w >> 8;
       out[0] = AndOr(w, 0x000F000Fu, 0x64006400u);
       out[1] = AndOr(w, 0x00F000F0u, 0x64006400u);
       out[2] = AndOr(w8, 0x000F000Fu, 0x64006400u);
       out[3] = AndOr(w8, 0x00F000F0u, 0x64006400u);
     } else if constexpr (kDtype == KvDtype::kInt8) {
-      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      const uint2 w = make_uint2(u[0], u[1]);
       out[0] = AndOr(__byte_perm(w.x, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
       out[1] = AndOr(__byte_perm(w.x, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
       out[2] = AndOr(__byte_perm(w.y, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
       out[3] = AndOr(__byte_perm(w.y, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
     } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
-      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      const uint2 w = make_uint2(u[0], u[1]);
       out[0] = Fp8PairToHalf2(w.x & 0xFFFFu);
       out[1] = Fp8PairToHalf2(w.x >> 16);
       out[2] = Fp8PairToHalf2(w.y & 0xFFFFu);
       out[3] = Fp8PairToHalf2(w.y >> 16);
     } else {
-      const uint4 w = *reinterpret_cast<const uint4*>(p);
+      const uint4 w = make_uint4(u[0], u[1], u[2], u[3]);
       out[0] = w.x;
       out[1] = w.y;
       out[2] = w.z;
@@ -172,9 +173,27 @@ struct MmaTraits {
   static constexpr bool kQuantized = kDtype != KvDtype::kFp16;
   static constexpr int kCodeBytes = kHeadDim * DtypeBits(kDtype) / 8;
   static constexpr int kCodeChunks = kCodeBytes / 16;
-  static constexpr int kCodeStride = kCodeBytes + 16;
+  // The score MMA's B fragments: lane tig of a group reads kKSlice bytes of its K row, as
+  // kKChunks chunks of kKChunk bytes, chunk q at byte (4 q + tig) kKChunk; unit i of the lane's
+  // (i < kHeadDim / 32, covering slabs 2 i and 2 i + 1) is KUnit(i, tig). Rows are kKStride
+  // apart so that the two (four for 8-byte chunks) rows one load instruction serves per pass
+  // fall on distinct banks (FP16 keeps 16 bytes of padding, which fits one more stage).
+  static constexpr int kKSlice = kCodeBytes / 4;
+  static constexpr int kKChunk = kKSlice < 16 ? kKSlice : 16;
+  static constexpr int kKChunks = kKSlice / kKChunk;
+  static constexpr int kUnitsPerChunk = kKChunk / MmaCodec<kDtype>::kUnitBytes;
+  static constexpr int kKStride =
+      kCodeBytes <= 64 ? kCodeBytes : kCodeBytes + (kDtype == KvDtype::kFp16 ? 16 : 64);
+  __host__ __device__ static constexpr int KUnit(int i, int tig) {
+    return (4 * (i / kUnitsPerChunk) + tig) * kUnitsPerChunk + i % kUnitsPerChunk;
+  }
+  // The value MMA's A fragments read 4 rows (tokens 2 tig, 2 tig + 1, +8) of kCodeBytes / 8
+  // bytes each per lane: 16 bytes of padding spread the rows of one load over the banks.
+  static constexpr int kVStride = kCodeBytes + 16;
   static constexpr int kMetaBytes = kQuantized ? 4 : 0;  // one {scale, zero} per token
-  static constexpr int kTileBytes = 2 * kTileTokens * (kCodeStride + kMetaBytes);
+  static constexpr int kVArea = kTileTokens * kKStride;   // V rows start here in a stage
+  static constexpr int kMetaArea = kVArea + kTileTokens * kVStride;
+  static constexpr int kTileBytes = kMetaArea + 2 * kTileTokens * kMetaBytes;
   static constexpr int kMinCtasPerSm = AttnMmaCtasPerSm(kDtype, kHeadDim);
   static constexpr int kSlabs = kHeadDim / 16;     // k16 slabs of the score MMA
   static constexpr int kMTiles = kHeadDim / 16;    // m16 tiles (channels) of the value MMA
@@ -255,7 +274,19 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   constexpr int kPassesPerKv = T::kCodeChunks / 2;
   constexpr int kRowsPerPass = 32 / T::kCodeChunks;
   const int copy_row = lane / T::kCodeChunks;
-  const int copy_dst = copy_row * T::kCodeStride + (lane % T::kCodeChunks) * 16;
+  const int copy_chunk = (lane % T::kCodeChunks) * 16;
+
+  // What a tile's copies need that does not change from tile to tile: the lane's source bytes in
+  // a page (K; V is v_minus_k further) and its destination offsets in a stage.
+  const uint8_t* lane_src = a.pages + k_offset + lane * 16;
+  int copy_dst[T::kCodeChunks];
+#pragma unroll
+  for (int j = 0; j < T::kCodeChunks; ++j) {
+    const int row = copy_row + (j % kPassesPerKv) * kRowsPerPass;
+    copy_dst[j] = (j < kPassesPerKv ? row * T::kKStride : T::kVArea + row * T::kVStride) +
+                  copy_chunk;
+  }
+  const int bt_mask = (1 << bt_log2) - 1;
 
   // Enqueues this warp's local tile i (CTA tile warp + 4 i) into stage `stage`: K and V code
   // rows of tokens in [begin, end) (the other rows are zeroed), and their meta. `block` is the
@@ -265,27 +296,34 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     if (i < my_tiles) {
       const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
       uint8_t* base = my_stages + stage * T::kTileBytes;
-      const uint8_t* page =
-          a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes + k_offset;
-      const int in_block = t0 & ((1 << bt_log2) - 1);
-      const int row_lo = begin - t0;  // rows of tokens in [begin, end): [row_lo, row_hi)
-      const int row_hi = end - t0;
-      const uint8_t* src = page + in_block * T::kCodeBytes + lane * 16;
+      const int in_block = t0 & bt_mask;
+      const size_t page = static_cast<size_t>(block) * a.geo.layer_page_bytes;
+      const uint8_t* src = lane_src + page + in_block * T::kCodeBytes;
+      if (t0 >= begin && t0 + kTileTokens <= end) {  // every row: no predicate
 #pragma unroll
-      for (int j = 0; j < T::kCodeChunks; ++j) {
-        const int kv = j / kPassesPerKv;
-        const int pass = j % kPassesPerKv;
-        const int row = copy_row + pass * kRowsPerPass;
-        CpAsync16OrZero(base + copy_dst + (kv * kTileTokens + pass * kRowsPerPass) * T::kCodeStride,
-                        src + kv * v_minus_k + pass * 512, row >= row_lo && row < row_hi);
+        for (int j = 0; j < T::kCodeChunks; ++j) {
+          CpAsync16(base + copy_dst[j],
+                    src + (j / kPassesPerKv) * v_minus_k + (j % kPassesPerKv) * 512);
+        }
+      } else {
+        const int row_lo = begin - t0;  // rows of tokens in [begin, end): [row_lo, row_hi)
+        const int row_hi = end - t0;
+#pragma unroll
+        for (int j = 0; j < T::kCodeChunks; ++j) {
+          const int row = copy_row + (j % kPassesPerKv) * kRowsPerPass;
+          CpAsync16OrZero(base + copy_dst[j],
+                          src + (j / kPassesPerKv) * v_minus_k + (j % kPassesPerKv) * 512,
+                          row >= row_lo && row < row_hi);
+        }
       }
       if constexpr (T::kQuantized) {
         if (lane < 8) {  // 4 copies of 4 tokens' meta per K|V
           const int kv = lane / 4;
           const int r = (lane % 4) * 4;
           if (t0 + r < end) {
-            CpAsync16(base + 2 * kTileTokens * T::kCodeStride + (kv * kTileTokens + r) * 4,
-                      page + kv * v_minus_k + a.geo.codes_bytes + (in_block + r) * 4);
+            CpAsync16(base + T::kMetaArea + (kv * kTileTokens + r) * 4,
+                      a.pages + k_offset + page + kv * v_minus_k + a.geo.codes_bytes +
+                          (in_block + r) * 4);
           }
         }
       }
@@ -298,7 +336,13 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
                : 0;
   };
 
-  for (int i = 0; i < T::kStages - 1; ++i) issue(i, tile_block(i), i);
+  {  // the first tiles' block ids load together, then their copies are queued
+    int first_blocks[T::kStages - 1];
+#pragma unroll
+    for (int i = 0; i < T::kStages - 1; ++i) first_blocks[i] = tile_block(i);
+#pragma unroll
+    for (int i = 0; i < T::kStages - 1; ++i) issue(i, first_blocks[i], i);
+  }
   int next_block = tile_block(T::kStages - 1);
   int load_stage = T::kStages - 1;  // stage of local tile i + kStages - 1 in iteration i
   int use_stage = 0;                // stage of local tile i
@@ -310,8 +354,8 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   for (int i = tid; i < T::kSlabs * 32; i += kAttnThreads) {
     const int slab = i / 32, fl = i % 32, ft = fl % 4;
     const int fh = kPT == 1 ? (fl / 4) % 4 : fl / 4;  // the head of A rows fl / 4 and + 8
-    // Slab `slab` = 32-channel chunk slab / 2, half slab % 2 of each unit's k-pairs.
-    const int unit_base = (slab / 2) * 32 + 8 * ft;
+    // Slab `slab` = the lane's unit slab / 2, half slab % 2 of its k-pairs.
+    const int unit_base = 8 * T::KUnit(slab / 2, ft);
     const int pair0 = 2 * (slab % 2);  // k = 2 ft, 2 ft + 1 -> pair pair0; k + 8 -> pair0 + 1
     float x[4] = {0.f, 0.f, 0.f, 0.f};
     if (fh < nh) {
@@ -385,17 +429,38 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     load_stage = load_stage + 1 == T::kStages ? 0 : load_stage + 1;
     use_stage = use_stage + 1 == T::kStages ? 0 : use_stage + 1;
     const uint8_t* k_codes = base;
-    const uint8_t* v_codes = base + kTileTokens * T::kCodeStride;
-    const uint8_t* k_meta = base + 2 * kTileTokens * T::kCodeStride;
+    const uint8_t* v_codes = base + T::kVArea;
+    const uint8_t* k_meta = base + T::kMetaArea;
     const uint8_t* v_meta = k_meta + kTileTokens * 4;
     const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
+    // Bit r: row r holds a token in [begin, end).
     const int lo = max(begin - t0, 0);
     const int hi = min(end - t0, kTileTokens);
+    const uint32_t row_mask = ((1u << hi) - 1u) & ~((1u << lo) - 1u);
 
     // Scores: two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and 8 + g. Each
     // n8 tile accumulates in two independent chains (the two slabs of a unit) for ILP.
     // The first chain starts at minus the code bias of rows g / g + 8 (bias_start), the second
     // at 0.
+    uint32_t kw[2][T::kKSlice / 4];  // this lane's slice of K rows g and 8 + g
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      const uint8_t* row = k_codes + (nt * 8 + g) * T::kKStride + tig * T::kKChunk;
+#pragma unroll
+      for (int q = 0; q < T::kKChunks; ++q) {
+        if constexpr (T::kKChunk == 16) {
+          const uint4 c = *reinterpret_cast<const uint4*>(row + 4 * q * T::kKChunk);
+          kw[nt][4 * q] = c.x;
+          kw[nt][4 * q + 1] = c.y;
+          kw[nt][4 * q + 2] = c.z;
+          kw[nt][4 * q + 3] = c.w;
+        } else {
+          const uint2 c = *reinterpret_cast<const uint2*>(row + 4 * q * T::kKChunk);
+          kw[nt][2 * q] = c.x;
+          kw[nt][2 * q + 1] = c.y;
+        }
+      }
+    }
     float s_acc[2][2][4];
 #pragma unroll
     for (int cc = 0; cc < kHeadDim / 32; ++cc) {
@@ -404,8 +469,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         uint32_t pairs[4];
-        C::UnpackUnitBiased(
-            k_codes + (nt * 8 + g) * T::kCodeStride + (4 * cc + tig) * C::kUnitBytes, pairs);
+        C::UnpackUnitBiased(&kw[nt][cc * (C::kUnitBytes / 4)], pairs);
         if (cc == 0) {
           Mma16816From(s_acc[nt][0], qa, pairs[0], pairs[1], bias_start);
           Mma16816From(s_acc[nt][1], qb, pairs[2], pairs[3], kZeros);
@@ -424,7 +488,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
-      valid[u] = tok[u] >= lo && tok[u] < hi;
+      valid[u] = (row_mask >> tok[u]) & 1u;
       const float(&sa)[2][4] = s_acc[u / 2];
       float dot = (sa[0][u % 2] + sa[0][2 + u % 2]) + (sa[1][u % 2] + sa[1][2 + u % 2]);
       if constexpr (T::kQuantized) {
@@ -494,7 +558,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     const uint32_t* vrow[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kCodeStride +
+      vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kVStride +
                                                   g * (T::kVWords * 4));
     }
 #pragma unroll
