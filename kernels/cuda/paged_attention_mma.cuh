@@ -210,7 +210,11 @@ struct MmaTraits {
       (228 * 1024 / kMinCtasPerSm - 1024 - kQBytes) / (kMmaWarps * kTileBytes);
   static constexpr int kStages = kFitStages > 8 ? 8 : kFitStages < 2 ? 2 : kFitStages;
   static constexpr size_t kStageArea = static_cast<size_t>(kMmaWarps) * kStages * kTileBytes;
-  static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kHeadDim + 3) * 4;
+  // o rows of the merge are padded by one float per 16 channels (OIndex): the lanes that store
+  // channels 16 apart hit distinct banks.
+  static constexpr int kORow = kHeadDim + kHeadDim / 16;
+  __device__ static int OIndex(int row, int channel) { return row * kORow + channel + channel / 16; }
+  static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kORow + 3) * 4;
   static constexpr size_t kTilesArea = kStageArea > kMergeBytes ? kStageArea : kMergeBytes;
   static constexpr size_t kSharedBytes = kTilesArea + kQBytes;
 };
@@ -336,16 +340,24 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
                : 0;
   };
 
+  // The loop takes kTPI tiles per iteration (tiles i .. i + kTPI - 1 of this warp, tile x in
+  // stage x % kStages) while the next kStages - kTPI tiles load: 2 (one softmax update, twice
+  // the independent MMA chains) when two more can load meanwhile and the accumulators leave
+  // room (one P^T tile), else 1.
+  constexpr int kTPI = T::kStages >= 4 && kPT == 1 ? 2 : 1;
+  constexpr int kLead = T::kStages - kTPI;
   {  // the first tiles' block ids load together, then their copies are queued
-    int first_blocks[T::kStages - 1];
+    int first_blocks[kLead];
 #pragma unroll
-    for (int i = 0; i < T::kStages - 1; ++i) first_blocks[i] = tile_block(i);
+    for (int i = 0; i < kLead; ++i) first_blocks[i] = tile_block(i);
 #pragma unroll
-    for (int i = 0; i < T::kStages - 1; ++i) issue(i, first_blocks[i], i);
+    for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
   }
-  int next_block = tile_block(T::kStages - 1);
-  int load_stage = T::kStages - 1;  // stage of local tile i + kStages - 1 in iteration i
-  int use_stage = 0;                // stage of local tile i
+  int next_blocks[kTPI];  // the block ids of the tiles the iteration queues
+#pragma unroll
+  for (int t = 0; t < kTPI; ++t) next_blocks[t] = tile_block(kLead + t);
+  int load_stage = kLead;  // stage of local tile i + kLead in iteration i
+  int use_stage = 0;       // stage of local tile i
 
   // Prologue: q' hi/lo A fragments of every k16 slab, and sum(q') per head (kSumLanes lanes per
   // head), both times score_scale: the MMA yields scores in the log2 domain.
@@ -419,87 +431,101 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     for (int j = 0; j < kPT; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.0f;
   }
 
-  for (int i = 0; i < my_tiles; ++i) {
-    CpAsyncWait<T::kStages - 2>();
-    __syncwarp();  // tile i landed for the whole warp; tile i - 1's stage is free
-    const int block = next_block;
-    next_block = tile_block(i + T::kStages);
-    issue(i + T::kStages - 1, block, load_stage);
-    const uint8_t* base = my_stages + use_stage * T::kTileBytes;
-    load_stage = load_stage + 1 == T::kStages ? 0 : load_stage + 1;
-    use_stage = use_stage + 1 == T::kStages ? 0 : use_stage + 1;
-    const uint8_t* k_codes = base;
-    const uint8_t* v_codes = base + T::kVArea;
-    const uint8_t* k_meta = base + T::kMetaArea;
-    const uint8_t* v_meta = k_meta + kTileTokens * 4;
-    const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
-    // Bit r: row r holds a token in [begin, end).
-    const int lo = max(begin - t0, 0);
-    const int hi = min(end - t0, kTileTokens);
-    const uint32_t row_mask = ((1u << hi) - 1u) & ~((1u << lo) - 1u);
+  for (int i = 0; i < my_tiles; i += kTPI) {
+    CpAsyncWait<T::kStages - 2 * kTPI>();
+    __syncwarp();  // tiles i.. landed for the whole warp; the previous iteration's stages are free
+#pragma unroll
+    for (int t = 0; t < kTPI; ++t) {
+      issue(i + kLead + t, next_blocks[t], load_stage);
+      next_blocks[t] = tile_block(i + T::kStages + t);
+      load_stage = load_stage + 1 == T::kStages ? 0 : load_stage + 1;
+    }
+    const uint8_t* base[kTPI];
+    uint32_t row_mask[kTPI];  // bit r: row r of tile t holds a token in [begin, end)
+#pragma unroll
+    for (int t = 0; t < kTPI; ++t) {
+      base[t] = my_stages + use_stage * T::kTileBytes;
+      use_stage = use_stage + 1 == T::kStages ? 0 : use_stage + 1;
+      const int t0 = first_token + (warp + kMmaWarps * (i + t)) * kTileTokens;
+      const int lo = max(begin - t0, 0);
+      const int hi = min(end - t0, kTileTokens);
+      row_mask[t] = i + t < my_tiles ? ((1u << hi) - 1u) & ~((1u << lo) - 1u) : 0u;
+    }
 
-    // Scores: two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and 8 + g. Each
-    // n8 tile accumulates in two independent chains (the two slabs of a unit) for ILP.
-    // The first chain starts at minus the code bias of rows g / g + 8 (bias_start), the second
-    // at 0.
-    uint32_t kw[2][T::kKSlice / 4];  // this lane's slice of K rows g and 8 + g
+    // Scores: per tile two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and
+    // 8 + g. Each n8 tile accumulates in two independent chains (the two slabs of a unit) for
+    // ILP. The first chain starts at minus the code bias of rows g / g + 8 (bias_start), the
+    // second at 0. A tile past the warp's last (row_mask 0) is scored on whatever its stage
+    // holds and selected away below.
+    uint32_t kw[kTPI][2][T::kKSlice / 4];  // this lane's slice of K rows g and 8 + g
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const uint8_t* row = k_codes + (nt * 8 + g) * T::kKStride + tig * T::kKChunk;
+    for (int t = 0; t < kTPI; ++t) {
 #pragma unroll
-      for (int q = 0; q < T::kKChunks; ++q) {
-        if constexpr (T::kKChunk == 16) {
-          const uint4 c = *reinterpret_cast<const uint4*>(row + 4 * q * T::kKChunk);
-          kw[nt][4 * q] = c.x;
-          kw[nt][4 * q + 1] = c.y;
-          kw[nt][4 * q + 2] = c.z;
-          kw[nt][4 * q + 3] = c.w;
-        } else {
-          const uint2 c = *reinterpret_cast<const uint2*>(row + 4 * q * T::kKChunk);
-          kw[nt][2 * q] = c.x;
-          kw[nt][2 * q + 1] = c.y;
+      for (int nt = 0; nt < 2; ++nt) {
+        const uint8_t* row = base[t] + (nt * 8 + g) * T::kKStride + tig * T::kKChunk;
+#pragma unroll
+        for (int q = 0; q < T::kKChunks; ++q) {
+          if constexpr (T::kKChunk == 16) {
+            const uint4 c = *reinterpret_cast<const uint4*>(row + 4 * q * T::kKChunk);
+            kw[t][nt][4 * q] = c.x;
+            kw[t][nt][4 * q + 1] = c.y;
+            kw[t][nt][4 * q + 2] = c.z;
+            kw[t][nt][4 * q + 3] = c.w;
+          } else {
+            const uint2 c = *reinterpret_cast<const uint2*>(row + 4 * q * T::kKChunk);
+            kw[t][nt][2 * q] = c.x;
+            kw[t][nt][2 * q + 1] = c.y;
+          }
         }
       }
     }
-    float s_acc[2][2][4];
+    float s_acc[kTPI][2][2][4];
 #pragma unroll
     for (int cc = 0; cc < kHeadDim / 32; ++cc) {
       const uint4 qa = qfrag[(2 * cc) * 32 + lane];
       const uint4 qb = qfrag[(2 * cc + 1) * 32 + lane];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        uint32_t pairs[4];
-        C::UnpackUnitBiased(&kw[nt][cc * (C::kUnitBytes / 4)], pairs);
-        if (cc == 0) {
-          Mma16816From(s_acc[nt][0], qa, pairs[0], pairs[1], bias_start);
-          Mma16816From(s_acc[nt][1], qb, pairs[2], pairs[3], kZeros);
-        } else {
-          Mma16816(s_acc[nt][0], qa, pairs[0], pairs[1]);
-          Mma16816(s_acc[nt][1], qb, pairs[2], pairs[3]);
+      for (int t = 0; t < kTPI; ++t) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          uint32_t pairs[4];
+          C::UnpackUnitBiased(&kw[t][nt][cc * (C::kUnitBytes / 4)], pairs);
+          if (cc == 0) {
+            Mma16816From(s_acc[t][nt][0], qa, pairs[0], pairs[1], bias_start);
+            Mma16816From(s_acc[t][nt][1], qb, pairs[2], pairs[3], kZeros);
+          } else {
+            Mma16816(s_acc[t][nt][0], qa, pairs[0], pairs[1]);
+            Mma16816(s_acc[t][nt][1], qb, pairs[2], pairs[3]);
+          }
         }
       }
     }
-    // This lane's tokens: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig. Rows outside [lo, hi) hold
-    // zeroed codes and stale meta (possibly inf/NaN as floats): they are selected away, never
-    // multiplied by 0.
+    // This lane's tokens of each tile: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig. Rows outside
+    // [begin, end) hold zeroed codes and stale meta (possibly inf/NaN as floats): they are
+    // selected away, never multiplied by 0.
     int tok[4];
-    bool valid[4];
-    float s[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
-      valid[u] = (row_mask >> tok[u]) & 1u;
-      const float(&sa)[2][4] = s_acc[u / 2];
-      float dot = (sa[0][u % 2] + sa[0][2 + u % 2]) + (sa[1][u % 2] + sa[1][2 + u % 2]);
-      if constexpr (T::kQuantized) {
-        const float2 sz = LoadMeta(k_meta + tok[u] * 4, 0);
-        dot = sz.x * dot + sz.y * qsum;
+    for (int u = 0; u < 4; ++u) tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
+    bool valid[kTPI][4];
+    float s[kTPI][4];
+    float tile_max = -INFINITY;
+#pragma unroll
+    for (int t = 0; t < kTPI; ++t) {
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        valid[t][u] = (row_mask[t] >> tok[u]) & 1u;
+        const float(&sa)[2][4] = s_acc[t][u / 2];
+        float dot = (sa[0][u % 2] + sa[0][2 + u % 2]) + (sa[1][u % 2] + sa[1][2 + u % 2]);
+        if constexpr (T::kQuantized) {
+          const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
+          dot = sz.x * dot + sz.y * qsum;
+        }
+        s[t][u] = valid[t][u] ? dot : -INFINITY;
+        tile_max = fmaxf(tile_max, s[t][u]);
       }
-      s[u] = valid[u] ? dot : -INFINITY;
     }
-    float tile_max = fmaxf(fmaxf(s[0], s[1]), fmaxf(s[2], s[3]));
     tile_max = GroupMax<4>(tile_max);
-    const float m_new = fmaxf(m_run, tile_max);  // finite: the tile has a token in [lo, hi)
+    const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
     const float alpha = Exp2Ftz(m_run - m_new);
     m_run = m_new;
     l_run *= alpha;
@@ -523,59 +549,65 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
         }
       }
     }
-    __half p_hi[4], p_lo[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const float p = Exp2Ftz(s[u] - m_new);
-      l_run += p;
-      float ps = p;
-      if constexpr (T::kQuantized) {
-        const float2 sz = LoadMeta(v_meta + tok[u] * 4, 0);
-        ps = valid[u] ? p * sz.x : 0.0f;
-        z_run += valid[u] ? p * sz.y : 0.0f;
+    for (int t = 0; t < kTPI; ++t) {
+      if (t > 0 && row_mask[t] == 0u) break;  // past the warp's last tile (warp-uniform)
+      const uint8_t* v_codes = base[t] + T::kVArea;
+      const uint8_t* v_meta = base[t] + T::kMetaArea + kTileTokens * 4;
+      __half p_hi[4], p_lo[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float p = Exp2Ftz(s[t][u] - m_new);
+        l_run += p;
+        float ps = p;
+        if constexpr (T::kQuantized) {
+          const float2 sz = LoadMeta(v_meta + tok[u] * 4, 0);
+          ps = valid[t][u] ? p * sz.x : 0.0f;
+          z_run += valid[t][u] ? p * sz.y : 0.0f;
+        }
+        p_hi[u] = __float2half_rn(ps);
+        p_lo[u] = __float2half_rn(ps - __half2float(p_hi[u]));
       }
-      p_hi[u] = __float2half_rn(ps);
-      p_lo[u] = __float2half_rn(ps - __half2float(p_hi[u]));
-    }
-    // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 and 8 + 2 tig, 9 + 2 tig.
-    uint32_t pb0[kPT], pb1[kPT];
-    if constexpr (kPT == 1) {
-      __half p[4];
+      // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 and 8 + 2 tig, 9 + 2 tig.
+      uint32_t pb0[kPT], pb1[kPT];
+      if constexpr (kPT == 1) {
+        __half p[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) p[u] = g < 4 ? p_hi[u] : p_lo[u];
-      pb0[0] = PackHalf2(p[0], p[1]);
-      pb1[0] = PackHalf2(p[2], p[3]);
-    } else {
-      pb0[0] = PackHalf2(p_hi[0], p_hi[1]);
-      pb1[0] = PackHalf2(p_hi[2], p_hi[3]);
-      pb0[1] = PackHalf2(p_lo[0], p_lo[1]);
-      pb1[1] = PackHalf2(p_lo[2], p_lo[3]);
-    }
+        for (int u = 0; u < 4; ++u) p[u] = g < 4 ? p_hi[u] : p_lo[u];
+        pb0[0] = PackHalf2(p[0], p[1]);
+        pb1[0] = PackHalf2(p[2], p[3]);
+      } else {
+        pb0[0] = PackHalf2(p_hi[0], p_hi[1]);
+        pb1[0] = PackHalf2(p_hi[2], p_hi[3]);
+        pb0[1] = PackHalf2(p_lo[0], p_lo[1]);
+        pb1[1] = PackHalf2(p_lo[2], p_lo[3]);
+      }
 
-    // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
-    // word of each row at a time; rows outside [lo, hi) hold the zeros of their copy (finite
-    // codes against p = 0).
-    const uint32_t* vrow[4];
+      // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
+      // word of each row at a time; rows outside [begin, end) hold the zeros of their copy
+      // (finite codes against p = 0).
+      const uint32_t* vrow[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kVStride +
-                                                  g * (T::kVWords * 4));
-    }
+      for (int u = 0; u < 4; ++u) {
+        vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kVStride +
+                                                    g * (T::kVWords * 4));
+      }
 #pragma unroll
-    for (int w = 0; w < T::kVWords; ++w) {
-      uint32_t word[4];
+      for (int w = 0; w < T::kVWords; ++w) {
+        uint32_t word[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
-      uint32_t c01[C::kChPerWord], c23[C::kChPerWord];
-      C::PairWord(word[0], word[1], c01);
-      C::PairWord(word[2], word[3], c23);
+        for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
+        uint32_t c01[C::kChPerWord], c23[C::kChPerWord];
+        C::PairWord(word[0], word[1], c01);
+        C::PairWord(word[2], word[3], c23);
 #pragma unroll
-      for (int e = 0; e < C::kChPerWord; e += 2) {
-        // Channels e and e + 1 of the word are A rows g and g + 8 of m16 tile mt.
-        const int mt = (w * C::kChPerWord + e) / 2;
-        const uint4 va = make_uint4(c01[e], c01[e + 1], c23[e], c23[e + 1]);
+        for (int e = 0; e < C::kChPerWord; e += 2) {
+          // Channels e and e + 1 of the word are A rows g and g + 8 of m16 tile mt.
+          const int mt = (w * C::kChPerWord + e) / 2;
+          const uint4 va = make_uint4(c01[e], c01[e + 1], c23[e], c23[e + 1]);
 #pragma unroll
-        for (int j = 0; j < kPT; ++j) Mma16816(acc[mt][j], va, pb0[j], pb1[j]);
+          for (int j = 0; j < kPT; ++j) Mma16816(acc[mt][j], va, pb0[j], pb1[j]);
+        }
       }
     }
   }
@@ -584,7 +616,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   CpAsyncWait<0>();
   __syncthreads();
   float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][3]
-  float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][kH][kHeadDim]
+  float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][kH] rows of T::kORow
   l_run = GroupSum<4>(l_run);
   z_run = GroupSum<4>(z_run);
   if (tig == 0 && g == head_g) {
@@ -614,7 +646,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       for (int r = 0; r < 4; ++r) {
         const int head = 2 * tig + r % 2;
         const int channel = T::kVChannels * g + 2 * mt + r / 2;
-        o_s[(warp * kH + head) * kHeadDim + channel] = acc[mt][0][r];
+        o_s[T::OIndex(warp * kH + head, channel)] = acc[mt][0][r];
       }
     }
   }
@@ -632,7 +664,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       if (mlz[0] == -INFINITY) continue;  // a warp without tiles
       const float wgt = exp2f(mlz[0] - m);
       l += wgt * mlz[1];
-      o += wgt * (o_s[(w * kH + h) * kHeadDim + c] + mlz[2]);
+      o += wgt * (o_s[T::OIndex(w * kH + h, c)] + mlz[2]);
     }
     o_out[static_cast<size_t>(h) * num_splits * kHeadDim + c] = o;
     if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
