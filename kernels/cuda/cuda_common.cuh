@@ -159,49 +159,47 @@ __device__ __forceinline__ void ApplySigns8(uint32_t sign_byte, float (&x)[8]) {
   }
 }
 
-// 1/sqrt(kRot) as a float: the normalization of a Hadamard block of kRot (16..128) channels.
-template <int kRot>
-__host__ __device__ constexpr float HadamardNorm() {
-  return kRot == 16   ? 0.25f
-         : kRot == 32 ? 0.17677669529663687f
-         : kRot == 64 ? 0.125f
-                      : 0.088388347648318440f;
+// 1/sqrt(rot) as a float: the normalization of a Hadamard block of rot (16..128) channels.
+__host__ __device__ constexpr float HadamardNorm(int rot) {
+  return rot == 16   ? 0.25f
+         : rot == 32 ? 0.17677669529663687f
+         : rot == 64 ? 0.125f
+                     : 0.088388347648318440f;
 }
 
-// Normalized block-diagonal Walsh-Hadamard of block kRot (0 = identity) over a vector spread as
+// Normalized block-diagonal Walsh-Hadamard of block `rot` (0 = identity) over a vector spread as
 // 8 consecutive channels per lane: lane `chunk` of the vector holds channels [8 chunk, 8 chunk+8)
 // and the vector's lanes are aligned consecutive lanes of the warp. Butterflies run in the order
-// h = 1, 2, 4, ... kRot/2 as (a + b, a - b) in fp32 (the CPU reference's order), then every value
-// is multiplied by 1/sqrt(kRot). All 32 lanes of the warp must call it. H is symmetric and
-// orthogonal, so the same call also un-rotates.
-template <int kRot>
-__device__ __forceinline__ void Hadamard8PerLane(float (&x)[8], int chunk) {
-  if constexpr (kRot > 0) {
-    static_assert(kRot >= 16 && kRot <= 128 && (kRot & (kRot - 1)) == 0, "rot block");
+// h = 1, 2, 4, ... rot/2 as (a + b, a - b) in fp32 (the CPU reference's order), then every value
+// is multiplied by 1/sqrt(rot). All 32 lanes of the warp must call it, with the same rot (a
+// compile-time constant unrolls it). H is symmetric and orthogonal, so the same call also
+// un-rotates.
+__device__ __forceinline__ void Hadamard8PerLane(float (&x)[8], int chunk, int rot) {
+  if (rot == 0) return;
 #pragma unroll
-    for (int h = 1; h < 8; h <<= 1) {
+  for (int h = 1; h < 8; h <<= 1) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        if ((i & h) == 0) {
-          const float a = x[i], b = x[i + h];
-          x[i] = a + b;
-          x[i + h] = a - b;
-        }
+    for (int i = 0; i < 8; ++i) {
+      if ((i & h) == 0) {
+        const float a = x[i], b = x[i + h];
+        x[i] = a + b;
+        x[i + h] = a - b;
       }
     }
-    // Cross-lane stages: the lower lane computes x + other, the upper lane other - x, both as
-    // one fma with a +-1 multiplier (exact product, one rounding: the same value as the add).
-#pragma unroll
-    for (int m = 1; m < kRot / 8; m <<= 1) {
-      const float sign = (chunk & m) != 0 ? -1.0f : 1.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        x[i] = __fmaf_rn(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] *= HadamardNorm<kRot>();
   }
+  // Cross-lane stages: the lower lane computes x + other, the upper lane other - x, both as
+  // one fma with a +-1 multiplier (exact product, one rounding: the same value as the add).
+#pragma unroll
+  for (int m = 1; m < rot / 8; m <<= 1) {
+    const float sign = (chunk & m) != 0 ? -1.0f : 1.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      x[i] = __fmaf_rn(sign, x[i], __shfl_xor_sync(0xffffffffu, x[i], m));
+    }
+  }
+  const float norm = HadamardNorm(rot);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= norm;
 }
 
 // ---- dispatch ----------------------------------------------------------------------------------

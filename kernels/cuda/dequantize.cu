@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(kThreads) DequantizeKernel(const DequantizeArg
   }
   if constexpr (kRot > 0) {
     const uint32_t signs = SignByte(a.signs, chunk);
-    Hadamard8PerLane<kRot>(kx, chunk);
-    Hadamard8PerLane<kRot>(vx, chunk);
+    Hadamard8PerLane(kx, chunk, kRot);
+    Hadamard8PerLane(vx, chunk, kRot);
     ApplySigns8(signs, kx);
     ApplySigns8(signs, vx);
   }

@@ -39,13 +39,6 @@ WorkspaceSizes SizeWorkspace(const PageLayout& layout, int num_seqs, int num_q_h
           AlignUp16(rows * num_splits * sizeof(float2))};
 }
 
-// Vectors of head_dim channels as 8 channels per lane: kLanes lanes per vector, kVecs per CTA.
-template <int kHeadDim>
-struct LaneVector {
-  static constexpr int kLanes = kHeadDim / 8;
-  static constexpr int kVecs = kAttnThreads / kLanes;
-};
-
 // q' = H(sign . q) in fp32 for every (sequence, query head); a plain conversion when kRot == 0.
 // Grid (num_seqs, ceil(num_q_heads / kVecs)), kAttnThreads threads; lane group `vec` serves query
 // head blockIdx.y * kVecs + vec.
@@ -64,7 +57,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   if (active) UnpackHalf8(*reinterpret_cast<const uint4*>(q + row + chunk * 8), x);
   if constexpr (kRot > 0) {
     ApplySigns8(SignByte(signs, chunk), x);
-    Hadamard8PerLane<kRot>(x, chunk);
+    Hadamard8PerLane(x, chunk, kRot);
   }
   if (active) {
     float4* dst = reinterpret_cast<float4*>(q_rot + row + chunk * 8);
@@ -169,7 +162,7 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
     l += group_l[v];
   }
   if constexpr (kRot > 0) {  // back to the original space: sign . H o'
-    Hadamard8PerLane<kRot>(o, chunk);
+    Hadamard8PerLane(o, chunk, kRot);
     ApplySigns8(SignByte(a.signs, chunk), o);
   }
 
@@ -324,6 +317,8 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
   split.seq_lens = p.seq_lens;
   split.num_q_heads = p.num_q_heads;
   split.ratio = ratio;
+  split.q = p.q;
+  split.signs = signs;
   split.q_rot = w.q_rot;
   split.score_scale = score_scale;
   split.plan = plan;
@@ -355,13 +350,16 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
         constexpr KvDtype kDtype = decltype(dtype)::value;
         constexpr int kHeadDim = decltype(head_dim)::value;
         constexpr int kRot = decltype(rot)::value;
-        const dim3 rotate_grid(
-            p.num_seqs, static_cast<int>(CeilDiv(p.num_q_heads, LaneVector<kHeadDim>::kVecs)));
-        RotateQueryKernel<kHeadDim, kRot>
-            <<<rotate_grid, kAttnThreads, 0, s>>>(p.q, p.num_q_heads, signs, w.q_rot);
-        KernelStatus st = CheckLaunch("RotateQueryKernel");
-        if (st != KernelStatus::kOk) return st;
-        st = LaunchAttentionSplits<kDtype, kHeadDim>(split, p.num_seqs, s);
+        if (!AttnSplitsUseMma(split, kHeadDim)) {  // the CUDA-core kernel reads q' from here
+          const dim3 rotate_grid(
+              p.num_seqs, static_cast<int>(CeilDiv(p.num_q_heads, LaneVector<kHeadDim>::kVecs)));
+          RotateQueryKernel<kHeadDim, kRot>
+              <<<rotate_grid, kAttnThreads, 0, s>>>(p.q, p.num_q_heads, signs, w.q_rot);
+          const KernelStatus st = CheckLaunch("RotateQueryKernel");
+          if (st != KernelStatus::kOk) return st;
+        }
+        split.rot_block = kRot;  // the effective rotation: 0 for FP16 pages
+        const KernelStatus st = LaunchAttentionSplits<kDtype, kHeadDim>(split, p.num_seqs, s);
         if (st != KernelStatus::kOk) return st;
         return CheckCuda(LaunchDependent(MergeSplitsKernel<kHeadDim, kRot>,
                                          dim3(p.num_seqs, p.num_q_heads), dim3(kAttnThreads), 0,

@@ -1,11 +1,12 @@
 // Paged decode attention on the GPU: the pieces shared by the driver (paged_attention.cu) and the
 // per-dtype instantiation files of the split kernel (paged_attention_<dtype>.cu).
 //
-// One call runs three kernels on the caller's stream; the tensor-core split kernel and the merge
-// are launched as programmatic dependents of the kernel before them (LaunchDependent), so their
+// One call runs two or three kernels on the caller's stream; the split kernels and the merge are
+// launched as programmatic dependents of the kernel before them (LaunchDependent), so their
 // launch and their work that needs no result of that kernel overlap it:
-//   1. RotateQueryKernel<head_dim, rot_block>: q (fp16, original space) -> q' = H(sign . q) in
-//      fp32, into the workspace. Once per (sequence, query head).
+//   1. RotateQueryKernel<head_dim, rot_block>, for the CUDA-core split kernel only: q (fp16,
+//      original space) -> q' = H(sign . q) in fp32, into the workspace. Once per (sequence, query
+//      head). The tensor-core split kernel rotates its CTA's query heads itself.
 //   2. a split kernel (LaunchAttentionSplits below picks one): for each (split of the context,
 //      KV head, sequence), the unnormalized softmax state of the split's quantized tokens
 //      for every query head of the KV head: running max m and sum l (log2 domain) and the
@@ -42,6 +43,14 @@ __host__ __device__ constexpr int AttnStageTokens(KvDtype dtype, int head_dim) {
   const int fit = 16384 / kv_bytes_per_token;
   return fit >= 64 ? 64 : fit >= 32 ? 32 : 16;
 }
+
+// Vectors of head_dim channels as 8 channels per lane (Hadamard8PerLane): kLanes lanes per
+// vector, kVecs per CTA.
+template <int kHeadDim>
+struct LaneVector {
+  static constexpr int kLanes = kHeadDim / 8;
+  static constexpr int kVecs = kAttnThreads / kLanes;
+};
 
 // Programmatic dependent launch. A kernel launched by LaunchDependent may start once every CTA
 // of the kernel before it on the stream has called AllowDependentLaunch (or exited); before it
@@ -103,13 +112,21 @@ struct AttnSplitArgs {
   int max_blocks_per_seq = 0;
   const int32_t* seq_lens = nullptr;  // [num_seqs]
   int num_q_heads = 0;
-  int ratio = 0;                 // query heads per KV head
-  const float* q_rot = nullptr;  // [num_seqs][num_q_heads][head_dim] q' fp32
+  int ratio = 0;                    // query heads per KV head
+  const uint16_t* q = nullptr;      // [num_seqs][num_q_heads][head_dim] fp16 (tensor-core kernel)
+  RotationSigns signs;              // and the rotation it applies to q
+  int rot_block = 0;
+  const float* q_rot = nullptr;  // [num_seqs][num_q_heads][head_dim] q' fp32 (CUDA-core kernel)
   float score_scale = 0.0f;      // sm_scale * log2(e): scores in the log2 domain
   AttnSplitPlan plan;
   float* part_o = nullptr;    // [num_seqs][num_q_heads][num_splits][head_dim] o', rotated
   float2* part_ml = nullptr;  // [num_seqs][num_q_heads][num_splits] {m, l}, log2 domain
 };
+
+// Whether LaunchAttentionSplits runs the tensor-core kernel (which rotates q itself) for `args`.
+inline bool AttnSplitsUseMma(const AttnSplitArgs& args, int head_dim) {
+  return args.group_size == head_dim;
+}
 
 // Launches the split kernel over grid (num_splits, num_kv_heads * head_groups, num_seqs):
 // AttentionSplitMmaKernel (tensor cores, paged_attention_mma.cuh) when args.group_size ==

@@ -228,6 +228,9 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   constexpr int kH = T::kH;
   extern __shared__ __align__(16) uint8_t smem[];
 
+  // The first kernel of the call: what the stream ran before (the pages' appends, the tables,
+  // lengths and q) must be complete before anything is read.
+  GridDependencyWait();
   AllowDependentLaunch();  // the merge may be scheduled as soon as every split CTA runs
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -359,23 +362,51 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   int load_stage = kLead;  // stage of local tile i + kLead in iteration i
   int use_stage = 0;       // stage of local tile i
 
-  // Prologue: q' hi/lo A fragments of every k16 slab, and sum(q') per head (kSumLanes lanes per
-  // head), both times score_scale: the MMA yields scores in the log2 domain.
-  GridDependencyWait();  // q' of the rotation kernel
-  const float* q_src = a.q_rot + head_row * kHeadDim;
-  for (int i = tid; i < T::kSlabs * 32; i += kAttnThreads) {
+  // Prologue: q' = H(sign . q) of the CTA's heads (the rotation RotateQueryKernel applies, at the
+  // layout's block), staged as fp32 [kH][kHeadDim] where the fragments will go (the same bytes);
+  // then q' hi/lo A fragments of every k16 slab, and sum(q') per head (kSumLanes lanes per head),
+  // both times score_scale: the MMA yields scores in the log2 domain.
+  float* q_stage = reinterpret_cast<float*>(qfrag);
+  static_assert(kH * kHeadDim * 4 == T::kSlabs * 32 * 16, "q' fills the fragment area");
+  {
+    using V = LaneVector<kHeadDim>;
+    const int chunk = tid % V::kLanes;
+#pragma unroll
+    for (int h0 = 0; h0 < kH; h0 += V::kVecs) {
+      const int h = h0 + tid / V::kLanes;
+      float x[8] = {};
+      if (h < nh) {
+        UnpackHalf8(*reinterpret_cast<const uint4*>(a.q + (head_row + h) * kHeadDim + chunk * 8),
+                    x);
+      }
+      if (a.rot_block > 0) {
+        ApplySigns8(SignByte(a.signs, chunk), x);
+        Hadamard8PerLane(x, chunk, a.rot_block);
+      }
+      if (h < kH) {
+        float4* dst = reinterpret_cast<float4*>(q_stage + h * kHeadDim + chunk * 8);
+        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+      }
+    }
+  }
+  __syncthreads();
+  constexpr int kFragsPerThread = T::kSlabs * 32 / kAttnThreads;
+  uint4 frag[kFragsPerThread];
+#pragma unroll
+  for (int f = 0; f < kFragsPerThread; ++f) {
+    const int i = tid + f * kAttnThreads;
     const int slab = i / 32, fl = i % 32, ft = fl % 4;
     const int fh = kPT == 1 ? (fl / 4) % 4 : fl / 4;  // the head of A rows fl / 4 and + 8
     // Slab `slab` = the lane's unit slab / 2, half slab % 2 of its k-pairs.
     const int unit_base = 8 * T::KUnit(slab / 2, ft);
     const int pair0 = 2 * (slab % 2);  // k = 2 ft, 2 ft + 1 -> pair pair0; k + 8 -> pair0 + 1
-    float x[4] = {0.f, 0.f, 0.f, 0.f};
-    if (fh < nh) {
+    float x[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        x[e] = q_src[fh * kHeadDim + unit_base + C::Perm(2 * pair0 + e)] *
-               (a.score_scale * C::PairWeight(pair0 + e / 2));
-      }
+    for (int e = 0; e < 4; ++e) {
+      x[e] = fh < nh ? q_stage[fh * kHeadDim + unit_base + C::Perm(2 * pair0 + e)] *
+                           (a.score_scale * C::PairWeight(pair0 + e / 2))
+                     : 0.0f;
     }
     __half hi[4], lo[4];
 #pragma unroll
@@ -383,20 +414,23 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       hi[e] = __float2half_rn(x[e]);
       lo[e] = __float2half_rn(x[e] - __half2float(hi[e]));
     }
-    qfrag[i] = make_uint4(PackHalf2(hi[0], hi[1]), PackHalf2(lo[0], lo[1]), PackHalf2(hi[2], hi[3]),
-                          PackHalf2(lo[2], lo[3]));
+    frag[f] = make_uint4(PackHalf2(hi[0], hi[1]), PackHalf2(lo[0], lo[1]), PackHalf2(hi[2], hi[3]),
+                         PackHalf2(lo[2], lo[3]));
   }
   {
     constexpr int kSumLanes = kAttnThreads / kH;
     const int h = tid / kSumLanes;
-    float s = 0.0f;
+    float sum = 0.0f;
     if (h < nh) {
 #pragma unroll
-      for (int c = tid % kSumLanes; c < kHeadDim; c += kSumLanes) s += q_src[h * kHeadDim + c];
+      for (int c = tid % kSumLanes; c < kHeadDim; c += kSumLanes) sum += q_stage[h * kHeadDim + c];
     }
-    s = GroupSum<kSumLanes>(s);
-    if (tid % kSumLanes == 0) qsum_s[h] = s * a.score_scale;
+    sum = GroupSum<kSumLanes>(sum);
+    if (tid % kSumLanes == 0) qsum_s[h] = sum * a.score_scale;
   }
+  __syncthreads();  // q' read: its bytes take the fragments
+#pragma unroll
+  for (int f = 0; f < kFragsPerThread; ++f) qfrag[tid + f * kAttnThreads] = frag[f];
   __syncthreads();
   const float qsum = qsum_s[head_g];
   // kCodeBias * the sum of this lane's A rows g (hi) and g + 8 (lo) over every slab: the first
@@ -695,7 +729,7 @@ KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
 
 template <KvDtype kDtype, int kHeadDim>
 KernelStatus LaunchAttentionSplits(const AttnSplitArgs& args, int num_seqs, cudaStream_t stream) {
-  return args.group_size == kHeadDim
+  return AttnSplitsUseMma(args, kHeadDim)
              ? attention_internal::LaunchAttentionSplitsMma<kDtype, kHeadDim>(args, num_seqs,
                                                                               stream)
              : attention_internal::LaunchAttentionSplitsGeneral<kDtype, kHeadDim>(args, num_seqs,

@@ -196,7 +196,7 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
                               raw[w].z ^ sign_mask[4 * w + 2], raw[w].w ^ sign_mask[4 * w + 3]);
     }
     HadamardMma32PerLane<kRot>(flipped, hadamard_b, x);
-    norm = HadamardNorm<kRot>();
+    norm = HadamardNorm(kRot);
   } else {
 #pragma unroll
     for (int w = 0; w < 4; ++w) {

@@ -2,7 +2,7 @@
 # Nsight Compute on the GPU machine, one call: issue, stall, occupancy and memory sections of the
 # quantize kernel (the first 40 launches of quantize_bench after 3 warm-up ones: its INT4 and
 # INT8 cases, each warm-up and timed launch) and of the first attention
-# launches of attention_bench (batch 1 x 32K: query rotation, split kernel, merge). Expects
+# launches of attention_bench (batch 1 x 32K: split kernel and merge). Expects
 # binaries packed by tests/gpu/package_for_device.sh; writes the reports under $OUT (or ./out).
 #   tests/bench/profile_suite.sh
 set -uo pipefail

@@ -5,7 +5,7 @@
 // arena): INT4 rotated (rot 128), INT4 naive (no rotation), INT8 and FP8 rotated, FP16 pages, all
 // quantized by cuda::QuantizeAppend from the same synthetic K/V with outlier channels.
 //
-// Time: one cuda::PagedDecodeAttention call (its three kernels) between CUDA events, after
+// Time: one cuda::PagedDecodeAttention call (all its kernels) between CUDA events, after
 // warm-up, with L2 flushed before every run; the median of --iters runs. Bytes: the kernel's own
 // traffic, pages read (codes + scale/zero of every token) + q (fp16) + out (fp32); the split
 // partials, a few percent, are not counted. The streaming-read ceiling is measured in the same run.
