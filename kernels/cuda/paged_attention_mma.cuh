@@ -63,6 +63,13 @@ __device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bi
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
   return r;
 }
+// Returns p, computed once: the compiler cannot rebuild it from the kernel parameters inside a
+// loop (which it prefers to holding a register), as the value comes out of an empty asm.
+template <typename T>
+__device__ __forceinline__ T* KeepInRegister(T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
 // 2^x (MUFU.EX2, subnormal results flushed to 0; 2^-inf = 0).
 __device__ __forceinline__ float Exp2Ftz(float x) {
   float r;
@@ -284,8 +291,19 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const int copy_chunk = (lane % T::kCodeChunks) * 16;
 
   // What a tile's copies need that does not change from tile to tile: the lane's source bytes in
-  // a page (K; V is v_minus_k further) and its destination offsets in a stage.
-  const uint8_t* lane_src = a.pages + k_offset + lane * 16;
+  // a page (K; V is v_minus_k further) and its destination offsets in a stage; lanes 0..7 also
+  // copy 4 tokens' meta each (K, then V); the warp's first entry of the block table (tile i's
+  // block id is table_step * i further: 4 tiles of 16 tokens span a whole number of blocks).
+  const uint8_t* lane_src = KeepInRegister(a.pages + k_offset + lane * 16);
+  const int meta_row = (lane % 4) * 4;
+  const uint8_t* meta_src = KeepInRegister(a.pages + k_offset + (lane / 4) * v_minus_k +
+                                           a.geo.codes_bytes + meta_row * 4);
+  const int meta_dst = T::kMetaArea + ((lane / 4) * kTileTokens + meta_row) * 4;
+  const int32_t* table_cursor =  // the entry of the next tile tile_block looks up
+      KeepInRegister(table + ((first_token + warp * kTileTokens) >> bt_log2));
+  const int table_step = (kMmaWarps * kTileTokens) >> bt_log2;
+  // Layer pages are a few MiB at most (blocks of <= 64 tokens): 32-bit products.
+  const uint32_t layer_page_bytes = static_cast<uint32_t>(a.geo.layer_page_bytes);
   int copy_dst[T::kCodeChunks];
 #pragma unroll
   for (int j = 0; j < T::kCodeChunks; ++j) {
@@ -299,12 +317,12 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   // rows of tokens in [begin, end) (the other rows are zeroed), and their meta. `block` is the
   // tile's block id (a tile never crosses a block: block_tokens >= 16). Always commits one group
   // per lane.
-  auto issue = [&](int i, int block, int stage) {
+  auto issue = [&](int i, uint32_t block, int stage) {
     if (i < my_tiles) {
       const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
       uint8_t* base = my_stages + stage * T::kTileBytes;
       const int in_block = t0 & bt_mask;
-      const size_t page = static_cast<size_t>(block) * a.geo.layer_page_bytes;
+      const size_t page = static_cast<size_t>(block) * layer_page_bytes;
       const uint8_t* src = lane_src + page + in_block * T::kCodeBytes;
       if (t0 >= begin && t0 + kTileTokens <= end) {  // every row: no predicate
 #pragma unroll
@@ -324,23 +342,18 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
         }
       }
       if constexpr (T::kQuantized) {
-        if (lane < 8) {  // 4 copies of 4 tokens' meta per K|V
-          const int kv = lane / 4;
-          const int r = (lane % 4) * 4;
-          if (t0 + r < end) {
-            CpAsync16(base + T::kMetaArea + (kv * kTileTokens + r) * 4,
-                      a.pages + k_offset + page + kv * v_minus_k + a.geo.codes_bytes +
-                          (in_block + r) * 4);
-          }
+        if (lane < 8 && t0 + meta_row < end) {
+          CpAsync16(base + meta_dst, meta_src + page + in_block * 4);
         }
       }
     }
     CpAsyncCommit();
   };
-  auto tile_block = [&](int i) {
-    return i < my_tiles
-               ? __ldg(table + ((first_token + (warp + kMmaWarps * i) * kTileTokens) >> bt_log2))
-               : 0;
+  // The block id of this warp's tile i; called for i = 0, 1, 2, ... in order.
+  auto tile_block = [&](int i) -> uint32_t {
+    const uint32_t block = i < my_tiles ? __ldg(table_cursor) : 0;
+    table_cursor += table_step;
+    return block;
   };
 
   // The loop takes kTPI tiles per iteration (tiles i .. i + kTPI - 1 of this warp, tile x in
@@ -350,13 +363,13 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   constexpr int kTPI = T::kStages >= 4 && kPT == 1 ? 2 : 1;
   constexpr int kLead = T::kStages - kTPI;
   {  // the first tiles' block ids load together, then their copies are queued
-    int first_blocks[kLead];
+    uint32_t first_blocks[kLead];
 #pragma unroll
     for (int i = 0; i < kLead; ++i) first_blocks[i] = tile_block(i);
 #pragma unroll
     for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
   }
-  int next_blocks[kTPI];  // the block ids of the tiles the iteration queues
+  uint32_t next_blocks[kTPI];  // the block ids of the tiles the iteration queues
 #pragma unroll
   for (int t = 0; t < kTPI; ++t) next_blocks[t] = tile_block(kLead + t);
   int load_stage = kLead;  // stage of local tile i + kLead in iteration i
@@ -475,22 +488,20 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       load_stage = load_stage + 1 == T::kStages ? 0 : load_stage + 1;
     }
     const uint8_t* base[kTPI];
-    uint32_t row_mask[kTPI];  // bit r: row r of tile t holds a token in [begin, end)
+    int t0[kTPI];  // first token of tile t (past `end` for a tile after the warp's last)
 #pragma unroll
     for (int t = 0; t < kTPI; ++t) {
       base[t] = my_stages + use_stage * T::kTileBytes;
       use_stage = use_stage + 1 == T::kStages ? 0 : use_stage + 1;
-      const int t0 = first_token + (warp + kMmaWarps * (i + t)) * kTileTokens;
-      const int lo = max(begin - t0, 0);
-      const int hi = min(end - t0, kTileTokens);
-      row_mask[t] = i + t < my_tiles ? ((1u << hi) - 1u) & ~((1u << lo) - 1u) : 0u;
+      t0[t] = first_token + (warp + kMmaWarps * (i + t)) * kTileTokens;
     }
 
     // Scores: per tile two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and
-    // 8 + g. Each n8 tile accumulates in two independent chains (the two slabs of a unit) for
-    // ILP. The first chain starts at minus the code bias of rows g / g + 8 (bias_start), the
-    // second at 0. A tile past the warp's last (row_mask 0) is scored on whatever its stage
-    // holds and selected away below.
+    // 8 + g. Each n8 tile accumulates in kChains independent chains (with one tile per
+    // iteration, the two slabs of a unit, for ILP). The first chain starts at minus the code
+    // bias of rows g / g + 8 (bias_start), a second one at 0. A tile past the warp's last
+    // is scored on whatever its stage holds and selected away below.
+    constexpr int kChains = kTPI == 1 ? 2 : 1;
     uint32_t kw[kTPI][2][T::kKSlice / 4];  // this lane's slice of K rows g and 8 + g
 #pragma unroll
     for (int t = 0; t < kTPI; ++t) {
@@ -513,7 +524,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
         }
       }
     }
-    float s_acc[kTPI][2][2][4];
+    float s_acc[kTPI][2][kChains][4];
 #pragma unroll
     for (int cc = 0; cc < kHeadDim / 32; ++cc) {
       const uint4 qa = qfrag[(2 * cc) * 32 + lane];
@@ -526,10 +537,14 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
           C::UnpackUnitBiased(&kw[t][nt][cc * (C::kUnitBytes / 4)], pairs);
           if (cc == 0) {
             Mma16816From(s_acc[t][nt][0], qa, pairs[0], pairs[1], bias_start);
-            Mma16816From(s_acc[t][nt][1], qb, pairs[2], pairs[3], kZeros);
+            if constexpr (kChains == 2) {
+              Mma16816From(s_acc[t][nt][1], qb, pairs[2], pairs[3], kZeros);
+            } else {
+              Mma16816(s_acc[t][nt][0], qb, pairs[2], pairs[3]);
+            }
           } else {
             Mma16816(s_acc[t][nt][0], qa, pairs[0], pairs[1]);
-            Mma16816(s_acc[t][nt][1], qb, pairs[2], pairs[3]);
+            Mma16816(s_acc[t][nt][kChains - 1], qb, pairs[2], pairs[3]);
           }
         }
       }
@@ -540,6 +555,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     int tok[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
+    const uint32_t range = end - begin;
     bool valid[kTPI][4];
     float s[kTPI][4];
     float tile_max = -INFINITY;
@@ -547,9 +563,10 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     for (int t = 0; t < kTPI; ++t) {
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        valid[t][u] = (row_mask[t] >> tok[u]) & 1u;
-        const float(&sa)[2][4] = s_acc[t][u / 2];
-        float dot = (sa[0][u % 2] + sa[0][2 + u % 2]) + (sa[1][u % 2] + sa[1][2 + u % 2]);
+        valid[t][u] = static_cast<uint32_t>(t0[t] + tok[u] - begin) < range;  // in [begin, end)
+        const float(&sa)[kChains][4] = s_acc[t][u / 2];
+        float dot = sa[0][u % 2] + sa[0][2 + u % 2];  // rows g (hi) + g + 8 (lo)
+        if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
         if constexpr (T::kQuantized) {
           const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
           dot = sz.x * dot + sz.y * qsum;
@@ -585,7 +602,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     }
 #pragma unroll
     for (int t = 0; t < kTPI; ++t) {
-      if (t > 0 && row_mask[t] == 0u) break;  // past the warp's last tile (warp-uniform)
+      if (t > 0 && i + t >= my_tiles) break;  // past the warp's last tile (warp-uniform)
       const uint8_t* v_codes = base[t] + T::kVArea;
       const uint8_t* v_meta = base[t] + T::kMetaArea + kTileTokens * 4;
       __half p_hi[4], p_lo[4];
