@@ -1,0 +1,206 @@
+// The tensor-core split kernel's operands (paged_attention_mma.cuh): page codes unpacked into
+// m16n8k16 fp16 fragments (MmaCodec), the shared-memory stage layout and register budget
+// (MmaTraits), and the small device helpers they use.
+#ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_OPERANDS_CUH_
+#define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_OPERANDS_CUH_
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/paged_attention.cuh"
+#include "kernels/kv_kernels.h"
+
+namespace kvpool::cuda {
+namespace attention_internal {
+
+inline constexpr int kMmaWarps = kAttnThreads / 32;
+inline constexpr int kTileTokens = 16;
+
+__device__ __forceinline__ uint32_t PackHalf2(__half lo, __half hi) {
+  return static_cast<uint32_t>(__half_as_ushort(lo)) |
+         (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
+}
+// Copies 16 bytes when `valid`, else writes 16 zero bytes and reads nothing: branch-free, so the
+// source addresses of a tile's copies are computed once, not under each copy's predicate.
+__device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0));
+}
+// (x & mask) | bits in one LOP3 (written as two when both constants are immediates).
+__device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bits) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
+  return r;
+}
+// Returns p, computed once: the compiler cannot rebuild it from the kernel parameters inside a
+// loop (which it prefers to holding a register), as the value comes out of an empty asm.
+template <typename T>
+__device__ __forceinline__ T* KeepInRegister(T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+// 2^x (MUFU.EX2, subnormal results flushed to 0; 2^-inf = 0).
+__device__ __forceinline__ float Exp2Ftz(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
+}
+// {1024 + a, 1024 + b} as half2 bits -> {a, b} (exact for integers < 1024).
+__device__ __forceinline__ uint32_t Sub1024(uint32_t h) {
+  const __half2 r =
+      __hsub2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+// {1024 + 16 a, 1024 + 16 b} as half2 bits -> {a, b} with one fma by 1/16 and -64 (exact for
+// integers < 64): unpacks a high nibble in place, without a shift.
+__device__ __forceinline__ uint32_t Div16Sub64(uint32_t h) {
+  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h),
+                            __half2half2(__ushort_as_half(0x2C00)),
+                            __half2half2(__ushort_as_half(0xD400)));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t pair16) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair16), __NV_E4M3);
+  return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+}
+
+template <KvDtype kDtype>
+struct MmaCodec {
+  static constexpr int kBits = DtypeBits(kDtype);
+  static constexpr int kUnitBytes = kBits;  // 8 channels
+  // Channel (within a unit of 8) of each k-pair element UnpackUnitBiased returns: pair i holds
+  // channels kPerm[2i] (low half) and kPerm[2i + 1] (high half).
+  __device__ static constexpr int Perm(int i) {
+    return kDtype == KvDtype::kInt4 ? (i % 2 == 0 ? i / 2 : 4 + i / 2) : i;
+  }
+  // Integer codes reach the score MMA biased, as the fp16 values their unpack makes without the
+  // subtraction: pair i holds 1024 + c, except INT4 high nibbles (odd pairs), 1024 + 16 c. With
+  // the A weights of pair i multiplied by PairWeight(i), sum_k a_k b_k is the code dot product
+  // plus kCodeBias * sum_k a_k, which the caller cancels.
+  static constexpr bool kIntCodes = kDtype == KvDtype::kInt4 || kDtype == KvDtype::kInt8;
+  static constexpr float kCodeBias = kIntCodes ? 1024.0f : 0.0f;
+  __device__ static constexpr float PairWeight(int pair) {
+    return kDtype == KvDtype::kInt4 && pair % 2 == 1 ? 1.0f / 16.0f : 1.0f;
+  }
+  // The 8 channels of one unit of a page row (its kUnitBytes / 4 words w[0], ...) as 4 half2
+  // k-pairs (see Perm), biased (kCodeBias).
+  __device__ static void UnpackUnitBiased(const uint32_t* u, uint32_t (&out)[4]) {
+    if constexpr (kDtype == KvDtype::kInt4) {
+      const uint32_t w = u[0];
+      const uint32_t w8 = w >> 8;
+      out[0] = AndOr(w, 0x000F000Fu, 0x64006400u);
+      out[1] = AndOr(w, 0x00F000F0u, 0x64006400u);
+      out[2] = AndOr(w8, 0x000F000Fu, 0x64006400u);
+      out[3] = AndOr(w8, 0x00F000F0u, 0x64006400u);
+    } else if constexpr (kDtype == KvDtype::kInt8) {
+      const uint2 w = make_uint2(u[0], u[1]);
+      out[0] = AndOr(__byte_perm(w.x, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
+      out[1] = AndOr(__byte_perm(w.x, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
+      out[2] = AndOr(__byte_perm(w.y, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
+      out[3] = AndOr(__byte_perm(w.y, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
+    } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
+      const uint2 w = make_uint2(u[0], u[1]);
+      out[0] = Fp8PairToHalf2(w.x & 0xFFFFu);
+      out[1] = Fp8PairToHalf2(w.x >> 16);
+      out[2] = Fp8PairToHalf2(w.y & 0xFFFFu);
+      out[3] = Fp8PairToHalf2(w.y >> 16);
+    } else {
+      const uint4 w = make_uint4(u[0], u[1], u[2], u[3]);
+      out[0] = w.x;
+      out[1] = w.y;
+      out[2] = w.z;
+      out[3] = w.w;
+    }
+  }
+  // For each channel c of a 32-bit word of two rows a and b: half2 {code_a[c], code_b[c]}.
+  // Channels per word: 32 / kBits; out[i] is the word's i-th channel.
+  static constexpr int kChPerWord = 32 / kBits;
+  __device__ static void PairWord(uint32_t a, uint32_t b, uint32_t (&out)[kChPerWord]) {
+    if constexpr (kDtype == KvDtype::kInt4) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t x = __byte_perm(a, b, i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12));
+        out[2 * i] = Sub1024(AndOr(x, 0x000F000Fu, 0x64006400u));
+        out[2 * i + 1] = Div16Sub64(AndOr(x, 0x00F000F0u, 0x64006400u));
+      }
+    } else if constexpr (kDtype == KvDtype::kInt8) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t x = __byte_perm(a, b, i | ((4 + i) << 8));
+        out[i] = Sub1024(AndOr(x, 0x00FF00FFu, 0x64006400u));
+      }
+    } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
+#pragma unroll
+      for (int i = 0; i < 4; i += 2) {
+        const uint32_t x = __byte_perm(a, b, i | ((4 + i) << 4) | ((i + 1) << 8) | ((5 + i) << 12));
+        out[i] = Fp8PairToHalf2(x & 0xFFFFu);
+        out[i + 1] = Fp8PairToHalf2(x >> 16);
+      }
+    } else {
+      out[0] = __byte_perm(a, b, 0x5410);
+      out[1] = __byte_perm(a, b, 0x7632);
+    }
+  }
+};
+
+template <KvDtype kDtype, int kHeadDim>
+struct MmaTraits {
+  static constexpr bool kQuantized = kDtype != KvDtype::kFp16;
+  static constexpr int kCodeBytes = kHeadDim * DtypeBits(kDtype) / 8;
+  static constexpr int kCodeChunks = kCodeBytes / 16;
+  // The score MMA's B fragments: lane tig of a group reads kKSlice bytes of its K row, as
+  // kKChunks chunks of kKChunk bytes, chunk q at byte (4 q + tig) kKChunk; unit i of the lane's
+  // (i < kHeadDim / 32, covering slabs 2 i and 2 i + 1) is KUnit(i, tig). Rows are kKStride
+  // apart so that the two (four for 8-byte chunks) rows one load instruction serves per pass
+  // fall on distinct banks (FP16 keeps 16 bytes of padding, which fits one more stage).
+  static constexpr int kKSlice = kCodeBytes / 4;
+  static constexpr int kKChunk = kKSlice < 16 ? kKSlice : 16;
+  static constexpr int kKChunks = kKSlice / kKChunk;
+  static constexpr int kUnitsPerChunk = kKChunk / MmaCodec<kDtype>::kUnitBytes;
+  static constexpr int kKStride =
+      kCodeBytes <= 64 ? kCodeBytes : kCodeBytes + (kDtype == KvDtype::kFp16 ? 16 : 64);
+  __host__ __device__ static constexpr int KUnit(int i, int tig) {
+    return (4 * (i / kUnitsPerChunk) + tig) * kUnitsPerChunk + i % kUnitsPerChunk;
+  }
+  // The value MMA's A fragments read 4 rows (tokens 2 tig, 2 tig + 1, +8) of kCodeBytes / 8
+  // bytes each per lane: 16 bytes of padding spread the rows of one load over the banks.
+  static constexpr int kVStride = kCodeBytes + 16;
+  static constexpr int kMetaBytes = kQuantized ? 4 : 0;  // one {scale, zero} per token
+  static constexpr int kVArea = kTileTokens * kKStride;   // V rows start here in a stage
+  static constexpr int kMetaArea = kVArea + kTileTokens * kVStride;
+  static constexpr int kTileBytes = kMetaArea + 2 * kTileTokens * kMetaBytes;
+  static constexpr int kMinCtasPerSm = AttnMmaCtasPerSm(kDtype, kHeadDim);
+  static constexpr int kSlabs = kHeadDim / 16;     // k16 slabs of the score MMA
+  static constexpr int kMTiles = kHeadDim / 16;    // m16 tiles (channels) of the value MMA
+  static constexpr int kVChannels = kHeadDim / 8;  // channels per thread in the value MMA
+  static constexpr int kVWords = kVChannels * DtypeBits(kDtype) / 32;
+  static constexpr int kH = kAttnMaxHeadsPerCta;
+  // Shared memory: per warp kStages tiles; the q' A fragments [kSlabs][32 lanes] uint4; the
+  // sums of q' [kH]. The end-of-CTA merge reuses the tiles: {m, l, z} [warps][kH] and
+  // o [warps][kH][kHeadDim] floats.
+  static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4;
+  // Tile stages per warp: as many as fit (at most 8, at least 2: one loading while one is used)
+  // when kMinCtasPerSm CTAs share an SM's 228 KiB of shared memory, 1 KiB of it reserved per CTA.
+  static constexpr int kFitStages =
+      (228 * 1024 / kMinCtasPerSm - 1024 - kQBytes) / (kMmaWarps * kTileBytes);
+  static constexpr int kStages = kFitStages > 8 ? 8 : kFitStages < 2 ? 2 : kFitStages;
+  static constexpr size_t kStageArea = static_cast<size_t>(kMmaWarps) * kStages * kTileBytes;
+  // o rows of the merge are padded by one float per 16 channels (OIndex): the lanes that store
+  // channels 16 apart hit distinct banks.
+  static constexpr int kORow = kHeadDim + kHeadDim / 16;
+  __device__ static int OIndex(int row, int channel) { return row * kORow + channel + channel / 16; }
+  static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kORow + 3) * 4;
+  static constexpr size_t kTilesArea = kStageArea > kMergeBytes ? kStageArea : kMergeBytes;
+  static constexpr size_t kSharedBytes = kTilesArea + kQBytes;
+};
+
+}  // namespace attention_internal
+}  // namespace kvpool::cuda
+
+#endif  // KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_OPERANDS_CUH_
