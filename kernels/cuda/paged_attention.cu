@@ -208,8 +208,9 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
 bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Beyond the CPU reference's checks (except the device-resident lengths and block ids): group
-// sizes that are multiples of 16, enough workspace, and 16-byte alignment of q, out, pages,
-// sink_pages and workspace (the kernels use 16-byte loads and stores on them).
+// sizes that are multiples of 16, layer pages under 4 GiB, enough workspace, and 16-byte
+// alignment of q, out, pages, sink_pages and workspace (the kernels use 16-byte loads and stores
+// on them).
 KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_seqs < 0 || p.num_q_heads <= 0 ||
@@ -217,6 +218,8 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
       (l.quantized() && l.group_size % 16 != 0)) {
     return KernelStatus::kInvalidArgument;
   }
+  // The tensor-core split kernel multiplies block ids by the layer page size in 32 bits.
+  if (l.layer_page_bytes() > UINT32_MAX) return KernelStatus::kUnsupported;
   if (p.num_seqs == 0) return KernelStatus::kOk;
   if (p.pages == nullptr || p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
       p.out == nullptr || (l.sink_tokens > 0 && p.sink_pages == nullptr) ||

@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const int32_t* table_cursor =  // the entry of the next tile tile_block looks up
       KeepInRegister(table + ((first_token + warp * kTileTokens) >> bt_log2));
   const int table_step = (kMmaWarps * kTileTokens) >> bt_log2;
-  // Layer pages are a few MiB at most (blocks of <= 64 tokens): 32-bit products.
+  // 32-bit products: PagedDecodeAttention rejects layer pages of 4 GiB or more.
   const uint32_t layer_page_bytes = static_cast<uint32_t>(a.geo.layer_page_bytes);
   int copy_dst[T::kCodeChunks];
 #pragma unroll

@@ -206,6 +206,10 @@ TEST(CudaPagedAttention, RejectsWhatItCannotServe) {
   p.workspace_bytes = cuda::AttentionWorkspaceBytes(p.layout, 1, 8, b.max_blocks_per_seq, 0);
   ASSERT_LE(p.workspace_bytes, workspace.bytes());
   EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kUnsupported);
+  p.layout = b.layout;
+  p.layout.num_kv_heads = 1 << 21;  // a layer page of 4.5 GB: page offsets would overflow
+  p.num_q_heads = p.layout.num_kv_heads;
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kUnsupported);
 }
 
 }  // namespace
