@@ -21,7 +21,8 @@ constexpr int kCtaFixedTokens = 256;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-// Workspace carving: q' [num_seqs][num_q_heads][head_dim] fp32, then the split partials.
+// Workspace carving: q' [num_seqs][num_q_heads][head_dim] fp32 (CUDA-core split kernel only),
+// then the split partials.
 struct Workspace {
   float* q_rot;
   float* part_o;
@@ -34,7 +35,7 @@ struct WorkspaceSizes {
 WorkspaceSizes SizeWorkspace(const PageLayout& layout, int num_seqs, int num_q_heads,
                              int num_splits) {
   const size_t rows = static_cast<size_t>(num_seqs) * num_q_heads;
-  return {AlignUp16(rows * layout.head_dim * sizeof(float)),
+  return {AttnUsesMma(layout) ? 0 : AlignUp16(rows * layout.head_dim * sizeof(float)),
           AlignUp16(rows * num_splits * layout.head_dim * sizeof(float)),
           AlignUp16(rows * num_splits * sizeof(float2))};
 }
@@ -241,9 +242,8 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
 // Equal-length sequences make CTAs of one wave finish together, so a partial last wave costs a
 // whole one. Counts beyond 4 waves' worth of CTAs are not tried; ties go to fewer splits.
 int AutoSplits(const PageLayout& layout, int64_t ctas, int max_tokens, int stage_tokens) {
-  const bool mma = !layout.quantized() || layout.group_size == layout.head_dim;
   const int64_t slots =
-      static_cast<int64_t>(kNumSms) * (mma ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4);
+      static_cast<int64_t>(kNumSms) * (AttnUsesMma(layout) ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4);
   const int64_t max_splits =
       std::min<int64_t>(CeilDiv(max_tokens, stage_tokens), CeilDiv(4 * slots, ctas));
   int best = 1;
@@ -265,6 +265,7 @@ int AutoSplits(const PageLayout& layout, int64_t ctas, int max_tokens, int stage
 AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int num_q_heads,
                                   int max_blocks_per_seq, int num_splits) {
   AttnSplitPlan plan;
+  plan.mma = AttnUsesMma(layout);
   const int stage_tokens = AttnStageTokens(layout.dtype, layout.head_dim);
   const int max_tokens = max_blocks_per_seq * layout.block_tokens;
   plan.head_groups =
@@ -322,7 +323,7 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
   split.ratio = ratio;
   split.q = p.q;
   split.signs = signs;
-  split.q_rot = w.q_rot;
+  split.q_rot = plan.mma ? nullptr : w.q_rot;  // no q' region when the MMA kernel rotates q
   split.score_scale = score_scale;
   split.plan = plan;
   split.part_o = w.part_o;
@@ -353,7 +354,7 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
         constexpr KvDtype kDtype = decltype(dtype)::value;
         constexpr int kHeadDim = decltype(head_dim)::value;
         constexpr int kRot = decltype(rot)::value;
-        if (!AttnSplitsUseMma(split, kHeadDim)) {  // the CUDA-core kernel reads q' from here
+        if (!plan.mma) {  // the CUDA-core kernel reads q' from here
           const dim3 rotate_grid(
               p.num_seqs, static_cast<int>(CeilDiv(p.num_q_heads, LaneVector<kHeadDim>::kVecs)));
           RotateQueryKernel<kHeadDim, kRot>

@@ -92,8 +92,16 @@ __host__ __device__ constexpr int AttnMmaCtasPerSm(KvDtype dtype, int head_dim) 
              : (head_dim == 64 || dtype == KvDtype::kInt4) ? 4 : 3;
 }
 
+// Whether a layout's splits run on the tensor-core kernel (one {scale, zero} per token and head,
+// or FP16 pages), which rotates q itself, rather than the CUDA-core kernel, which reads q' from
+// the workspace.
+inline bool AttnUsesMma(const PageLayout& layout) {
+  return !layout.quantized() || layout.group_size == layout.head_dim;
+}
+
 // Split-K geometry of one call, identical in AttentionWorkspaceBytes and the launch.
 struct AttnSplitPlan {
+  bool mma = true;  // AttnUsesMma(layout)
   int num_splits = 1;
   int tokens_per_split = 0;  // a multiple of the stage tokens
   int head_groups = 1;       // CTAs per KV head: ceil(ratio / kAttnMaxHeadsPerCta)
@@ -123,14 +131,9 @@ struct AttnSplitArgs {
   float2* part_ml = nullptr;  // [num_seqs][num_q_heads][num_splits] {m, l}, log2 domain
 };
 
-// Whether LaunchAttentionSplits runs the tensor-core kernel (which rotates q itself) for `args`.
-inline bool AttnSplitsUseMma(const AttnSplitArgs& args, int head_dim) {
-  return args.group_size == head_dim;
-}
-
 // Launches the split kernel over grid (num_splits, num_kv_heads * head_groups, num_seqs):
-// AttentionSplitMmaKernel (tensor cores, paged_attention_mma.cuh) when args.group_size ==
-// kHeadDim (one {scale, zero} per token and head, or FP16 pages), else AttentionSplitKernel
+// AttentionSplitMmaKernel (tensor cores, paged_attention_mma.cuh) when args.plan.mma, else
+// AttentionSplitKernel
 // (CUDA cores, any group size that is a multiple of 16, paged_attention_split.cuh). Defined in
 // paged_attention_mma.cuh, instantiated per dtype in paged_attention_<dtype>.cu.
 template <KvDtype kDtype, int kHeadDim>

@@ -566,7 +566,7 @@ KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
 
 template <KvDtype kDtype, int kHeadDim>
 KernelStatus LaunchAttentionSplits(const AttnSplitArgs& args, int num_seqs, cudaStream_t stream) {
-  return AttnSplitsUseMma(args, kHeadDim)
+  return args.plan.mma
              ? attention_internal::LaunchAttentionSplitsMma<kDtype, kHeadDim>(args, num_seqs,
                                                                               stream)
              : attention_internal::LaunchAttentionSplitsGeneral<kDtype, kHeadDim>(args, num_seqs,
