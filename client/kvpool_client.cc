@@ -1,6 +1,8 @@
 #include "client/kvpool_client.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <map>
 #include <utility>
 
@@ -21,17 +23,29 @@ std::string Bytes(const uint16_t* data, size_t elements) {
   return std::string(reinterpret_cast<const char*>(data), elements * sizeof(uint16_t));
 }
 
+// AttendStream on the async API so that Step can post the write and the read together and then
+// poll for both without sleeping for up to `spin` (ClientOptions::attend_spin). Only the thread
+// that calls Step / Finish touches the queue; every operation posted is awaited before returning.
 class GrpcAttendSession final : public AttendSession {
  public:
-  GrpcAttendSession(v1::KvPool::Stub* stub, absl::Time deadline, bool wait_for_ready) {
+  GrpcAttendSession(v1::KvPool::Stub* stub, absl::Time deadline, bool wait_for_ready,
+                    absl::Duration spin)
+      : spin_(absl::ToChronoNanoseconds(spin)) {
     context_.set_deadline(absl::ToChronoTime(deadline));
     context_.set_wait_for_ready(wait_for_ready);
-    stream_ = stub->AttendStream(&context_);
+    stream_ = stub->PrepareAsyncAttendStream(&context_, &cq_);
+    stream_->StartCall(TagOf(kStarted));
+    pending_ = kStarted;
   }
   ~GrpcAttendSession() override {
     if (!finished_) {
       context_.TryCancel();
-      stream_->Finish().IgnoreError();
+      CloseWith(/*writes_done=*/false);
+    }
+    cq_.Shutdown();
+    void* tag;
+    bool ok;
+    while (cq_.Next(&tag, &ok)) {
     }
   }
 
@@ -39,8 +53,16 @@ class GrpcAttendSession final : public AttendSession {
     if (finished_) return final_status_.ok() ? absl::FailedPreconditionError("session finished")
                                              : final_status_;
     v1::AttendResponse response;
-    if (!stream_->Write(request) || !stream_->Read(&response)) {
-      (void)Finish();
+    // The start's batch must complete before the first write (it reuses the write's op set).
+    bool ok = AwaitAll();
+    if (ok) {
+      stream_->Write(request, TagOf(kWritten));
+      stream_->Read(&response, TagOf(kRead));
+      pending_ |= kWritten | kRead;
+      ok = AwaitAll();
+    }
+    if (!ok) {
+      CloseWith(/*writes_done=*/false);
       if (final_status_.ok()) {
         final_status_ = absl::UnavailableError("AttendStream closed by the server");
       }
@@ -51,15 +73,54 @@ class GrpcAttendSession final : public AttendSession {
 
   absl::Status Finish() override {
     if (finished_) return final_status_;
-    finished_ = true;
-    stream_->WritesDone();
-    final_status_ = FromGrpc(stream_->Finish());
+    CloseWith(/*writes_done=*/AwaitAll());
     return final_status_;
   }
 
  private:
+  enum Op : uint32_t { kStarted = 1, kWritten = 2, kRead = 4, kWritesDone = 8, kFinished = 16 };
+  static void* TagOf(Op op) { return reinterpret_cast<void*>(static_cast<uintptr_t>(op)); }
+
+  // Waits until no operation is pending; false if any of them failed (the stream is broken).
+  bool AwaitAll() {
+    using Clock = std::chrono::steady_clock;
+    const Clock::time_point start = Clock::now();
+    bool all_ok = true;
+    while (pending_ != 0) {
+      void* tag;
+      bool ok;
+      const bool spinning = Clock::now() - start < spin_;
+      const grpc::CompletionQueue::NextStatus status = cq_.AsyncNext(
+          &tag, &ok,
+          spinning ? gpr_time_0(GPR_CLOCK_MONOTONIC) : gpr_inf_future(GPR_CLOCK_MONOTONIC));
+      if (status != grpc::CompletionQueue::GOT_EVENT) continue;  // shut down only in ~
+      pending_ &= ~static_cast<uint32_t>(reinterpret_cast<uintptr_t>(tag));
+      all_ok = all_ok && ok;
+    }
+    return all_ok;
+  }
+
+  // Half-closes (when the stream is still good), then takes the final status.
+  void CloseWith(bool writes_done) {
+    finished_ = true;
+    AwaitAll();  // the start, when no Step ran
+    if (writes_done) {
+      stream_->WritesDone(TagOf(kWritesDone));
+      pending_ |= kWritesDone;
+      AwaitAll();
+    }
+    grpc::Status status;
+    stream_->Finish(&status, TagOf(kFinished));
+    pending_ |= kFinished;
+    AwaitAll();
+    final_status_ = FromGrpc(status);
+  }
+
+  const std::chrono::nanoseconds spin_;
   grpc::ClientContext context_;
-  std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::ClientAsyncReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream_;
+  uint32_t pending_ = 0;  // Op bits posted and not yet completed
   bool finished_ = false;
   absl::Status final_status_;
 };
@@ -242,7 +303,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
   absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendStream(
       const CallOptions& call) override {
     return std::make_unique<GrpcAttendSession>(stub_.get(), Deadline(call),
-                                               options_.wait_for_ready);
+                                               options_.wait_for_ready, options_.attend_spin);
   }
 
   absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call) override {

@@ -36,6 +36,9 @@ struct ClientOptions {
   // gRPC wait_for_ready: a call made while the channel cannot connect waits for a connection
   // until its deadline instead of failing with UNAVAILABLE at once.
   bool wait_for_ready = false;
+  // How long an AttendSession::Step polls for its response without sleeping before it blocks:
+  // a decode step's response then lands without a thread wake-up. 0 = block at once.
+  absl::Duration attend_spin = absl::Microseconds(500);
   // Channel credentials; null = insecure.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
 };

@@ -41,7 +41,6 @@ KvPoolService::KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceO
       get_(metrics->ForMethod("Get")),
       append_(metrics->ForMethod("Append")),
       attend_(metrics->ForMethod("Attend")),
-      attend_stream_(metrics->ForMethod("AttendStream")),
       release_(metrics->ForMethod("Release")),
       stats_(metrics->ForMethod("Stats")) {}
 
@@ -132,11 +131,6 @@ grpc::ServerUnaryReactor* KvPoolService::Attend(grpc::CallbackServerContext* ctx
     AttendRunner runner(store_);
     return runner.Run(*request, response);
   });
-}
-
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* KvPoolService::AttendStream(
-    grpc::CallbackServerContext*) {
-  return NewAttendStreamReactor(store_, &attend_stream_);
 }
 
 grpc::ServerUnaryReactor* KvPoolService::Release(grpc::CallbackServerContext* ctx,

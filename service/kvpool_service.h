@@ -1,7 +1,9 @@
-// The kvpool.v1.KvPool gRPC service on the callback API. Handlers are thin: they check framing
-// (byte lengths vs shapes, empty payloads, stream limits), convert proto <-> store types, call
-// KvStore, and turn absl::Status into grpc::Status at this edge only. Streaming RPCs have one
-// reactor class each (stream_reactors.h). Every call is recorded in RpcMetrics.
+// The kvpool.v1.KvPool gRPC service on the callback API, except AttendStream, which is async and
+// served by AttendStreamServer (attend_stream_server.h) on threads of its own. Handlers are thin:
+// they check framing (byte lengths vs shapes, empty payloads, stream limits), convert proto <->
+// store types, call KvStore, and turn absl::Status into grpc::Status at this edge only. The other
+// streaming RPCs have one reactor class each (stream_reactors.h). Every call is recorded in
+// RpcMetrics.
 #ifndef KVPOOL_SERVICE_KVPOOL_SERVICE_H_
 #define KVPOOL_SERVICE_KVPOOL_SERVICE_H_
 
@@ -12,7 +14,16 @@
 
 namespace kvpool {
 
-class KvPoolService final : public v1::KvPool::CallbackService {
+// Every method on the callback API but AttendStream. The chain is spelled out because marking a
+// callback method async keeps its callback handler; an RPC missing here stays synchronous.
+using KvPoolServiceBase = v1::KvPool::WithCallbackMethod_CreateNamespace<
+    v1::KvPool::WithCallbackMethod_ListNamespaces<v1::KvPool::WithCallbackMethod_Put<
+        v1::KvPool::WithCallbackMethod_Match<v1::KvPool::WithCallbackMethod_Get<
+            v1::KvPool::WithCallbackMethod_Append<v1::KvPool::WithCallbackMethod_Attend<
+                v1::KvPool::WithAsyncMethod_AttendStream<v1::KvPool::WithCallbackMethod_Release<
+                    v1::KvPool::WithCallbackMethod_Stats<v1::KvPool::Service>>>>>>>>>>;
+
+class KvPoolService final : public KvPoolServiceBase {
  public:
   // `store` and `metrics` must outlive the service and every call it started.
   KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceOptions& options);
@@ -35,8 +46,6 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
                                    const v1::AttendRequest* request,
                                    v1::AttendResponse* response) override;
-  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* AttendStream(
-      grpc::CallbackServerContext* ctx) override;
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
                                     const v1::ReleaseRequest* request,
                                     v1::ReleaseResponse* response) override;
@@ -53,7 +62,6 @@ class KvPoolService final : public v1::KvPool::CallbackService {
   RpcMetrics::Method get_;
   RpcMetrics::Method append_;
   RpcMetrics::Method attend_;
-  RpcMetrics::Method attend_stream_;
   RpcMetrics::Method release_;
   RpcMetrics::Method stats_;
 };

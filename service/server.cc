@@ -39,6 +39,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   RegisterStoreMetrics(s->store_.get(), &s->registry_);
   s->service_ =
       std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(), options.service);
+  s->attend_streams_ = std::make_unique<AttendStreamServer>(
+      s->service_.get(), s->store_.get(), s->rpc_metrics_.get(), options.attend_stream);
   if (s->backend_->name() == "cuda" && options.nccl_device >= 0) {
     absl::StatusOr<std::unique_ptr<PeerTransportFactory>> factory =
         NewNcclTransportFactory(options.nccl_device);
@@ -61,12 +63,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(s->service_.get());
+  s->attend_streams_->AddQueues(builder);
   if (s->transport_service_ != nullptr) builder.RegisterService(s->transport_service_.get());
   s->max_message_bytes_ = options.max_message_bytes;
   s->grpc_server_ = builder.BuildAndStart();
   if (s->grpc_server_ == nullptr || (!options.grpc_address.empty() && s->port_ == 0)) {
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", options.grpc_address));
   }
+  s->attend_streams_->Start();
   s->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
 
   if (!options.metrics_address.empty()) {
@@ -110,6 +114,7 @@ void Server::Shutdown(absl::Duration grace) {
     grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
     grpc_server_->Wait();
   }
+  if (attend_streams_ != nullptr) attend_streams_->Shutdown();
   if (!stop_sweeper_.HasBeenNotified()) stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
   exposer_.reset();

@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
+#include "service/attend_stream_server.h"
 #include "service/kvpool_service.h"
 #include "service/metrics/metrics_exposer.h"
 #include "service/metrics/metrics_registry.h"
@@ -44,6 +45,7 @@ struct ServerOptions {
   // Namespaces created before the server starts serving (the first one is the default).
   std::vector<NamespaceConfig> namespaces;
   ServiceOptions service;
+  AttendStreamOptions attend_stream;
   // The CUDA backend's device, on which KvPoolTransport opens NCCL channels; -1 = no
   // KvPoolTransport. Ignored (no KvPoolTransport) for a non-CUDA backend or a build without NCCL.
   int nccl_device = -1;
@@ -89,6 +91,7 @@ class Server {
   metrics::Registry registry_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;
   std::unique_ptr<KvPoolService> service_;
+  std::unique_ptr<AttendStreamServer> attend_streams_;  // its queues outlive the gRPC server
   std::unique_ptr<PeerTransportFactory> transport_factory_;    // null without KvPoolTransport
   std::unique_ptr<KvPoolTransportService> transport_service_;  // null without KvPoolTransport
   std::unique_ptr<grpc::Server> grpc_server_;

@@ -35,6 +35,11 @@ ABSL_FLAG(int, max_message_bytes, 64 << 20, "largest gRPC message, either direct
 ABSL_FLAG(uint64_t, max_put_stream_bytes, uint64_t{4} << 30, "largest Put stream");
 ABSL_FLAG(uint32_t, max_sequence_tokens, 1 << 20, "tokens per Put or lease sequence");
 ABSL_FLAG(uint32_t, max_attend_batch, 1024, "items per Attend request");
+ABSL_FLAG(int, attend_stream_threads, 4,
+          "threads (one completion queue each) that run AttendStream decode steps");
+ABSL_FLAG(int64_t, attend_stream_spin_us, 500,
+          "how long an AttendStream thread polls without sleeping after its last event (0 = "
+          "block; spinning saves a thread wake-up per decode step)");
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 10000, "time in-flight RPCs get to finish on shutdown");
 ABSL_FLAG(int64_t, lease_sweep_ms, 1000, "period of the expired-lease sweep (0 = off)");
@@ -94,6 +99,8 @@ int Run() {
                                                    static_cast<double>(options.store.pool_bytes))));
   options.service.max_put_stream_bytes = absl::GetFlag(FLAGS_max_put_stream_bytes);
   options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
+  options.attend_stream.threads = absl::GetFlag(FLAGS_attend_stream_threads);
+  options.attend_stream.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_stream_spin_us));
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   options.lease_sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_lease_sweep_ms));
   if ((*backend)->name() == "cuda") options.nccl_device = absl::GetFlag(FLAGS_device);

@@ -25,10 +25,6 @@ grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(KvStore* store,
                                                          RpcMetrics::Method* metrics,
                                                          const v1::GetRequest* request);
 
-// AttendStream: one response per request, in order, on per-stream reusable buffers.
-grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* NewAttendStreamReactor(
-    KvStore* store, RpcMetrics::Method* metrics);
-
 }  // namespace kvpool
 
 #endif  // KVPOOL_SERVICE_STREAM_REACTORS_H_

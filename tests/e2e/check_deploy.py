@@ -46,7 +46,8 @@ SERVER_FLAGS = {
     "port", "metrics_port", "backend", "device", "pool_bytes", "pool_memory_fraction",
     "default_namespace_fraction", "default_lease_ttl_ms", "max_lease_ttl_ms", "max_leases",
     "max_message_bytes", "max_put_stream_bytes", "max_sequence_tokens", "max_attend_batch",
-    "get_chunk_bytes", "shutdown_grace_ms", "lease_sweep_ms",
+    "get_chunk_bytes", "shutdown_grace_ms", "lease_sweep_ms", "attend_stream_threads",
+    "attend_stream_spin_us",
 }
 
 # The metrics the server exports (the contract between the server, the dashboard and the rules).

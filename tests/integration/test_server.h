@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -45,7 +46,7 @@ struct TestServer {
 
   // `tweak` may change the options before the server starts.
   static std::unique_ptr<TestServer> Start(std::vector<NamespaceConfig> namespaces,
-                                           void (*tweak)(ServerOptions*) = nullptr) {
+                                           std::function<void(ServerOptions*)> tweak = {}) {
     auto t = std::make_unique<TestServer>();
     ServerOptions o;
     o.grpc_address = "";
@@ -54,7 +55,7 @@ struct TestServer {
     o.store.clock = &t->clock;
     o.namespaces = std::move(namespaces);
     o.lease_sweep_interval = absl::ZeroDuration();
-    if (tweak != nullptr) tweak(&o);
+    if (tweak) tweak(&o);
     absl::StatusOr<std::unique_ptr<Server>> s = Server::Start(std::move(o), NewCpuBackend());
     EXPECT_TRUE(s.ok()) << s.status();
     if (!s.ok()) return nullptr;
