@@ -109,8 +109,8 @@ class AttendStreamCall {
 
 }  // namespace
 
-AttendStreamServer::AttendStreamServer(KvPoolService* service, KvStore* store,
-                                       RpcMetrics* metrics, const AttendStreamOptions& options)
+AttendStreamServer::AttendStreamServer(KvPoolService* service, KvStore* store, RpcMetrics* metrics,
+                                       const AttendStreamOptions& options)
     : service_(service),
       store_(store),
       metrics_(metrics->ForMethod("AttendStream")),

@@ -546,9 +546,9 @@ template <KvDtype kDtype, int kHeadDim, int kPT>
 KernelStatus LaunchAttentionSplitsMmaPT(const AttnSplitArgs& args, int num_seqs,
                                         cudaStream_t stream) {
   using T = MmaTraits<kDtype, kHeadDim>;
-  auto* kernel = AttentionSplitMmaKernel<kDtype, kHeadDim, kPT>;
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(T::kSharedBytes)));
+  constexpr auto kernel = AttentionSplitMmaKernel<kDtype, kHeadDim, kPT>;
+  KVPOOL_CUDA_RETURN_IF_ERROR(
+      (AllowDynamicSharedMemory<kernel, static_cast<int>(T::kSharedBytes)>()));
   const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
   return CheckCuda(LaunchDependent(kernel, grid, dim3(kAttnThreads), T::kSharedBytes, stream, args),
                    "AttentionSplitMmaKernel");

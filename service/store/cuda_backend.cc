@@ -122,13 +122,20 @@ struct StagingSlot {
   uint8_t* device = nullptr;
   size_t capacity = 0;
   cudaEvent_t free = nullptr;  // recorded after the last work using the buffers
+  // Records of `free` so far, bumped after each record: a lane that has waited on record n of
+  // this slot need not wait again until n changes.
+  std::atomic<uint64_t> records{0};
 };
+
+constexpr int kSlotsPerLane = 2;
 
 struct Lane {
   absl::Mutex mu;
-  cudaStream_t stream = nullptr;  // created once, never changes
-  StagingSlot slots[2];           // events created once; buffers guarded by mu
+  cudaStream_t stream = nullptr;     // created once, never changes
+  StagingSlot slots[kSlotsPerLane];  // events created once; buffers guarded by mu
   int next ABSL_GUARDED_BY(mu) = 0;
+  // records of every lane's slots ([lane][slot]) this lane's stream last waited for.
+  uint64_t waited[kNumLanes][kSlotsPerLane] ABSL_GUARDED_BY(mu) = {};
 };
 
 class CudaBackend final : public ComputeBackend {
@@ -222,6 +229,7 @@ class CudaBackend final : public ComputeBackend {
     d.positions = sinks ? reinterpret_cast<const int32_t*>(slot.device + pos_off) : nullptr;
     const KernelStatus ks = cuda::QuantizeAppend(d, lane.stream);
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.free, lane.stream));
+    slot.records.fetch_add(1, std::memory_order_release);
     return KernelResult(ks, "QuantizeAppend");
   }
 
@@ -475,16 +483,23 @@ class CudaBackend final : public ComputeBackend {
   template <typename Body>
   absl::Status RunSynchronous(size_t staging_bytes, Body&& body) {
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-    Lane& lane = lanes_[next_lane_.fetch_add(1, std::memory_order_relaxed) % kNumLanes];
+    const int index =
+        static_cast<int>(next_lane_.fetch_add(1, std::memory_order_relaxed) % kNumLanes);
+    Lane& lane = lanes_[index];
+    absl::MutexLock lock(&lane.mu);
     // Event handles never change, so other lanes' events are read without their locks; a wait
-    // covers the last record made before this call.
-    for (Lane& other : lanes_) {
-      if (&other == &lane) continue;
-      for (const StagingSlot& s : other.slots) {
+    // covers the last record made before this call. Records this lane already waited for are
+    // skipped (a decode loop queues one append per step, not one per lane).
+    for (int other = 0; other < kNumLanes; ++other) {
+      if (other == index) continue;
+      for (int k = 0; k < kSlotsPerLane; ++k) {
+        const StagingSlot& s = lanes_[other].slots[k];
+        const uint64_t records = s.records.load(std::memory_order_acquire);
+        if (records == lane.waited[other][k]) continue;
         KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(lane.stream, s.free, 0));
+        lane.waited[other][k] = records;
       }
     }
-    absl::MutexLock lock(&lane.mu);
     StagingSlot& slot = lane.slots[lane.next];
     if (absl::Status s = ReadySlot(slot, staging_bytes); !s.ok()) return s;
     absl::Status s = body(lane, slot);

@@ -83,8 +83,7 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
   std::atomic<int> mismatches{0}, failures{0};
   for (int s = 0; s < kStreams; ++s) {
     workers.emplace_back([&, s] {
-      absl::StatusOr<std::unique_ptr<client::AttendSession>> session =
-          f.client->OpenAttendStream();
+      absl::StatusOr<std::unique_ptr<client::AttendSession>> session = f.client->OpenAttendStream();
       if (!session.ok()) {
         ++failures;
         return;
@@ -105,8 +104,9 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(mismatches.load(), 0);
   const std::string text = f.server->server->registry()->Serialize();
-  const std::string ok_count = "kvpool_rpc_duration_seconds_count{method=\"AttendStream\",code=\"OK\"} " +
-                               std::to_string(kStreams) + "\n";
+  const std::string ok_count =
+      "kvpool_rpc_duration_seconds_count{method=\"AttendStream\",code=\"OK\"} " +
+      std::to_string(kStreams) + "\n";
   EXPECT_NE(text.find(ok_count), std::string::npos) << text;
 }
 
@@ -143,9 +143,9 @@ TEST(AttendStreamServer, BadStepEndsOnlyItsOwnStream) {
   }
   EXPECT_TRUE((*good)->Finish().ok());
   const std::string text = f.server->server->registry()->Serialize();
-  EXPECT_NE(
-      text.find("kvpool_rpc_duration_seconds_count{method=\"AttendStream\",code=\"INVALID_ARGUMENT\"} 1\n"),
-      std::string::npos)
+  EXPECT_NE(text.find("kvpool_rpc_duration_seconds_count{method=\"AttendStream\",code=\"INVALID_"
+                      "ARGUMENT\"} 1\n"),
+            std::string::npos)
       << text;
 }
 
