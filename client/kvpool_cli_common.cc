@@ -16,6 +16,8 @@ ABSL_FLAG(int32_t, tokens, 512, "tokens of the generated sequence");
 ABSL_FLAG(uint64_t, seed, 1, "seed of generated token ids and K/V");
 ABSL_FLAG(int32_t, q_heads_per_kv_head, 4, "query heads per KV head (GQA group) for attend");
 ABSL_FLAG(int32_t, deadline_ms, 60000, "deadline of each RPC (streams: the whole stream)");
+ABSL_FLAG(int64_t, attend_spin_us, 500,
+          "how long an AttendStream step polls for its response before blocking (0 = block)");
 ABSL_FLAG(bool, wait_for_ready, true,
           "calls wait (up to --deadline_ms) for the server to accept a connection instead of "
           "failing at the first connect error");
@@ -33,6 +35,7 @@ client::ClientOptions Options(int channel_index, size_t max_chunk_bytes) {
   options.default_deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   options.channel_index = channel_index;
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
+  options.attend_spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_spin_us));
   if (max_chunk_bytes > 0) options.max_chunk_bytes = max_chunk_bytes;
   return options;
 }

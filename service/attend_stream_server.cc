@@ -22,7 +22,7 @@ class AttendStreamCall {
   };
 
   // Posts the accept of the next stream on `cq`.
-  static void Listen(KvPoolService* service, KvStore* store, RpcMetrics::Method* metrics,
+  static void Listen(KvPoolService* service, KvStore* store, AttendStreamServer::Metrics* metrics,
                      grpc::ServerCompletionQueue* cq) {
     new AttendStreamCall(service, store, metrics, cq);
   }
@@ -31,7 +31,7 @@ class AttendStreamCall {
   void Proceed(Op op, bool ok, bool draining) {
     if (draining) {
       if (op == Op::kRead || op == Op::kWritten) {
-        metrics_->Finished(grpc::StatusCode::CANCELLED, absl::Now() - start_);
+        metrics_->stream.Finished(grpc::StatusCode::CANCELLED, absl::Now() - start_);
       }
       delete this;
       return;
@@ -68,32 +68,36 @@ class AttendStreamCall {
   }
 
  private:
-  AttendStreamCall(KvPoolService* service, KvStore* store, RpcMetrics::Method* metrics,
+  AttendStreamCall(KvPoolService* service, KvStore* store, AttendStreamServer::Metrics* metrics,
                    grpc::ServerCompletionQueue* cq)
       : service_(service), store_(store), metrics_(metrics), cq_(cq), runner_(store) {
     service_->RequestAttendStream(&ctx_, &stream_, cq_, cq_, &accepted_);
   }
 
   void Step() {
-    metrics_->Received(request_.ByteSizeLong());
+    const absl::Time begin = absl::Now();
+    metrics_->stream.Received(request_.ByteSizeLong());
     const absl::Status s = runner_.Run(request_, &response_);
+    const grpc::Status status = ToGrpcStatus(s);
     if (!s.ok()) {
-      FinishWith(ToGrpcStatus(s));
+      metrics_->step.Finished(status.error_code(), absl::Now() - begin);
+      FinishWith(status);
       return;
     }
-    metrics_->Sent(response_.ByteSizeLong());
+    metrics_->stream.Sent(response_.ByteSizeLong());
+    metrics_->step.Finished(grpc::StatusCode::OK, absl::Now() - begin);
     stream_.Write(response_, &written_);
   }
 
   void FinishWith(const grpc::Status& s) {
     // Recorded before Finish: a client that has the status also sees it counted.
-    metrics_->Finished(s.error_code(), absl::Now() - start_);
+    metrics_->stream.Finished(s.error_code(), absl::Now() - start_);
     stream_.Finish(s, &finished_);
   }
 
   KvPoolService* const service_;
   KvStore* const store_;
-  RpcMetrics::Method* const metrics_;
+  AttendStreamServer::Metrics* const metrics_;
   grpc::ServerCompletionQueue* const cq_;
   AttendRunner runner_;
   grpc::ServerContext ctx_;
@@ -113,7 +117,7 @@ AttendStreamServer::AttendStreamServer(KvPoolService* service, KvStore* store, R
                                        const AttendStreamOptions& options)
     : service_(service),
       store_(store),
-      metrics_(metrics->ForMethod("AttendStream")),
+      metrics_{metrics->ForMethod("AttendStream"), metrics->ForMethod("AttendStream.step")},
       options_(options) {}
 
 AttendStreamServer::~AttendStreamServer() { Shutdown(); }

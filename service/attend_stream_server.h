@@ -35,6 +35,14 @@ class AttendStreamServer {
   // Shuts the queues down if Shutdown was not called.
   ~AttendStreamServer();
 
+  // kvpool_rpc_duration_seconds has a series per stream (method "AttendStream": accept to final
+  // status) and per step (method "AttendStream.step": the server's time from a request read to
+  // its response handed to gRPC, the figure to compare with a client's step latency).
+  struct Metrics {
+    RpcMetrics::Method stream;
+    RpcMetrics::Method step;
+  };
+
   AttendStreamServer(const AttendStreamServer&) = delete;
   AttendStreamServer& operator=(const AttendStreamServer&) = delete;
 
@@ -56,7 +64,7 @@ class AttendStreamServer {
 
   KvPoolService* const service_;
   KvStore* const store_;
-  RpcMetrics::Method metrics_;
+  Metrics metrics_;
   const AttendStreamOptions options_;
   std::vector<std::unique_ptr<Queue>> queues_;
   bool shut_down_ = false;

@@ -48,34 +48,60 @@ echo "== Attend server time in process: runner, store, backend, bare kernel"
 "$bin/attend_latency_bench" --commit="$commit" --out="$out/attend_latency.json" || status=1
 
 echo "== service over gRPC loopback (CUDA backend)"
-# 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
-"$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 \
-  --max_put_stream_bytes=17179869184 > "$tmp/server.log" 2>&1 &
-server=$!
-for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
+start_server() {  # extra server flags; sets $server
+  # 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
+  "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 \
+    --max_put_stream_bytes=17179869184 "$@" >> "$tmp/server.log" 2>&1 &
+  server=$!
+  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
+}
+start_server
 grpc=$out/grpc_bench.txt
-cli() { timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 "$@" 2>&1 | tee -a "$grpc" || status=1; }
+cli() {  # the kvpool tool against the server; its output and, when it fails, its exit status
+  timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 "$@" 2>&1 | tee -a "$grpc"
+  local rc=${PIPESTATUS[0]}
+  ((rc == 0)) || { echo "kvpool $*: exit status $rc" | tee -a "$grpc"; status=1; }
+}
 for streams in 1 4 8 16; do
   for chunk in 64 256; do
     cli bench put --streams=$streams --chunk_tokens=$chunk --tokens=1024 --seconds=3
   done
 done
-# Unary Attend also reports the server's mean handler time (kvpool_rpc_duration_seconds) over
-# the run; 16-token contexts give the floor of a call whose kernel costs next to nothing.
-attend_sum() {
-  curl -s 127.0.0.1:9464/metrics | awk '/^kvpool_rpc_duration_seconds_(sum|count)\{method="Attend"/{
-    v[$1 ~ /_sum/ ? "s" : "c"] = $2} END {print v["s"] + 0, v["c"] + 0}'
+# Each Attend run also reports the server's mean time per unary call, or per AttendStream step
+# (kvpool_rpc_duration_seconds{method="Attend" or "AttendStream.step"}) over the run; 16-token
+# contexts give the floor of a call whose kernel costs next to nothing.
+duration_sum() {  # method -> "sum count" of its kvpool_rpc_duration_seconds series
+  curl -s 127.0.0.1:9464/metrics | awk -v m="$1" '
+    index($1, "kvpool_rpc_duration_seconds_sum{method=\"" m "\"") == 1 { s += $2 }
+    index($1, "kvpool_rpc_duration_seconds_count{method=\"" m "\"") == 1 { c += $2 }
+    END { print s + 0, c + 0 }'
+}
+timed_attend() {  # method, label, then the bench attend flags
+  local method=$1 label=$2 s0 c0 s1 c1
+  shift 2
+  read -r s0 c0 < <(duration_sum "$method")
+  cli bench attend "$@"
+  read -r s1 c1 < <(duration_sum "$method")
+  awk -v a="$s0" -v b="$s1" -v n0="$c0" -v n1="$c1" -v what="$label" 'BEGIN { if (n1 > n0)
+    printf "server time: mean %.0f us over %d %s\n", (b - a) / (n1 - n0) * 1e6, n1 - n0, what }' \
+    | tee -a "$grpc"
 }
 for shape in "1 32768" "32 4096" "1 16" "32 16"; do
   read -r batch context <<< "$shape"
-  read -r s0 c0 < <(attend_sum)
-  cli bench attend --batch=$batch --context=$context --iters=300 --nostream
-  read -r s1 c1 < <(attend_sum)
-  awk -v a="$s0" -v b="$s1" -v n0="$c0" -v n1="$c1" 'BEGIN { if (n1 > n0)
-    printf "server handler: mean %.0f us over %d unary Attend calls\n", (b - a) / (n1 - n0) * 1e6, n1 - n0 }' \
-    | tee -a "$grpc"
-  cli bench attend --batch=$batch --context=$context --iters=300 --stream
+  timed_attend Attend "unary Attend calls" --batch=$batch --context=$context --iters=300 --nostream
+  timed_attend AttendStream.step "AttendStream steps" --batch=$batch --context=$context --iters=300 \
+    --stream
 done
+# What busy polling buys: the client's AttendSession blocking at once (--attend_spin_us=0); below,
+# the same with the server's AttendStream threads blocking too.
+spin_runs() {  # label
+  for context in 32768 16; do
+    echo "[$1, client spin off]" | tee -a "$grpc"
+    timed_attend AttendStream.step "AttendStream steps" --batch=1 --context=$context --iters=300 \
+      --stream --attend_spin_us=0
+  done
+}
+spin_runs "server spin on"
 # The demo's progress line (stderr, redrawn with \r) stays out of the results; its errors do not.
 timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 demo 2> "$tmp/demo.err" | tee -a "$grpc" \
   || status=1
@@ -85,6 +111,12 @@ curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_rat
 kill -TERM "$server"
 wait "$server"
 echo "server exit: $?"
+start_server --attend_stream_spin_us=0
+spin_runs "server spin off"
+echo "[server spin off, client spin on]" | tee -a "$grpc"
+timed_attend AttendStream.step "AttendStream steps" --batch=1 --context=32768 --iters=300 --stream
+kill -TERM "$server"
+wait "$server"
 cat "$tmp/server.log"
 echo "suite status: $status"
 exit $status
