@@ -22,7 +22,7 @@ absl::Status ComputeBackend::GatherArena(absl::Span<const ArenaRun> /*runs*/, ui
   return NoTransferPath(*this, "GatherArena");
 }
 
-absl::Status ComputeBackend::DequantizeToArena(const DequantizeParams& /*p*/) {
+absl::Status ComputeBackend::DequantizeToArena(absl::Span<const DequantizeParams> /*ps*/) {
   return NoTransferPath(*this, "DequantizeToArena");
 }
 

@@ -61,8 +61,9 @@ class ComputeBackend {
   // Copies the runs, in order and back to back, to arena memory at `dst`. Runs are many and
   // small (one per block and K|V half), so a device backend must do this in one launch.
   [[nodiscard]] virtual absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst);
-  // Dequantize with k_out and v_out in arena memory (block_ids stay host memory).
-  [[nodiscard]] virtual absl::Status DequantizeToArena(const DequantizeParams& p);
+  // Dequantize of each element (layers, typically) with k_out and v_out in arena memory
+  // (block_ids stay host memory), synchronized once at the end.
+  [[nodiscard]] virtual absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps);
   // QuantizeAppend with k and v in arena memory (slot_mapping and positions stay host memory).
   [[nodiscard]] virtual absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p);
   // INVALID_ARGUMENT naming `what` when one of the n fp16 values at arena `x` is NaN or Inf.

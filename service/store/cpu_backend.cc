@@ -70,7 +70,12 @@ class CpuBackend final : public ComputeBackend {
     }
     return absl::OkStatus();
   }
-  absl::Status DequantizeToArena(const DequantizeParams& p) override { return Dequantize(p); }
+  absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps) override {
+    for (const DequantizeParams& p : ps) {
+      if (absl::Status s = Dequantize(p); !s.ok()) return s;
+    }
+    return absl::OkStatus();
+  }
   absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
     return QuantizeAppend(p);
   }

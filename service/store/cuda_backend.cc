@@ -372,18 +372,30 @@ class CudaBackend final : public ComputeBackend {
     });
   }
 
-  absl::Status DequantizeToArena(const DequantizeParams& p) override {
-    if (absl::Status s = ValidateDequantize(p); !s.ok() || p.num_out_blocks == 0) return s;
-    const size_t ids_bytes = static_cast<size_t>(p.num_out_blocks) * sizeof(int32_t);
-    return RunSynchronous(ids_bytes, [&](Lane& lane, StagingSlot& slot) -> absl::Status {
-      std::memcpy(slot.host, p.block_ids, ids_bytes);
-      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, ids_bytes,
+  // Every element's block ids in one staging copy, a kernel per element, one synchronization.
+  absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps) override {
+    StagingLayout layout;
+    std::vector<size_t> ids_off(ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (absl::Status s = ValidateDequantize(ps[i]); !s.ok()) return s;
+      ids_off[i] = layout.Add(static_cast<size_t>(ps[i].num_out_blocks) * sizeof(int32_t));
+    }
+    if (layout.size() == 0) return absl::OkStatus();
+    return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      for (size_t i = 0; i < ps.size(); ++i) {
+        std::memcpy(slot.host + ids_off[i], ps[i].block_ids,
+                    static_cast<size_t>(ps[i].num_out_blocks) * sizeof(int32_t));
+      }
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
                                                   cudaMemcpyHostToDevice, lane.stream));
-      DequantizeParams d = p;
-      d.block_ids = reinterpret_cast<const int32_t*>(slot.device);
-      if (absl::Status s = KernelResult(cuda::Dequantize(d, lane.stream), "DequantizeToArena");
-          !s.ok()) {
-        return s;
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (ps[i].num_out_blocks == 0) continue;
+        DequantizeParams d = ps[i];
+        d.block_ids = reinterpret_cast<const int32_t*>(slot.device + ids_off[i]);
+        if (absl::Status s = KernelResult(cuda::Dequantize(d, lane.stream), "DequantizeToArena");
+            !s.ok()) {
+          return s;
+        }
       }
       return CudaError(cudaStreamSynchronize(lane.stream), "DequantizeToArena");
     });

@@ -151,11 +151,13 @@ class KvStore {
   virtual absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                                uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                uint8_t* k, uint8_t* v) = 0;
-  // ReadFp16 into backend (arena) memory, e.g. a transfer staging buffer: same checks and
-  // shapes, synchronous.
-  virtual absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+  // ReadFp16 of layers [layer_begin, layer_end) in one backend call into backend (arena) memory
+  // at `dst`, e.g. a transfer staging buffer: for each layer ascending, K then V, each
+  // [num_blocks*block_tokens][heads][head_dim]. Same checks as ReadFp16; synchronous.
+  virtual absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin,
+                                       uint32_t layer_end, uint32_t block_begin,
                                        uint32_t num_blocks, uint32_t head_begin,
-                                       uint32_t head_end, uint16_t* k, uint16_t* v) = 0;
+                                       uint32_t head_end, uint8_t* dst) = 0;
   // The raw pages of layers [layer_begin, layer_end) gathered, in one backend call, into
   // backend (arena) memory at `dst`: for each layer ascending, K then V, each
   // [num_blocks][heads] head pages of that layer's layout. Synchronous.

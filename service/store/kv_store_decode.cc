@@ -84,41 +84,56 @@ absl::StatusOr<std::pair<const BlockPool*, std::vector<int32_t>>> StoreImpl::Beg
   return std::make_pair(pool, std::move(ids));
 }
 
-absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
-                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
-                                 uint16_t* k, uint16_t* v) {
-  return ReadFp16Into(ReadDst::kHost, lease_id, layer, block_begin, num_blocks, head_begin,
-                      head_end, k, v);
-}
+namespace {
 
-absl::Status StoreImpl::ReadFp16ToArena(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
-                                        uint32_t num_blocks, uint32_t head_begin,
-                                        uint32_t head_end, uint16_t* k, uint16_t* v) {
-  return ReadFp16Into(ReadDst::kArena, lease_id, layer, block_begin, num_blocks, head_begin,
-                      head_end, k, v);
-}
-
-absl::Status StoreImpl::ReadFp16Into(ReadDst dst, uint64_t lease_id, uint32_t layer,
-                                     uint32_t block_begin, uint32_t num_blocks,
-                                     uint32_t head_begin, uint32_t head_end, uint16_t* k,
-                                     uint16_t* v) {
-  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
-  LeaseUse use(this);
-  auto read = BeginRead(use, lease_id, layer, layer + 1, block_begin, num_blocks, head_begin,
-                        head_end);
-  if (!read.ok()) return read.status();
-  const auto& [pool, ids] = *read;
+// The fp16 read of `layer` of `ids` into k and v.
+DequantizeParams Fp16Read(const BlockPool& pool, uint32_t layer, const std::vector<int32_t>& ids,
+                          uint32_t head_begin, uint32_t head_end, uint16_t* k, uint16_t* v) {
   DequantizeParams p;
-  p.layout = pool->layout(layer);
-  p.pages = pool->layer_base(layer);
+  p.layout = pool.layout(layer);
+  p.pages = pool.layer_base(layer);
   p.block_ids = ids.data();
   p.num_out_blocks = static_cast<int>(ids.size());
   p.head_begin = static_cast<int>(head_begin);
   p.head_end = static_cast<int>(head_end);
   p.k_out = k;
   p.v_out = v;
-  p.num_blocks = pool->num_blocks();
-  return dst == ReadDst::kArena ? backend()->DequantizeToArena(p) : backend()->Dequantize(p);
+  p.num_blocks = pool.num_blocks();
+  return p;
+}
+
+}  // namespace
+
+absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
+                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
+                                 uint16_t* k, uint16_t* v) {
+  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
+  LeaseUse use(this);
+  auto read = BeginRead(use, lease_id, layer, layer + 1, block_begin, num_blocks, head_begin,
+                        head_end);
+  if (!read.ok()) return read.status();
+  const auto& [pool, ids] = *read;
+  return backend()->Dequantize(Fp16Read(*pool, layer, ids, head_begin, head_end, k, v));
+}
+
+absl::Status StoreImpl::ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin,
+                                        uint32_t layer_end, uint32_t block_begin,
+                                        uint32_t num_blocks, uint32_t head_begin,
+                                        uint32_t head_end, uint8_t* dst) {
+  if (dst == nullptr) return absl::InvalidArgumentError("null output buffer");
+  LeaseUse use(this);
+  auto read = BeginRead(use, lease_id, layer_begin, layer_end, block_begin, num_blocks,
+                        head_begin, head_end);
+  if (!read.ok()) return read.status();
+  const auto& [pool, ids] = *read;
+  const size_t half = ids.size() * pool->layout(layer_begin).block_tokens *
+                      (head_end - head_begin) * pool->layout(layer_begin).head_dim;  // values
+  std::vector<DequantizeParams> layers;
+  auto* at = reinterpret_cast<uint16_t*>(dst);
+  for (uint32_t layer = layer_begin; layer < layer_end; ++layer, at += 2 * half) {
+    layers.push_back(Fp16Read(*pool, layer, ids, head_begin, head_end, at, at + half));
+  }
+  return backend()->DequantizeToArena(layers);
 }
 
 absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,

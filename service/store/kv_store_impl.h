@@ -79,9 +79,9 @@ class StoreImpl final : public KvStore {
   absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                        uint32_t num_blocks, uint32_t head_begin, uint32_t head_end, uint8_t* k,
                        uint8_t* v) override;
-  absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
-                               uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
-                               uint16_t* k, uint16_t* v) override;
+  absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
+                               uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
+                               uint32_t head_end, uint8_t* dst) override;
   absl::Status ReadRawToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
                               uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
                               uint32_t head_end, uint8_t* dst) override;
@@ -136,11 +136,6 @@ class StoreImpl final : public KvStore {
                                                        uint32_t head_begin, uint32_t head_end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
-  // Where ReadFp16 writes: host memory, or arena memory (ReadFp16ToArena).
-  enum class ReadDst { kHost, kArena };
-  absl::Status ReadFp16Into(ReadDst dst, uint64_t lease_id, uint32_t layer, uint32_t block_begin,
-                            uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
-                            uint16_t* k, uint16_t* v);
   // Pins lease `lease_id` in `use`, validates the read for every layer of
   // [layer_begin, layer_end) (CheckReadLocked) and returns the pool and block ids to read
   // outside mu_.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <memory>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -129,6 +130,17 @@ absl::StatusOr<NcclTransfers::Staging> NcclTransfers::TakeStaging(uint64_t bytes
   return Staging(this, *buffer, size);
 }
 
+absl::StatusOr<std::vector<NcclTransfers::Staging>> NcclTransfers::TakeBuffers(size_t rounds,
+                                                                              uint64_t bytes) {
+  std::vector<Staging> buffers;
+  for (size_t i = 0; i < std::min<size_t>(rounds, 2); ++i) {
+    absl::StatusOr<Staging> taken = TakeStaging(bytes);
+    if (!taken.ok()) return taken.status();
+    buffers.push_back(*std::move(taken));
+  }
+  return buffers;
+}
+
 void NcclTransfers::ReturnStaging(uint8_t* buffer, uint64_t bytes) {
   {
     absl::MutexLock l(&mu_);
@@ -202,43 +214,55 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     return absl::ResourceExhaustedError(absl::StrFormat(
         "the payload is %d bytes, the worker's buffer %d", offset, request.buffer_bytes()));
   }
+  // Two staging buffers when there is more than one round: round i + 1 is gathered into one
+  // while round i is sent from the other. Both are taken before the header goes out.
   const uint64_t largest = 2 * *std::max_element(layer_bytes.begin(), layer_bytes.end());
-  absl::StatusOr<Staging> staging = TakeStaging(largest);
-  if (!staging.ok()) return staging.status();
+  const std::vector<Round> rounds =
+      PlanRounds(layer_begin, layer_bytes, std::max(largest, options_.staging_bytes));
+  absl::StatusOr<std::vector<Staging>> buffers = TakeBuffers(rounds.size(), largest);
+  if (!buffers.ok()) return buffers.status();
   if (absl::Status s = emit(first); !s.ok()) return s;
 
   // From here the worker waits for data: any failure breaks the channel.
   const absl::Time deadline = Deadline(request.timeout_ms());
   CancelScope scope(cancel, &use->transport());
-  for (const Round& r : PlanRounds(layer_begin, layer_bytes, staging->bytes())) {
-    uint8_t* base = staging->data();
-    absl::Status s;
-    if (raw) {
-      s = store_->ReadRawToArena(request.lease_id(), r.begin, r.end, 0, num_blocks, head_begin,
-                                 head_end, base);
-    } else {
-      uint8_t* at = base;
-      for (uint32_t l = r.begin; l < r.end && s.ok(); ++l) {
-        const uint64_t bytes = layer_bytes[l - layer_begin];
-        s = store_->ReadFp16ToArena(request.lease_id(), l, 0, num_blocks, head_begin, head_end,
-                                    reinterpret_cast<uint16_t*>(at),
-                                    reinterpret_cast<uint16_t*>(at + bytes));
-        at += 2 * bytes;
-      }
+  std::vector<SendSegment> segments[2];
+  std::thread sender;  // sends the previous round
+  absl::Status sent;   // its result, read after joining it
+  absl::Status s;
+  for (size_t i = 0; i < rounds.size(); ++i) {
+    const Round& r = rounds[i];
+    uint8_t* base = (*buffers)[i % buffers->size()].data();
+    s = raw ? store_->ReadRawToArena(request.lease_id(), r.begin, r.end, 0, num_blocks,
+                                     head_begin, head_end, base)
+            : store_->ReadFp16ToArena(request.lease_id(), r.begin, r.end, 0, num_blocks,
+                                      head_begin, head_end, base);
+    if (sender.joinable()) {
+      sender.join();
+      if (s.ok()) s = sent;
     }
-    std::vector<SendSegment> segments;
+    if (!s.ok()) break;
+    std::vector<SendSegment>& round = segments[i % 2];
+    round.clear();
     uint8_t* at = base;
     for (uint32_t l = r.begin; l < r.end; ++l) {
       const uint64_t bytes = layer_bytes[l - layer_begin];
-      segments.push_back({at, bytes});
-      segments.push_back({at + bytes, bytes});
+      round.push_back({at, bytes});
+      round.push_back({at + bytes, bytes});
       at += 2 * bytes;
     }
-    if (s.ok()) s = use->transport().Send(segments, deadline);
-    if (!s.ok()) {
-      use->Fail();
-      return s;
-    }
+    PeerTransport* transport = &use->transport();
+    sender = std::thread([transport, &round, &sent, deadline] {
+      sent = transport->Send(round, deadline);
+    });
+  }
+  if (sender.joinable()) {
+    sender.join();
+    if (s.ok()) s = sent;
+  }
+  if (!s.ok()) {
+    use->Fail();
+    return s;
   }
   v1::NcclGetResponse last;
   last.mutable_done()->set_bytes(offset);
@@ -266,32 +290,48 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
   plan.set_num_tokens(num_tokens);
   plan.set_num_layers(config.num_layers);
   plan.set_layer_bytes(bytes);
-  std::optional<Staging> staging;
-  if (num_tokens > 0) {
-    absl::StatusOr<Staging> taken = TakeStaging(2 * bytes);
-    if (!taken.ok()) return taken.status();
-    staging.emplace(*std::move(taken));
-  }
+  // As in Get, two staging buffers when there is more than one round: round i + 1 is received
+  // into one while round i is quantized from the other.
+  const std::vector<Round> rounds =
+      num_tokens > 0 ? PlanRounds(0, layer_bytes, std::max(2 * bytes, options_.staging_bytes))
+                     : std::vector<Round>();
+  absl::StatusOr<std::vector<Staging>> buffers = TakeBuffers(rounds.size(), 2 * bytes);
+  if (!buffers.ok()) return buffers.status();
   if (absl::Status s = emit(first); !s.ok()) return s;
 
   absl::Status content;  // the first error of the store on the received data
   if (num_tokens > 0) {
     const absl::Time deadline = Deadline(request.timeout_ms());
     CancelScope scope(cancel, &use->transport());
-    for (const Round& r : PlanRounds(0, layer_bytes, staging->bytes())) {
-      std::vector<RecvSegment> segments;
-      for (uint32_t l = r.begin; l < r.end; ++l) {
-        uint8_t* at = staging->data() + uint64_t{2} * bytes * (l - r.begin);
-        segments.push_back({at, bytes});
-        segments.push_back({at + bytes, bytes});
+    PeerTransport* transport = &use->transport();
+    std::vector<RecvSegment> segments[2];
+    std::thread receiver;  // receives the next round
+    absl::Status received;
+    auto start_receive = [&](size_t i) {
+      std::vector<RecvSegment>& round = segments[i % 2];
+      round.clear();
+      uint8_t* base = (*buffers)[i % buffers->size()].data();
+      for (uint32_t l = rounds[i].begin; l < rounds[i].end; ++l) {
+        uint8_t* at = base + uint64_t{2} * bytes * (l - rounds[i].begin);
+        round.push_back({at, bytes});
+        round.push_back({at + bytes, bytes});
       }
-      if (absl::Status s = use->transport().Recv(segments, deadline); !s.ok()) {
+      receiver = std::thread([transport, &round, &received, deadline] {
+        received = transport->Recv(round, deadline);
+      });
+    };
+    start_receive(0);
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      receiver.join();
+      if (!received.ok()) {
         use->Fail();
-        return s;
+        return received;
       }
-      for (uint32_t l = r.begin; l < r.end && content.ok(); ++l) {
-        const auto* k = static_cast<const uint16_t*>(segments[2 * (l - r.begin)].data);
-        const auto* v = static_cast<const uint16_t*>(segments[2 * (l - r.begin) + 1].data);
+      if (i + 1 < rounds.size()) start_receive(i + 1);
+      const std::vector<RecvSegment>& round = segments[i % 2];
+      for (uint32_t l = rounds[i].begin; l < rounds[i].end && content.ok(); ++l) {
+        const auto* k = static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin)].data);
+        const auto* v = static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin) + 1].data);
         content = (*session)->AddChunkFromArena(l, token_begin, num_tokens, k, v);
       }
     }

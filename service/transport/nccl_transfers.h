@@ -33,8 +33,9 @@ struct TransportOptions {
   absl::Duration default_transfer_timeout = absl::Seconds(30);
   absl::Duration max_transfer_timeout = absl::Minutes(5);
   // Bytes of one staging buffer (backend memory); a round moves as many whole layers as fit
-  // (at least one: a layer larger than this gets a buffer of its own size).
-  uint64_t staging_bytes = uint64_t{256} << 20;
+  // (at least one: a layer larger than this gets a buffer of its own size). A Get of more than
+  // one round takes two, to gather the next round while sending this one.
+  uint64_t staging_bytes = uint64_t{64} << 20;
   size_t max_idle_staging = 4;  // staging buffers kept for reuse
 };
 
@@ -77,6 +78,9 @@ class NcclTransfers {
   class Staging;
   // A staging buffer of at least `bytes`.
   absl::StatusOr<Staging> TakeStaging(uint64_t bytes);
+  // The buffers of a transfer of `rounds` rounds, each of at least `bytes`: one for one round,
+  // two (filled and drained in turn) for more.
+  absl::StatusOr<std::vector<Staging>> TakeBuffers(size_t rounds, uint64_t bytes);
   void ReturnStaging(uint8_t* buffer, uint64_t bytes);
   absl::Time Deadline(uint32_t timeout_ms) const;
 

@@ -212,18 +212,38 @@ TEST_P(CudaTransferDtype, DequantizeToArenaMatchesHostPathAndCpuBackend) {
   p.k_out = host_k.data();
   p.v_out = host_v.data();
   ASSERT_TRUE(gpu->Dequantize(p).ok());
-  absl::StatusOr<uint8_t*> out = gpu->AllocateArena(2 * elems * sizeof(uint16_t));
+  // Two elements in one call, each with its own block ids (the ids above, then reversed), into
+  // one arena buffer: element e's K at 2e, its V at 2e + 1 (in units of elems).
+  const std::vector<int32_t> reversed(ids.rbegin(), ids.rend());
+  std::vector<uint16_t> host_k2(elems), host_v2(elems);
+  DequantizeParams p2 = p;
+  p2.block_ids = reversed.data();
+  p2.k_out = host_k2.data();
+  p2.v_out = host_v2.data();
+  ASSERT_TRUE(gpu->Dequantize(p2).ok());
+  const size_t out_bytes = 4 * elems * sizeof(uint16_t);
+  absl::StatusOr<uint8_t*> out = gpu->AllocateArena(out_bytes);
   ASSERT_TRUE(out.ok());
-  p.k_out = reinterpret_cast<uint16_t*>(*out);
-  p.v_out = reinterpret_cast<uint16_t*>(*out) + elems;
-  ASSERT_TRUE(gpu->DequantizeToArena(p).ok());
-  const std::vector<uint8_t> got = Download(*gpu, *out, 2 * elems * sizeof(uint16_t));
-  std::vector<uint16_t> arena_k(elems), arena_v(elems);
-  std::memcpy(arena_k.data(), got.data(), elems * sizeof(uint16_t));
-  std::memcpy(arena_v.data(), got.data() + elems * sizeof(uint16_t), elems * sizeof(uint16_t));
+  auto* base = reinterpret_cast<uint16_t*>(*out);
+  p.k_out = base;
+  p.v_out = base + elems;
+  p2.k_out = base + 2 * elems;
+  p2.v_out = base + 3 * elems;
+  ASSERT_TRUE(gpu->DequantizeToArena({p, p2}).ok());
+  const std::vector<uint8_t> got = Download(*gpu, *out, out_bytes);
+  std::vector<uint16_t> arena[4];
+  for (int i = 0; i < 4; ++i) {
+    arena[i].resize(elems);
+    std::memcpy(arena[i].data(), got.data() + i * elems * sizeof(uint16_t),
+                elems * sizeof(uint16_t));
+  }
+  const std::vector<uint16_t>& arena_k = arena[0];
+  const std::vector<uint16_t>& arena_v = arena[1];
 
   EXPECT_EQ(arena_k, host_k);
   EXPECT_EQ(arena_v, host_v);
+  EXPECT_EQ(arena[2], host_k2);
+  EXPECT_EQ(arena[3], host_v2);
   for (size_t i = 0; i < elems; ++i) {
     for (int kv = 0; kv < 2; ++kv) {
       const float a = HalfToFloat((kv == 0 ? cpu_k : cpu_v)[i]);
@@ -233,10 +253,15 @@ TEST_P(CudaTransferDtype, DequantizeToArenaMatchesHostPathAndCpuBackend) {
     }
   }
 
+  // A bad id in the second element: rejected before anything runs, the buffer unchanged.
   std::vector<int32_t> bad_ids = ids;
   bad_ids[2] = kNumBlocks;
-  p.block_ids = bad_ids.data();
-  EXPECT_EQ(gpu->DequantizeToArena(p).code(), absl::StatusCode::kInvalidArgument);
+  DequantizeParams bad = p2;
+  bad.block_ids = bad_ids.data();
+  p.k_out = base + 2 * elems;  // would overwrite element 1's output if it ran
+  p.v_out = base + 3 * elems;
+  EXPECT_EQ(gpu->DequantizeToArena({p, bad}).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(Download(*gpu, *out, out_bytes), got);
 }
 
 TEST_P(CudaTransferDtype, QuantizeAppendFromArenaMatchesHostPathAndCpuBackend) {

@@ -218,25 +218,34 @@ TEST_F(TransportProtocolTest, RawGetIsByteExactWithReadRaw) {
   }
 }
 
+// As above: rounds of one layer (two staging buffers, each round gathered while the previous
+// one is sent) and one round.
 TEST_F(TransportProtocolTest, Fp16GetMatchesReadFp16) {
-  MakeStore(32);
-  StartService();
-  const uint64_t lease = PutAndMatch(12, 3);
-  TestWorker w(stub_.get(), &network_);
-  ASSERT_TRUE(w.Open().ok());
-  v1::NcclGetRequest req;
-  req.set_lease_id(lease);
-  req.set_format(v1::GET_FORMAT_FP16);
-  v1::NcclGetDescriptor header;
-  std::vector<uint8_t> buf;
-  ASSERT_TRUE(w.Get(req, &header, &buf).ok());
-  EXPECT_EQ(header.valid_tokens(), 12u);
-  for (const v1::NcclLayerSegments& l : header.layers()) {
-    std::vector<uint16_t> k(12 * PerToken()), v(12 * PerToken());
-    ASSERT_TRUE(store_->ReadFp16(lease, l.layer(), 0, 3, 0, 2, k.data(), v.data()).ok());
-    ASSERT_EQ(l.bytes(), k.size() * 2);
-    EXPECT_EQ(std::memcmp(buf.data() + l.k_offset(), k.data(), l.bytes()), 0);
-    EXPECT_EQ(std::memcmp(buf.data() + l.v_offset(), v.data(), l.bytes()), 0);
+  for (uint64_t staging : {uint64_t{1}, uint64_t{64} << 20}) {
+    MakeStore(32);
+    TransportOptions o;
+    o.staging_bytes = staging;
+    StartService(o);
+    const uint64_t lease = PutAndMatch(12, 3);
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    v1::NcclGetRequest req;
+    req.set_lease_id(lease);
+    req.set_format(v1::GET_FORMAT_FP16);
+    v1::NcclGetDescriptor header;
+    std::vector<uint8_t> buf;
+    ASSERT_TRUE(w.Get(req, &header, &buf).ok());
+    EXPECT_EQ(header.valid_tokens(), 12u);
+    for (const v1::NcclLayerSegments& l : header.layers()) {
+      std::vector<uint16_t> k(12 * PerToken()), v(12 * PerToken());
+      ASSERT_TRUE(store_->ReadFp16(lease, l.layer(), 0, 3, 0, 2, k.data(), v.data()).ok());
+      ASSERT_EQ(l.bytes(), k.size() * 2);
+      EXPECT_EQ(std::memcmp(buf.data() + l.k_offset(), k.data(), l.bytes()), 0);
+      EXPECT_EQ(std::memcmp(buf.data() + l.v_offset(), v.data(), l.bytes()), 0);
+    }
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
   }
 }
 
@@ -255,53 +264,62 @@ TEST_F(TransportProtocolTest, GetRefusesTooSmallBufferWithoutBreakingChannel) {
 }
 
 // The pages an NcclPut stores equal those of the gRPC path's Put (PutSession::AddChunk).
+// Run with rounds of one layer (each received while the previous one is quantized) and one round.
 TEST_F(TransportProtocolTest, PutStoresWhatTheGrpcPathStores) {
-  MakeStore(32);
-  StartService();
-  const int tokens = 14;
-  const std::vector<int32_t> ids = TokenIds(tokens, 100);
-  const SequenceKv kv = MakeSequenceKv(config_, tokens, 21);
-  TestWorker w(stub_.get(), &network_);
-  ASSERT_TRUE(w.Open().ok());
-  auto result = w.Put(ids, kv, PerToken());
-  ASSERT_TRUE(result.ok()) << result.status();
-  EXPECT_EQ(result->tokens_stored(), 12u);
-  EXPECT_EQ(result->tokens_ignored(), 2u);
+  for (uint64_t staging : {uint64_t{1}, uint64_t{64} << 20}) {
+    MakeStore(32);
+    TransportOptions options;
+    options.staging_bytes = staging;
+    StartService(options);
+    const int tokens = 14;
+    const std::vector<int32_t> ids = TokenIds(tokens, 100);
+    const SequenceKv kv = MakeSequenceKv(config_, tokens, 21);
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    auto result = w.Put(ids, kv, PerToken());
+    ASSERT_TRUE(result.ok()) << result.status();
+    EXPECT_EQ(result->tokens_stored(), 12u);
+    EXPECT_EQ(result->tokens_ignored(), 2u);
 
-  auto nccl_lease = store_->Match("main", ids, absl::ZeroDuration());
-  ASSERT_TRUE(nccl_lease.ok());
-  ASSERT_EQ(nccl_lease->cached_tokens, 12u);
-  // The same sequence through the gRPC path's store API, in a second store.
-  std::unique_ptr<ComputeBackend> other_backend = NewCpuBackend();
-  KvStore::Options o;
-  o.pool_bytes = BytesPerBlock(config_) * 32;
-  o.backend = other_backend.get();
-  o.clock = &clock_;
-  auto other = KvStore::Create(o);
-  ASSERT_TRUE(other.ok());
-  ASSERT_TRUE((*other)->CreateNamespace(config_).ok());
-  auto session = (*other)->BeginPut("main", ids);
-  ASSERT_TRUE(session.ok());
-  for (int l = 0; l < config_.num_layers; ++l) {
-    ASSERT_TRUE((*session)->AddChunk(l, 0, tokens, kv.k[l].data(), kv.v[l].data()).ok());
+    auto nccl_lease = store_->Match("main", ids, absl::ZeroDuration());
+    ASSERT_TRUE(nccl_lease.ok());
+    ASSERT_EQ(nccl_lease->cached_tokens, 12u);
+    // The same sequence through the gRPC path's store API, in a second store.
+    std::unique_ptr<ComputeBackend> other_backend = NewCpuBackend();
+    KvStore::Options o;
+    o.pool_bytes = BytesPerBlock(config_) * 32;
+    o.backend = other_backend.get();
+    o.clock = &clock_;
+    auto other = KvStore::Create(o);
+    ASSERT_TRUE(other.ok());
+    ASSERT_TRUE((*other)->CreateNamespace(config_).ok());
+    auto session = (*other)->BeginPut("main", ids);
+    ASSERT_TRUE(session.ok());
+    for (int l = 0; l < config_.num_layers; ++l) {
+      ASSERT_TRUE((*session)->AddChunk(l, 0, tokens, kv.k[l].data(), kv.v[l].data()).ok());
+    }
+    ASSERT_TRUE((*session)->Commit().ok());
+    auto grpc_lease = (*other)->Match("main", ids, absl::ZeroDuration());
+    ASSERT_TRUE(grpc_lease.ok());
+    for (int l = 0; l < config_.num_layers; ++l) {
+      const size_t run = config_.num_kv_heads * LayerLayout(config_, l).head_page_bytes() * 3;
+      std::vector<uint8_t> k1(run), v1(run), k2(run), v2(run);
+      ASSERT_TRUE(store_->ReadRaw(nccl_lease->lease_id, l, 0, 3, 0, 2, k1.data(), v1.data()).ok());
+      ASSERT_TRUE(
+          (*other)->ReadRaw(grpc_lease->lease_id, l, 0, 3, 0, 2, k2.data(), v2.data()).ok());
+      EXPECT_EQ(k1, k2);
+      EXPECT_EQ(v1, v2);
+    }
+    // A second put of the same prefix moves nothing.
+    v1::NcclPutPlan plan;
+    auto again = w.Put(ids, kv, PerToken(), false, &plan);
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(plan.num_tokens(), 0u);
+    EXPECT_EQ(again->tokens_cached(), 12u);
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
   }
-  ASSERT_TRUE((*session)->Commit().ok());
-  auto grpc_lease = (*other)->Match("main", ids, absl::ZeroDuration());
-  ASSERT_TRUE(grpc_lease.ok());
-  for (int l = 0; l < config_.num_layers; ++l) {
-    const size_t run = config_.num_kv_heads * LayerLayout(config_, l).head_page_bytes() * 3;
-    std::vector<uint8_t> k1(run), v1(run), k2(run), v2(run);
-    ASSERT_TRUE(store_->ReadRaw(nccl_lease->lease_id, l, 0, 3, 0, 2, k1.data(), v1.data()).ok());
-    ASSERT_TRUE((*other)->ReadRaw(grpc_lease->lease_id, l, 0, 3, 0, 2, k2.data(), v2.data()).ok());
-    EXPECT_EQ(k1, k2);
-    EXPECT_EQ(v1, v2);
-  }
-  // A second put of the same prefix moves nothing.
-  v1::NcclPutPlan plan;
-  auto again = w.Put(ids, kv, PerToken(), false, &plan);
-  ASSERT_TRUE(again.ok());
-  EXPECT_EQ(plan.num_tokens(), 0u);
-  EXPECT_EQ(again->tokens_cached(), 12u);
 }
 
 TEST_F(TransportProtocolTest, PutWithNanStoresNothingAndKeepsChannel) {
@@ -340,26 +358,33 @@ TEST_F(TransportProtocolTest, DeadWorkerMidPutFailsCleanly) {
 }
 
 // A transfer slower than its deadline aborts the channel; the lease and staging survive intact.
+// With rounds of one layer the send in flight fails while the next round is being gathered.
 TEST_F(TransportProtocolTest, TimeoutAbortsChannel) {
-  MakeStore(32);
-  TransportOptions o;
-  o.max_idle_staging = 0;
-  StartService(o);
-  const uint64_t lease = PutAndMatch(8, 9);
-  TestWorker w(stub_.get(), &network_);
-  ASSERT_TRUE(w.Open().ok());
-  network_.set_op_latency(absl::Seconds(2));
-  v1::NcclGetRequest req;
-  req.set_lease_id(lease);
-  req.set_timeout_ms(1000);
-  v1::NcclGetDescriptor header;
-  std::vector<uint8_t> buf;
-  EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(service_->channels().size(), 0u);
-  EXPECT_EQ(service_->transfers().staging_buffers(), 0u);
-  network_.set_op_latency(absl::ZeroDuration());
-  ASSERT_TRUE(store_->Release(lease).ok());
-  EXPECT_EQ(store_->Stats().active_leases, 0u);
+  for (uint64_t staging : {uint64_t{1}, uint64_t{64} << 20}) {
+    MakeStore(32);
+    TransportOptions o;
+    o.max_idle_staging = 0;
+    o.staging_bytes = staging;
+    StartService(o);
+    const uint64_t lease = PutAndMatch(8, 9);
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    network_.set_op_latency(absl::Seconds(2));
+    v1::NcclGetRequest req;
+    req.set_lease_id(lease);
+    req.set_timeout_ms(1000);
+    v1::NcclGetDescriptor header;
+    std::vector<uint8_t> buf;
+    EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kDeadlineExceeded);
+    EXPECT_EQ(service_->channels().size(), 0u);
+    EXPECT_EQ(service_->transfers().staging_buffers(), 0u);
+    network_.set_op_latency(absl::ZeroDuration());
+    ASSERT_TRUE(store_->Release(lease).ok());
+    EXPECT_EQ(store_->Stats().active_leases, 0u);
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+  }
 }
 
 TEST_F(TransportProtocolTest, SecondTransferOnBusyChannelIsRefused) {
