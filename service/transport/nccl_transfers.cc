@@ -1,6 +1,7 @@
 #include "service/transport/nccl_transfers.h"
 
 #include <algorithm>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -97,6 +98,63 @@ std::vector<Round> PlanRounds(uint32_t first_layer, const std::vector<uint64_t>&
   return rounds;
 }
 
+// Runs op(0), ..., op(rounds - 1) in order on a thread of its own, each once the caller has
+// released it, so that the caller prepares the next round while this one moves. The first
+// failure stops the rest. The destructor waits for the operation in flight, if any.
+class RoundWorker {
+ public:
+  RoundWorker(size_t rounds, std::function<absl::Status(size_t)> op)
+      : rounds_(rounds), op_(std::move(op)), thread_([this] { Loop(); }) {}
+  ~RoundWorker() {
+    {
+      absl::MutexLock l(&mu_);
+      closed_ = true;
+      cv_.SignalAll();
+    }
+    thread_.join();
+  }
+
+  // Rounds up to `round` may run.
+  void Release(size_t round) {
+    absl::MutexLock l(&mu_);
+    released_ = std::max(released_, round + 1);
+    cv_.SignalAll();
+  }
+  // Waits until op(round) has finished or an operation failed; returns the first failure.
+  absl::Status WaitDone(size_t round) {
+    absl::MutexLock l(&mu_);
+    while (done_ <= round && status_.ok()) cv_.Wait(&mu_);
+    return status_;
+  }
+
+ private:
+  void Loop() {
+    for (size_t i = 0; i < rounds_; ++i) {
+      {
+        absl::MutexLock l(&mu_);
+        while (released_ <= i && !closed_) cv_.Wait(&mu_);
+        if (released_ <= i) return;  // closed
+      }
+      const absl::Status s = op_(i);
+      absl::MutexLock l(&mu_);
+      done_ = i + 1;
+      status_.Update(s);
+      cv_.SignalAll();
+      if (!s.ok()) return;
+    }
+  }
+
+  const size_t rounds_;
+  const std::function<absl::Status(size_t)> op_;
+  absl::Mutex mu_;
+  absl::CondVar cv_;
+  size_t released_ ABSL_GUARDED_BY(mu_) = 0;  // rounds [0, released_) may run
+  size_t done_ ABSL_GUARDED_BY(mu_) = 0;      // rounds [0, done_) have finished
+  bool closed_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;  // last: starts once the members above exist
+};
+
 }  // namespace
 
 NcclTransfers::NcclTransfers(KvStore* store, ComputeBackend* backend, ChannelManager* channels,
@@ -131,7 +189,7 @@ absl::StatusOr<NcclTransfers::Staging> NcclTransfers::TakeStaging(uint64_t bytes
 }
 
 absl::StatusOr<std::vector<NcclTransfers::Staging>> NcclTransfers::TakeBuffers(size_t rounds,
-                                                                              uint64_t bytes) {
+                                                                               uint64_t bytes) {
   std::vector<Staging> buffers;
   for (size_t i = 0; i < std::min<size_t>(rounds, 2); ++i) {
     absl::StatusOr<Staging> taken = TakeStaging(bytes);
@@ -226,39 +284,39 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
   // From here the worker waits for data: any failure breaks the channel.
   const absl::Time deadline = Deadline(request.timeout_ms());
   CancelScope scope(cancel, &use->transport());
+  PeerTransport* transport = &use->transport();
   std::vector<SendSegment> segments[2];
-  std::thread sender;  // sends the previous round
-  absl::Status sent;   // its result, read after joining it
-  absl::Status s;
-  for (size_t i = 0; i < rounds.size(); ++i) {
+  // Gathers round i into buffer i % 2 and lists its segments.
+  auto gather = [&](size_t i) -> absl::Status {
     const Round& r = rounds[i];
     uint8_t* base = (*buffers)[i % buffers->size()].data();
-    s = raw ? store_->ReadRawToArena(request.lease_id(), r.begin, r.end, 0, num_blocks,
-                                     head_begin, head_end, base)
-            : store_->ReadFp16ToArena(request.lease_id(), r.begin, r.end, 0, num_blocks,
-                                      head_begin, head_end, base);
-    if (sender.joinable()) {
-      sender.join();
-      if (s.ok()) s = sent;
-    }
-    if (!s.ok()) break;
+    absl::Status s = raw ? store_->ReadRawToArena(request.lease_id(), r.begin, r.end, 0, num_blocks,
+                                                  head_begin, head_end, base)
+                         : store_->ReadFp16ToArena(request.lease_id(), r.begin, r.end, 0,
+                                                   num_blocks, head_begin, head_end, base);
     std::vector<SendSegment>& round = segments[i % 2];
     round.clear();
-    uint8_t* at = base;
     for (uint32_t l = r.begin; l < r.end; ++l) {
       const uint64_t bytes = layer_bytes[l - layer_begin];
-      round.push_back({at, bytes});
-      round.push_back({at + bytes, bytes});
-      at += 2 * bytes;
+      round.push_back({base, bytes});
+      round.push_back({base + bytes, bytes});
+      base += 2 * bytes;
     }
-    PeerTransport* transport = &use->transport();
-    sender = std::thread([transport, &round, &sent, deadline] {
-      sent = transport->Send(round, deadline);
-    });
-  }
-  if (sender.joinable()) {
-    sender.join();
-    if (s.ok()) s = sent;
+    return s;
+  };
+  auto send = [&](size_t i) { return transport->Send(segments[i % 2], deadline); };
+  absl::Status s;
+  if (rounds.size() == 1) {
+    s = gather(0);
+    if (s.ok()) s = send(0);
+  } else {  // round i is gathered while round i - 1 is sent
+    RoundWorker sender(rounds.size(), send);
+    for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
+      if (i >= 2) s = sender.WaitDone(i - 2);  // buffer i % 2 is free again
+      if (s.ok()) s = gather(i);
+      if (s.ok()) sender.Release(i);
+    }
+    if (s.ok()) s = sender.WaitDone(rounds.size() - 1);
   }
   if (!s.ok()) {
     use->Fail();
@@ -305,35 +363,43 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
     CancelScope scope(cancel, &use->transport());
     PeerTransport* transport = &use->transport();
     std::vector<RecvSegment> segments[2];
-    std::thread receiver;  // receives the next round
-    absl::Status received;
-    auto start_receive = [&](size_t i) {
+    // Receives round i into buffer i % 2.
+    auto receive = [&](size_t i) {
       std::vector<RecvSegment>& round = segments[i % 2];
       round.clear();
-      uint8_t* base = (*buffers)[i % buffers->size()].data();
-      for (uint32_t l = rounds[i].begin; l < rounds[i].end; ++l) {
-        uint8_t* at = base + uint64_t{2} * bytes * (l - rounds[i].begin);
+      uint8_t* at = (*buffers)[i % buffers->size()].data();
+      for (uint32_t l = rounds[i].begin; l < rounds[i].end; ++l, at += 2 * bytes) {
         round.push_back({at, bytes});
         round.push_back({at + bytes, bytes});
       }
-      receiver = std::thread([transport, &round, &received, deadline] {
-        received = transport->Recv(round, deadline);
-      });
+      return transport->Recv(round, deadline);
     };
-    start_receive(0);
-    for (size_t i = 0; i < rounds.size(); ++i) {
-      receiver.join();
-      if (!received.ok()) {
-        use->Fail();
-        return received;
-      }
-      if (i + 1 < rounds.size()) start_receive(i + 1);
+    // Stores round i (after a content error only receives, to stay in step with the worker).
+    auto store = [&](size_t i) {
       const std::vector<RecvSegment>& round = segments[i % 2];
       for (uint32_t l = rounds[i].begin; l < rounds[i].end && content.ok(); ++l) {
         const auto* k = static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin)].data);
         const auto* v = static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin) + 1].data);
         content = (*session)->AddChunkFromArena(l, token_begin, num_tokens, k, v);
       }
+    };
+    absl::Status s;
+    if (rounds.size() == 1) {
+      s = receive(0);
+      if (s.ok()) store(0);
+    } else {  // round i + 1 is received while round i is stored
+      RoundWorker receiver(rounds.size(), receive);
+      receiver.Release(1);
+      for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
+        s = receiver.WaitDone(i);
+        if (!s.ok()) break;
+        store(i);
+        receiver.Release(i + 2);  // buffer i % 2 is free again
+      }
+    }
+    if (!s.ok()) {
+      use->Fail();
+      return s;
     }
   }
   if (!content.ok()) return content;

@@ -35,7 +35,7 @@ struct TransportOptions {
   // Bytes of one staging buffer (backend memory); a round moves as many whole layers as fit
   // (at least one: a layer larger than this gets a buffer of its own size). A Get of more than
   // one round takes two, to gather the next round while sending this one.
-  uint64_t staging_bytes = uint64_t{64} << 20;
+  uint64_t staging_bytes = uint64_t{256} << 20;
   size_t max_idle_staging = 4;  // staging buffers kept for reuse
 };
 

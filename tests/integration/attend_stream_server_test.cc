@@ -104,7 +104,7 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(mismatches.load(), 0);
   const std::string text = f.server->server->registry()->Serialize();
-  for (const std::string want : {
+  for (const std::string& want : {
            "kvpool_rpc_duration_seconds_count{method=\"AttendStream\",code=\"OK\"} " +
                std::to_string(kStreams) + "\n",
            "kvpool_rpc_duration_seconds_count{method=\"AttendStream.step\",code=\"OK\"} " +
