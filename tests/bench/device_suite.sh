@@ -48,14 +48,11 @@ echo "== Attend server time in process: runner, store, backend, bare kernel"
 "$bin/attend_latency_bench" --commit="$commit" --out="$out/attend_latency.json" || status=1
 
 echo "== service over gRPC loopback (CUDA backend)"
-start_server() {  # extra server flags; sets $server
-  # 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
-  "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 \
-    --max_put_stream_bytes=17179869184 "$@" >> "$tmp/server.log" 2>&1 &
-  server=$!
-  for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
-}
-start_server
+# 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
+"$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 \
+  --max_put_stream_bytes=17179869184 > "$tmp/server.log" 2>&1 &
+server=$!
+for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
 grpc=$out/grpc_bench.txt
 cli() {  # the kvpool tool against the server; its output and, when it fails, its exit status
   timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 "$@" 2>&1 | tee -a "$grpc"
@@ -92,16 +89,6 @@ for shape in "1 32768" "32 4096" "1 16" "32 16"; do
   timed_attend AttendStream.step "AttendStream steps" --batch=$batch --context=$context --iters=300 \
     --stream
 done
-# What busy polling buys: the client's AttendSession blocking at once (--attend_spin_us=0); below,
-# the same with the server's AttendStream threads blocking too.
-spin_runs() {  # label
-  for context in 32768 16; do
-    echo "[$1, client spin off]" | tee -a "$grpc"
-    timed_attend AttendStream.step "AttendStream steps" --batch=1 --context=$context --iters=300 \
-      --stream --attend_spin_us=0
-  done
-}
-spin_runs "server spin on"
 # The demo's progress line (stderr, redrawn with \r) stays out of the results; its errors do not.
 timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 demo 2> "$tmp/demo.err" | tee -a "$grpc" \
   || status=1
@@ -111,12 +98,6 @@ curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_rat
 kill -TERM "$server"
 wait "$server"
 echo "server exit: $?"
-start_server --attend_stream_spin_us=0
-spin_runs "server spin off"
-echo "[server spin off, client spin on]" | tee -a "$grpc"
-timed_attend AttendStream.step "AttendStream steps" --batch=1 --context=32768 --iters=300 --stream
-kill -TERM "$server"
-wait "$server"
 cat "$tmp/server.log"
 echo "suite status: $status"
 exit $status

@@ -102,11 +102,23 @@ def nccl():
     d = load("nccl.json")
     if not d:
         return
-    print(f"NCCL data plane (`{d.get('command', '')}`, {d.get('date', '')}, commit "
-          f"{d.get('commit', '')}, {d.get('device', d.get('gpu', ''))}):\n")
-    print("```")
-    print(json.dumps(d.get("points", d.get("cases", d)), indent=1)[:4000])
-    print("```\n")
+    before = load("nccl_before_pipelining_h200x2.json")
+    old = {(r["path"], r["format"], r["bytes"]): r for r in (before or {}).get("results", [])}
+    raw = {r["bytes"]: r["median_ms"] for r in d["results"] if r["path"] == "raw"}
+    print(f"NCCL data plane, server on GPU 0 and worker process on GPU 1, median of {d['reps']} "
+          f"runs (`{d['command']}`, {d['date']}, commit {d['commit']}, 2 x {d['server_gpu']}; "
+          f"before: nccl_before_pipelining_h200x2.json, commit {(before or {}).get('commit', '-')}):"
+          "\n")
+    print("| path | format | MiB | ms | GB/s | of raw send/recv, same bytes | before: ms |")
+    print("|---|---|---|---|---|---|---|")
+    for r in d["results"]:
+        frac = (f"{raw[r['bytes']] / r['median_ms']:.1%}"
+                if r["path"] == "get" and r["bytes"] in raw else "")
+        prev = old.get((r["path"], r["format"], r["bytes"]))
+        prev_ms = f"{prev['median_ms']:.3f}" if prev else ""
+        print(f"| {r['path']} | {r['format']} | {r['bytes'] / 2**20:.0f} | {r['median_ms']:.3f} | "
+              f"{r['gbps']:.1f} | {frac} | {prev_ms} |")
+    print()
 
 
 def grpc():
