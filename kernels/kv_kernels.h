@@ -74,7 +74,6 @@ struct PagedDecodeAttentionParams {
   int max_blocks_per_seq = 0;
   const int32_t* seq_lens = nullptr;    // [num_seqs], each in [1, max_blocks_per_seq*block_tokens]
   float sm_scale = 0.0f;                // usually 1/sqrt(head_dim)
-  // CUDA: out and lse may also be mapped pinned host memory (written once per value).
   float* out = nullptr;                 // [num_seqs][num_q_heads][head_dim] fp32
   float* lse = nullptr;                 // [num_seqs][num_q_heads] natural log, or null
   int64_t num_blocks = 0;               // arena size, for bounds checks

@@ -304,6 +304,7 @@ class CudaBackend final : public ComputeBackend {
     const size_t inputs_bytes = layout.size();
     const size_t out_off = layout.Add(out_bytes);
     const size_t lse_off = layout.Add(lse_bytes);
+    const size_t outputs_bytes = layout.size() - out_off;
     const size_t ws_off = layout.Add(workspace_bytes);
 
     return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
@@ -316,10 +317,8 @@ class CudaBackend final : public ComputeBackend {
       d.q = reinterpret_cast<const uint16_t*>(slot.device + q_off);
       d.block_tables = reinterpret_cast<const int32_t*>(slot.device + table_off);
       d.seq_lens = reinterpret_cast<const int32_t*>(slot.device + lens_off);
-      // The outputs go straight to the pinned slot (mapped, one address on both sides): the
-      // merge kernel writes them over PCIe, with no copy back to queue and wait for.
-      d.out = reinterpret_cast<float*>(slot.host + out_off);
-      d.lse = p.lse != nullptr ? reinterpret_cast<float*>(slot.host + lse_off) : nullptr;
+      d.out = reinterpret_cast<float*>(slot.device + out_off);
+      d.lse = p.lse != nullptr ? reinterpret_cast<float*>(slot.device + lse_off) : nullptr;
       d.workspace = workspace_bytes > 0 ? slot.device + ws_off : nullptr;
       d.workspace_bytes = workspace_bytes;
       if (absl::Status s =
@@ -327,6 +326,9 @@ class CudaBackend final : public ComputeBackend {
           !s.ok()) {
         return s;
       }
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + out_off, slot.device + out_off,
+                                                  outputs_bytes, cudaMemcpyDeviceToHost,
+                                                  lane.stream));
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
       std::memcpy(p.out, slot.host + out_off, out_bytes);
       if (p.lse != nullptr) std::memcpy(p.lse, slot.host + lse_off, lse_bytes);
