@@ -1,5 +1,6 @@
 #include "service/attend_stream_server.h"
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 

@@ -57,7 +57,9 @@ class AttendStreamServer {
  private:
   struct Queue {
     std::unique_ptr<grpc::ServerCompletionQueue> cq;
-    grpc::Alarm stop;  // set by Shutdown to wake the thread; only that thread posts to cq
+    // Set by Shutdown to wake the thread, which then shuts cq down itself: apart from this alarm,
+    // only that thread posts to cq, so nothing is posted after the shutdown.
+    grpc::Alarm stop;
     std::thread thread;
   };
   void Poll(Queue* queue);
