@@ -254,6 +254,65 @@ TEST_F(KvPoolClientTest, AttendSessionAnswersEachStepInOrderOnOneStream) {
   EXPECT_FALSE((*session)->Step(v1::AttendRequest()).ok());
 }
 
+// With spinning off (block at once) the session behaves the same.
+TEST_F(KvPoolClientTest, AttendSessionWithoutSpinningAnswersInOrder) {
+  ClientOptions options;
+  options.attend_spin = absl::ZeroDuration();
+  auto client = KvPoolClient::Create(server_->InProcessChannel(grpc::ChannelArguments()), options);
+  absl::StatusOr<std::unique_ptr<AttendSession>> session = client->OpenAttendStream();
+  ASSERT_TRUE(session.ok());
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    v1::AttendRequest req;
+    req.set_layer(layer);
+    req.add_items()->set_q("x" + std::to_string(layer));
+    absl::StatusOr<v1::AttendResponse> resp = (*session)->Step(req);
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    EXPECT_EQ(resp->out(), "x" + std::to_string(layer));
+  }
+  EXPECT_TRUE((*session)->Finish().ok());
+}
+
+// A session dropped mid-stream (no Finish) cancels its call and returns; one that is opened and
+// dropped without a step does too.
+TEST_F(KvPoolClientTest, AttendSessionDroppedWithoutFinishDoesNotHang) {
+  std::unique_ptr<KvPoolClient> client = Client(1 << 20);
+  {
+    absl::StatusOr<std::unique_ptr<AttendSession>> session = client->OpenAttendStream();
+    ASSERT_TRUE(session.ok());
+    v1::AttendRequest req;
+    req.add_items()->set_q("q");
+    ASSERT_TRUE((*session)->Step(req).ok());
+  }
+  {
+    absl::StatusOr<std::unique_ptr<AttendSession>> idle = client->OpenAttendStream();
+    ASSERT_TRUE(idle.ok());
+  }
+  // The server still serves new streams.
+  absl::StatusOr<std::unique_ptr<AttendSession>> again = client->OpenAttendStream();
+  ASSERT_TRUE(again.ok());
+  v1::AttendRequest req;
+  req.add_items()->set_q("r");
+  absl::StatusOr<v1::AttendResponse> resp = (*again)->Step(req);
+  ASSERT_TRUE(resp.ok()) << resp.status();
+  EXPECT_EQ(resp->out(), "r");
+}
+
+// No server behind the target: the first Step fails with UNAVAILABLE (wait_for_ready off) and
+// every later one returns the same error.
+TEST(KvPoolClientNoServer, AttendSessionStepFailsUnavailable) {
+  ClientOptions options;
+  options.wait_for_ready = false;
+  auto client = KvPoolClient::Create("127.0.0.1:1", options);
+  absl::StatusOr<std::unique_ptr<AttendSession>> session = client->OpenAttendStream();
+  ASSERT_TRUE(session.ok());
+  v1::AttendRequest req;
+  req.add_items()->set_q("q");
+  absl::StatusOr<v1::AttendResponse> first = (*session)->Step(req);
+  EXPECT_EQ(first.status().code(), absl::StatusCode::kUnavailable) << first.status();
+  EXPECT_EQ((*session)->Step(req).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ((*session)->Finish().code(), absl::StatusCode::kUnavailable);
+}
+
 std::vector<int32_t> RandomIds(std::mt19937_64& rng, int n) {
   std::vector<int32_t> ids(n);
   for (int32_t& x : ids) x = static_cast<int32_t>(rng() % 128000);
