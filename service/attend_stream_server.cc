@@ -79,8 +79,8 @@ class AttendStreamCall {
     const absl::Time begin = absl::Now();
     metrics_->stream.Received(request_.ByteSizeLong());
     const absl::Status s = runner_.Run(request_, &response_);
-    const grpc::Status status = ToGrpcStatus(s);
     if (!s.ok()) {
+      const grpc::Status status = ToGrpcStatus(s);
       metrics_->step.Finished(status.error_code(), absl::Now() - begin);
       FinishWith(status);
       return;

@@ -48,41 +48,15 @@ echo "== Attend server time in process: runner, store, backend, bare kernel"
 "$bin/attend_latency_bench" --commit="$commit" --out="$out/attend_latency.json" || status=1
 
 echo "== service over gRPC loopback (CUDA backend)"
-# 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
-"$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 \
-  --max_put_stream_bytes=17179869184 > "$tmp/server.log" 2>&1 &
-server=$!
-for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
 grpc=$out/grpc_bench.txt
-cli() {  # the kvpool tool against the server; its output and, when it fails, its exit status
-  timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 "$@" 2>&1 | tee -a "$grpc"
-  local rc=${PIPESTATUS[0]}
-  ((rc == 0)) || { echo "kvpool $*: exit status $rc" | tee -a "$grpc"; status=1; }
-}
+source tests/bench/grpc_bench_lib.sh
+start_server
 for streams in 1 4 8 16; do
   for chunk in 64 256; do
     cli bench put --streams=$streams --chunk_tokens=$chunk --tokens=1024 --seconds=3
   done
 done
-# Each Attend run also reports the server's mean time per unary call, or per AttendStream step
-# (kvpool_rpc_duration_seconds{method="Attend" or "AttendStream.step"}) over the run; 16-token
-# contexts give the floor of a call whose kernel costs next to nothing.
-duration_sum() {  # method -> "sum count" of its kvpool_rpc_duration_seconds series
-  curl -s 127.0.0.1:9464/metrics | awk -v m="$1" '
-    index($1, "kvpool_rpc_duration_seconds_sum{method=\"" m "\"") == 1 { s += $2 }
-    index($1, "kvpool_rpc_duration_seconds_count{method=\"" m "\"") == 1 { c += $2 }
-    END { print s + 0, c + 0 }'
-}
-timed_attend() {  # method, label, then the bench attend flags
-  local method=$1 label=$2 s0 c0 s1 c1
-  shift 2
-  read -r s0 c0 < <(duration_sum "$method")
-  cli bench attend "$@"
-  read -r s1 c1 < <(duration_sum "$method")
-  awk -v a="$s0" -v b="$s1" -v n0="$c0" -v n1="$c1" -v what="$label" 'BEGIN { if (n1 > n0)
-    printf "server time: mean %.0f us over %d %s\n", (b - a) / (n1 - n0) * 1e6, n1 - n0, what }' \
-    | tee -a "$grpc"
-}
+# 16-token contexts give the floor of a call whose kernel costs next to nothing.
 for shape in "1 32768" "32 4096" "1 16" "32 16"; do
   read -r batch context <<< "$shape"
   timed_attend Attend "unary Attend calls" --batch=$batch --context=$context --iters=300 --nostream
@@ -95,9 +69,7 @@ timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 demo 2> "$tmp/demo.err" | tee
 tr '\r' '\n' < "$tmp/demo.err" | grep -v '^\[demo\]' | grep . | tee -a "$grpc"
 curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_ratio|quantization_rel)' \
   | tee -a "$grpc"
-kill -TERM "$server"
-wait "$server"
-echo "server exit: $?"
+stop_server
 cat "$tmp/server.log"
 echo "suite status: $status"
 exit $status
