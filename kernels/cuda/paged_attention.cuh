@@ -22,7 +22,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <utility>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/kv_kernels.h"
@@ -52,36 +51,6 @@ struct LaneVector {
   static constexpr int kLanes = kHeadDim / 8;
   static constexpr int kVecs = kAttnThreads / kLanes;
 };
-
-// Programmatic dependent launch. A kernel launched by LaunchDependent may start once every CTA
-// of the kernel before it on the stream has called AllowDependentLaunch (or exited); before it
-// reads anything that kernel writes it must call GridDependencyWait, which returns once that
-// kernel has completed and its writes are visible. Both are no-ops in a kernel launched plainly.
-__device__ __forceinline__ void GridDependencyWait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void AllowDependentLaunch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-template <typename... Params, typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem_bytes,
-                            cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = block;
-  config.dynamicSmemBytes = smem_bytes;
-  config.stream = stream;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
-}
 
 // Allows kKernel kBytes of dynamic shared memory on the current device. The attribute is set once
 // per device (a bit per device ordinal below 64, set only after success), not on every launch.

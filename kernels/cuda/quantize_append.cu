@@ -341,6 +341,9 @@ template <KvDtype kDtype, int kHeadDim, int kRot>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp16 = kDtype == KvDtype::kFp16;
+  // A decode step's attention, launched next as a programmatic dependent, may start its launch
+  // now; it waits for this kernel's writes before it reads (GridDependencyWait).
+  AllowDependentLaunch();
   const uint32_t lane_group = (blockIdx.x * kThreads + threadIdx.x) / kLanes;
   const uint32_t lane_groups = gridDim.x * (kThreads / kLanes);
   const int chunk = static_cast<int>(threadIdx.x % kLanes);

@@ -42,7 +42,11 @@ class ComputeBackend {
   // block_ids and k_out/v_out are host memory; pages are arena memory. Synchronous.
   [[nodiscard]] virtual absl::Status Dequantize(const DequantizeParams& p) = 0;
   // q, block_tables, seq_lens, out and lse are host memory; pages are arena memory. Synchronous.
-  [[nodiscard]] virtual absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p) = 0;
+  // When `append` is not null (host memory as for QuantizeAppend), its tokens are appended first,
+  // in the same call: a decode step's new K/V is part of the context it attends to. A bad append
+  // fails the call before anything runs.
+  [[nodiscard]] virtual absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                                          const QuantizeAppendParams* append) = 0;
   // Copies `bytes` of arena memory at `src` to host `dst`. Synchronous.
   [[nodiscard]] virtual absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) = 0;
   // Waits for all work queued so far.

@@ -51,7 +51,11 @@ class CpuBackend final : public ComputeBackend {
   absl::Status Dequantize(const DequantizeParams& p) override {
     return FromKernelStatus(cpu::Dequantize(p), "Dequantize");
   }
-  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p) override {
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
+    if (append != nullptr) {
+      if (absl::Status s = QuantizeAppend(*append); !s.ok()) return s;
+    }
     return FromKernelStatus(cpu::PagedDecodeAttention(p), "PagedDecodeAttention");
   }
   absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {

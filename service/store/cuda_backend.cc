@@ -6,7 +6,8 @@
 // returns, so the host copy of the next chunk overlaps the kernel of this one, and lanes overlap
 // each other on the GPU. Synchronous calls (Dequantize, PagedDecodeAttention, ReadArena and the
 // four transfer paths) first make their lane's stream wait, on the GPU, for every append queued
-// so far on every lane.
+// so far on every lane. PagedDecodeAttention's own append (a decode step's new tokens) rides in
+// its upload and runs on its stream just before the attention.
 //
 // The transfer paths (NCCL data plane) keep their bulk inputs and outputs in device memory; only
 // their small host-side tables (run list, block ids, slot mapping, positions) and results go
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -117,6 +119,43 @@ class StagingLayout {
   size_t size_ = 0;
 };
 
+// Where QuantizeAppend's host inputs (k, v, slot_mapping and, with sinks, positions) sit in a
+// staging buffer, and the kernel's params over the device copy.
+class AppendStaging {
+ public:
+  AppendStaging(const QuantizeAppendParams& p, StagingLayout& layout) : p_(p) {
+    const PageLayout& l = p.layout;
+    kv_bytes_ = static_cast<size_t>(p.num_tokens) * l.num_kv_heads * l.head_dim * sizeof(uint16_t);
+    slot_bytes_ = static_cast<size_t>(p.num_tokens) * sizeof(int64_t);
+    pos_bytes_ = l.sink_tokens > 0 ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t) : 0;
+    k_off_ = layout.Add(kv_bytes_);
+    v_off_ = layout.Add(kv_bytes_);
+    slot_off_ = layout.Add(slot_bytes_);
+    pos_off_ = layout.Add(pos_bytes_);
+  }
+
+  void Fill(uint8_t* host) const {
+    std::memcpy(host + k_off_, p_.k, kv_bytes_);
+    std::memcpy(host + v_off_, p_.v, kv_bytes_);
+    std::memcpy(host + slot_off_, p_.slot_mapping, slot_bytes_);
+    if (pos_bytes_ > 0) std::memcpy(host + pos_off_, p_.positions, pos_bytes_);
+  }
+
+  QuantizeAppendParams DeviceParams(uint8_t* device) const {
+    QuantizeAppendParams d = p_;
+    d.k = reinterpret_cast<const uint16_t*>(device + k_off_);
+    d.v = reinterpret_cast<const uint16_t*>(device + v_off_);
+    d.slot_mapping = reinterpret_cast<const int64_t*>(device + slot_off_);
+    d.positions = pos_bytes_ > 0 ? reinterpret_cast<const int32_t*>(device + pos_off_) : nullptr;
+    return d;
+  }
+
+ private:
+  const QuantizeAppendParams& p_;
+  size_t kv_bytes_, slot_bytes_, pos_bytes_;
+  size_t k_off_, v_off_, slot_off_, pos_off_;
+};
+
 struct StagingSlot {
   uint8_t* host = nullptr;  // pinned
   uint8_t* device = nullptr;
@@ -197,18 +236,9 @@ class CudaBackend final : public ComputeBackend {
   }
 
   absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
-    const PageLayout& l = p.layout;
     if (absl::Status s = ValidateQuantizeAppend(p); !s.ok() || p.num_tokens == 0) return s;
-    const bool sinks = l.sink_tokens > 0;
-    const size_t kv_bytes =
-        static_cast<size_t>(p.num_tokens) * l.num_kv_heads * l.head_dim * sizeof(uint16_t);
-    const size_t slot_bytes = static_cast<size_t>(p.num_tokens) * sizeof(int64_t);
-    const size_t pos_bytes = sinks ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t) : 0;
     StagingLayout layout;
-    const size_t k_off = layout.Add(kv_bytes);
-    const size_t v_off = layout.Add(kv_bytes);
-    const size_t slot_off = layout.Add(slot_bytes);
-    const size_t pos_off = layout.Add(pos_bytes);
+    const AppendStaging staging(p, layout);
 
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
     Lane& lane = lanes_[next_lane_.fetch_add(1, std::memory_order_relaxed) % kNumLanes];
@@ -216,18 +246,10 @@ class CudaBackend final : public ComputeBackend {
     StagingSlot& slot = lane.slots[lane.next];
     lane.next ^= 1;
     if (absl::Status s = ReadySlot(slot, layout.size()); !s.ok()) return s;
-    std::memcpy(slot.host + k_off, p.k, kv_bytes);
-    std::memcpy(slot.host + v_off, p.v, kv_bytes);
-    std::memcpy(slot.host + slot_off, p.slot_mapping, slot_bytes);
-    if (sinks) std::memcpy(slot.host + pos_off, p.positions, pos_bytes);
+    staging.Fill(slot.host);
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
                                                 cudaMemcpyHostToDevice, lane.stream));
-    QuantizeAppendParams d = p;
-    d.k = reinterpret_cast<const uint16_t*>(slot.device + k_off);
-    d.v = reinterpret_cast<const uint16_t*>(slot.device + v_off);
-    d.slot_mapping = reinterpret_cast<const int64_t*>(slot.device + slot_off);
-    d.positions = sinks ? reinterpret_cast<const int32_t*>(slot.device + pos_off) : nullptr;
-    const KernelStatus ks = cuda::QuantizeAppend(d, lane.stream);
+    const KernelStatus ks = cuda::QuantizeAppend(staging.DeviceParams(slot.device), lane.stream);
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.free, lane.stream));
     slot.records.fetch_add(1, std::memory_order_release);
     return KernelResult(ks, "QuantizeAppend");
@@ -265,12 +287,16 @@ class CudaBackend final : public ComputeBackend {
     });
   }
 
-  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p) override {
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
     const PageLayout& l = p.layout;
     if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.max_blocks_per_seq <= 0) {
       return absl::InvalidArgumentError("PagedDecodeAttention: bad batch shape");
     }
-    if (p.num_seqs == 0) return absl::OkStatus();
+    if (append != nullptr) {
+      if (absl::Status s = ValidateQuantizeAppend(*append); !s.ok()) return s;
+    }
+    if (p.num_seqs == 0) return append != nullptr ? QuantizeAppend(*append) : absl::OkStatus();
     if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr || p.out == nullptr) {
       return absl::InvalidArgumentError("PagedDecodeAttention: null argument");
     }
@@ -301,6 +327,9 @@ class CudaBackend final : public ComputeBackend {
     const size_t q_off = layout.Add(q_bytes);
     const size_t table_off = layout.Add(table_bytes);
     const size_t lens_off = layout.Add(lens_bytes);
+    // The new tokens travel in the same upload and run first on the same stream.
+    std::optional<AppendStaging> staging;
+    if (append != nullptr && append->num_tokens > 0) staging.emplace(*append, layout);
     const size_t inputs_bytes = layout.size();
     const size_t out_off = layout.Add(out_bytes);
     const size_t lse_off = layout.Add(lse_bytes);
@@ -311,8 +340,17 @@ class CudaBackend final : public ComputeBackend {
       std::memcpy(slot.host + q_off, p.q, q_bytes);
       std::memcpy(slot.host + table_off, p.block_tables, table_bytes);
       std::memcpy(slot.host + lens_off, p.seq_lens, lens_bytes);
+      if (staging) staging->Fill(slot.host);
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, inputs_bytes,
                                                   cudaMemcpyHostToDevice, lane.stream));
+      if (staging) {
+        if (absl::Status s = KernelResult(
+                cuda::QuantizeAppend(staging->DeviceParams(slot.device), lane.stream),
+                "QuantizeAppend");
+            !s.ok()) {
+          return s;
+        }
+      }
       PagedDecodeAttentionParams d = p;
       d.q = reinterpret_cast<const uint16_t*>(slot.device + q_off);
       d.block_tables = reinterpret_cast<const int32_t*>(slot.device + table_off);

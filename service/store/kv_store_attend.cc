@@ -107,50 +107,44 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   const NamespaceConfig& config = ns->info.config;
   const BlockPool& pool = *ns->pool;
   const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
-  absl::Status s;
-  if (!plans.empty()) {
-    std::vector<uint16_t> new_k, new_v;
-    new_k.reserve(plans.size() * kv_elems);
-    new_v.reserve(plans.size() * kv_elems);
-    for (const AttendItem& item : items) {
-      if (item.new_k == nullptr) continue;
-      new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
-      new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
-    }
-    QuantizeAppendParams p;
-    p.layout = pool.layout(layer);
-    p.k = new_k.data();
-    p.v = new_v.data();
-    p.slot_mapping = slots.data();
-    p.positions = positions.data();
-    p.num_tokens = static_cast<int>(plans.size());
-    p.pages = pool.layer_base(layer);
-    p.sink_pages = pool.sink_base(layer);
-    p.num_blocks = pool.num_blocks();
-    // Queued, not waited for: the attention below runs after it (ComputeBackend's ordering).
-    s = backend()->QuantizeAppend(p);
+  std::vector<uint16_t> new_k, new_v;
+  new_k.reserve(plans.size() * kv_elems);
+  new_v.reserve(plans.size() * kv_elems);
+  for (const AttendItem& item : items) {
+    if (item.new_k == nullptr) continue;
+    new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
+    new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
   }
-  if (s.ok()) {
-    std::vector<uint16_t> q;
-    const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
-    q.reserve(items.size() * q_elems);
-    for (const AttendItem& item : items) q.insert(q.end(), item.q, item.q + q_elems);
-    PagedDecodeAttentionParams a;
-    a.layout = pool.layout(layer);
-    a.pages = pool.layer_base(layer);
-    a.sink_pages = pool.sink_base(layer);
-    a.q = q.data();
-    a.num_seqs = static_cast<int>(items.size());
-    a.num_q_heads = static_cast<int>(num_q_heads);
-    a.block_tables = block_tables.data();
-    a.max_blocks_per_seq = max_blocks;
-    a.seq_lens = seq_lens.data();
-    a.sm_scale = sm_scale > 0 ? sm_scale : 1.0f / std::sqrt(static_cast<float>(config.head_dim));
-    a.out = out;
-    a.lse = lse;
-    a.num_blocks = pool.num_blocks();
-    s = backend()->PagedDecodeAttention(a);
-  }
+  QuantizeAppendParams p;
+  p.layout = pool.layout(layer);
+  p.k = new_k.data();
+  p.v = new_v.data();
+  p.slot_mapping = slots.data();
+  p.positions = positions.data();
+  p.num_tokens = static_cast<int>(plans.size());
+  p.pages = pool.layer_base(layer);
+  p.sink_pages = pool.sink_base(layer);
+  p.num_blocks = pool.num_blocks();
+  std::vector<uint16_t> q;
+  const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
+  q.reserve(items.size() * q_elems);
+  for (const AttendItem& item : items) q.insert(q.end(), item.q, item.q + q_elems);
+  PagedDecodeAttentionParams a;
+  a.layout = pool.layout(layer);
+  a.pages = pool.layer_base(layer);
+  a.sink_pages = pool.sink_base(layer);
+  a.q = q.data();
+  a.num_seqs = static_cast<int>(items.size());
+  a.num_q_heads = static_cast<int>(num_q_heads);
+  a.block_tables = block_tables.data();
+  a.max_blocks_per_seq = max_blocks;
+  a.seq_lens = seq_lens.data();
+  a.sm_scale = sm_scale > 0 ? sm_scale : 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+  a.out = out;
+  a.lse = lse;
+  a.num_blocks = pool.num_blocks();
+  // The new tokens are quantized into their slots in the same backend call, before the attention.
+  const absl::Status s = backend()->PagedDecodeAttention(a, plans.empty() ? nullptr : &p);
   for (size_t i = 0; i < items.size(); ++i) context_tokens[i] = static_cast<uint32_t>(seq_lens[i]);
   absl::MutexLock l(&mu_);
   if (!plans.empty() && s.ok()) {

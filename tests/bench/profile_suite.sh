@@ -4,8 +4,9 @@
 # INT8 cases, each warm-up and timed launch) and of the first attention
 # launches of attention_bench (batch 1 x 32K: split kernel and merge). Expects
 # binaries packed by tests/gpu/package_for_device.sh; writes the reports under $OUT (or ./out).
-#   tests/bench/profile_suite.sh
+#   tests/bench/profile_suite.sh [quantize|attention|all]   (default all)
 set -uo pipefail
+which=${1:-all}
 out=${OUT:-out}
 mkdir -p "$out"
 [[ -d carry ]] || tar -xJf carry.tar.xz
@@ -14,10 +15,10 @@ bin=$PWD/carry/bin
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 sections=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats
           --section Occupancy --section LaunchStats --section InstructionStats
-          --section MemoryWorkloadAnalysis)
-timeout 250 "$ncu" "${sections[@]}" -k regex:QuantizeAppendKernel --launch-skip 3 \
+          --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis)
+[[ $which == attention ]] || timeout 250 "$ncu" "${sections[@]}" -k regex:QuantizeAppendKernel --launch-skip 3 \
   --launch-count 40 "$bin/quantize_bench" --runs=1 > "$out/ncu_quantize.txt" 2>&1
 echo "ncu quantize: $?"
-timeout 200 "$ncu" "${sections[@]}" -k regex:'AttentionSplit|MergeSplits|RotateQuery' \
+[[ $which == quantize ]] || timeout 200 "$ncu" "${sections[@]}" -k regex:'AttentionSplit|MergeSplits|RotateQuery' \
   --launch-count 6 "$bin/attention_bench" --iters=1 > "$out/ncu_attention.txt" 2>&1
 echo "ncu attention: $?"

@@ -114,7 +114,7 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
   host.seq_lens = lens.data();
   host.out = out.data();
   const Times backend_times = TimeWall(iters, [&] {
-    const absl::Status s = backend->PagedDecodeAttention(host);
+    const absl::Status s = backend->PagedDecodeAttention(host, nullptr);
     if (!s.ok()) std::fprintf(stderr, "backend: %s\n", s.ToString().c_str());
     return s.ok();
   });

@@ -270,6 +270,24 @@ TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
   p.num_blocks = num_blocks;
   const absl::Status s = (*backend)->QuantizeAppend(p);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  // The same append riding in a decode step fails the step before its attention runs.
+  const std::vector<uint16_t> q(static_cast<size_t>(l.num_kv_heads) * l.head_dim, 0x3c00);
+  const int32_t table = 0, len = 1;
+  std::vector<float> out(q.size(), -1.0f);
+  PagedDecodeAttentionParams a;
+  a.layout = p.layout;
+  a.pages = *arena;
+  a.q = q.data();
+  a.num_seqs = 1;
+  a.num_q_heads = l.num_kv_heads;
+  a.block_tables = &table;
+  a.max_blocks_per_seq = 1;
+  a.seq_lens = &len;
+  a.out = out.data();
+  a.num_blocks = num_blocks;
+  const absl::Status step = (*backend)->PagedDecodeAttention(a, &p);
+  EXPECT_EQ(step.code(), absl::StatusCode::kInvalidArgument) << step;
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
   ASSERT_TRUE((*backend)->Synchronize().ok());
   // Nothing was written: the arena is still zero.
   std::vector<uint8_t> host(l.layer_page_bytes(), 0xFF);
