@@ -44,7 +44,7 @@ struct QuantizeAppendParams {
 // Reads blocks back as fp16 in the original (un-rotated) space, for a range of KV heads.
 struct DequantizeParams {
   PageLayout layout;
-  const uint8_t* pages = nullptr;    // this layer's base: [num_blocks][layer_page_bytes]
+  const uint8_t* pages = nullptr;      // this layer's base: [num_blocks][layer_page_bytes]
   const int32_t* block_ids = nullptr;  // [num_out_blocks]
   int num_out_blocks = 0;
   int head_begin = 0;  // KV heads [head_begin, head_end)
@@ -69,14 +69,15 @@ struct PagedDecodeAttentionParams {
   const uint8_t* sink_pages = nullptr;  // this layer's sink base, required iff sink_tokens > 0
   const uint16_t* q = nullptr;          // [num_seqs][num_q_heads][head_dim] fp16, original space
   int num_seqs = 0;
-  int num_q_heads = 0;                  // a multiple of num_kv_heads (GQA)
+  int num_q_heads = 0;                    // a multiple of num_kv_heads (GQA)
   const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq] block ids
   int max_blocks_per_seq = 0;
-  const int32_t* seq_lens = nullptr;    // [num_seqs], each in [1, max_blocks_per_seq*block_tokens]
-  float sm_scale = 0.0f;                // usually 1/sqrt(head_dim)
-  float* out = nullptr;                 // [num_seqs][num_q_heads][head_dim] fp32
-  float* lse = nullptr;                 // [num_seqs][num_q_heads] natural log, or null
-  int64_t num_blocks = 0;               // arena size, for bounds checks
+  const int32_t* seq_lens = nullptr;  // [num_seqs], each in [1, max_blocks_per_seq*block_tokens]
+  float sm_scale = 0.0f;              // usually 1/sqrt(head_dim)
+  float* out = nullptr;               // [num_seqs][num_q_heads][head_dim] fp32, or
+  uint16_t* out_fp16 = nullptr;       // the same in fp16 (round to nearest): exactly one of the two
+  float* lse = nullptr;               // [num_seqs][num_q_heads] natural log, or null
+  int64_t num_blocks = 0;             // arena size, for bounds checks
   // CUDA only: split-K partials. Size from cuda::AttentionWorkspaceBytes(); 0 splits = auto.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;

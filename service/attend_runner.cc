@@ -1,11 +1,10 @@
 #include "service/attend_runner.h"
 
 #include <cmath>
-#include <cstring>
+#include <cstdint>
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/fp16.h"
 
 namespace kvpool {
 
@@ -60,33 +59,33 @@ absl::Status AttendRunner::Run(const v1::AttendRequest& request, v1::AttendRespo
   }
 
   const size_t out_values = q_values * n;
-  const size_t lse_values = static_cast<size_t>(request.num_q_heads()) * n;
-  out_.resize(out_values);
-  lse_.resize(request.return_lse() ? lse_values : 0);
-  context_tokens_.resize(n);
+  const bool fp32 = out_dtype == v1::OUTPUT_DTYPE_FP32;
+  std::string* out = response->mutable_out();
+  out->resize(out_values * (fp32 ? sizeof(float) : sizeof(uint16_t)));
+  if (reinterpret_cast<uintptr_t>(out->data()) % alignof(float) != 0) {
+    return absl::InternalError("response buffer is not aligned for its values");
+  }
+  KvStore::AttendOutputs outputs;
+  if (fp32) {
+    outputs.out = reinterpret_cast<float*>(out->data());
+  } else {
+    outputs.out_fp16 = reinterpret_cast<uint16_t*>(out->data());
+  }
+  if (request.return_lse()) {
+    response->mutable_lse()->Resize(static_cast<int>(request.num_q_heads()) * n, 0.0f);
+    outputs.lse = response->mutable_lse()->mutable_data();
+  }
+  response->mutable_context_tokens()->Resize(n, 0);
+  outputs.context_tokens = response->mutable_context_tokens()->mutable_data();
   const float sm_scale = request.sm_scale() != 0.0f
                              ? request.sm_scale()
                              : 1.0f / std::sqrt(static_cast<float>(head_dim_));
-  absl::Status s =
-      store_->Attend(request.layer(), request.num_q_heads(), sm_scale, items_, out_.data(),
-                     request.return_lse() ? lse_.data() : nullptr, context_tokens_.data());
-  if (!s.ok()) return s;
-
-  std::string* out = response->mutable_out();
-  if (out_dtype == v1::OUTPUT_DTYPE_FP32) {
-    out->resize(out_values * sizeof(float));
-    std::memcpy(out->data(), out_.data(), out->size());
-  } else {
-    out->resize(out_values * 2);
-    FloatsToHalves(out_.data(), reinterpret_cast<uint16_t*>(out->data()), out_values);
+  if (absl::Status s =
+          store_->Attend(request.layer(), request.num_q_heads(), sm_scale, items_, outputs);
+      !s.ok()) {
+    response->Clear();
+    return s;
   }
-  if (request.return_lse()) {
-    response->mutable_lse()->Resize(static_cast<int>(lse_values), 0.0f);
-    std::memcpy(response->mutable_lse()->mutable_data(), lse_.data(), lse_values * sizeof(float));
-  }
-  response->mutable_context_tokens()->Resize(n, 0);
-  std::memcpy(response->mutable_context_tokens()->mutable_data(), context_tokens_.data(),
-              n * sizeof(uint32_t));
   return absl::OkStatus();
 }
 

@@ -18,7 +18,8 @@ class AttendRunner {
  public:
   explicit AttendRunner(KvStore* store) : store_(store) {}
 
-  // Runs `request` and fills `response` (cleared first; its fields' capacity is reused).
+  // Runs `request` and fills `response` (cleared first; its fields' capacity is reused): the
+  // store writes the output, in the requested dtype, straight into the response's fields.
   absl::Status Run(const v1::AttendRequest& request, v1::AttendResponse* response);
 
  private:
@@ -32,9 +33,6 @@ class AttendRunner {
   int num_kv_heads_ = 0;
   int head_dim_ = 0;
   std::vector<KvStore::AttendItem> items_;
-  std::vector<float> out_;  // [items][num_q_heads][head_dim]
-  std::vector<float> lse_;  // [items][num_q_heads]
-  std::vector<uint32_t> context_tokens_;
 };
 
 }  // namespace kvpool

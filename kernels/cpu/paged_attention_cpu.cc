@@ -39,7 +39,8 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   }
   if (p.num_seqs == 0) return KernelStatus::kOk;
   if (p.pages == nullptr || p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
-      p.out == nullptr || (l.sink_tokens > 0 && p.sink_pages == nullptr)) {
+      (p.out == nullptr) == (p.out_fp16 == nullptr) ||
+      (l.sink_tokens > 0 && p.sink_pages == nullptr)) {
     return KernelStatus::kInvalidArgument;
   }
   const int64_t max_len = static_cast<int64_t>(p.max_blocks_per_seq) * l.block_tokens;
@@ -227,9 +228,14 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p) {
         const double w_paged = std::exp(paged[r].max - m);
         const double sum = sink[r].sum * w_sink + paged[r].sum * w_paged;
         const size_t out_row = static_cast<size_t>(s) * p.num_q_heads + g * ratio + r;
-        float* out = p.out + out_row * dim;
         for (int c = 0; c < dim; ++c) {
-          out[c] = static_cast<float>((sink[r].acc[c] * w_sink + paged[r].acc[c] * w_paged) / sum);
+          const float o =
+              static_cast<float>((sink[r].acc[c] * w_sink + paged[r].acc[c] * w_paged) / sum);
+          if (p.out != nullptr) {
+            p.out[out_row * dim + c] = o;
+          } else {
+            p.out_fp16[out_row * dim + c] = FloatToHalf(o);
+          }
         }
         if (p.lse != nullptr) p.lse[out_row] = static_cast<float>(m + std::log(sum));
       }

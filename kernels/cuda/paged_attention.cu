@@ -85,8 +85,9 @@ struct MergeArgs {
   int max_blocks_per_seq = 0;
   const int32_t* seq_lens = nullptr;  // [num_seqs]
   int block_tokens_log2 = 0;
-  float* out = nullptr;  // [num_seqs][num_q_heads][head_dim] fp32
-  float* lse = nullptr;  // [num_seqs][num_q_heads] or null
+  float* out = nullptr;          // [num_seqs][num_q_heads][head_dim] fp32, or
+  uint16_t* out_fp16 = nullptr;  // fp16
+  float* lse = nullptr;          // [num_seqs][num_q_heads] or null
 };
 
 // Merges the splits of one (sequence, query head) by log-sum-exp, un-rotates the merged o' once,
@@ -199,9 +200,16 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
 
   if (vec == 0) {
     const float inv = 1.0f / l;
-    float4* dst = reinterpret_cast<float4*>(a.out + head_row * kHeadDim + chunk * 8);
-    dst[0] = make_float4(o[0] * inv, o[1] * inv, o[2] * inv, o[3] * inv);
-    dst[1] = make_float4(o[4] * inv, o[5] * inv, o[6] * inv, o[7] * inv);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] *= inv;
+    const size_t first = static_cast<size_t>(head_row) * kHeadDim + chunk * 8;
+    if (a.out_fp16 != nullptr) {
+      *reinterpret_cast<uint4*>(a.out_fp16 + first) = PackHalf8(o);
+    } else {
+      float4* dst = reinterpret_cast<float4*>(a.out + first);
+      dst[0] = make_float4(o[0], o[1], o[2], o[3]);
+      dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+    }
     if (a.lse != nullptr && chunk == 0) a.lse[head_row] = (m + log2f(l)) * kLn2;
   }
 }
@@ -210,8 +218,8 @@ bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 // Beyond the CPU reference's checks (except the device-resident lengths and block ids): group
 // sizes that are multiples of 16, layer pages under 4 GiB, enough workspace, and 16-byte
-// alignment of q, out, pages, sink_pages and workspace (the kernels use 16-byte loads and stores
-// on them).
+// alignment of q, out or out_fp16, pages, sink_pages and workspace (the kernels use 16-byte
+// loads and stores on them).
 KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_seqs < 0 || p.num_q_heads <= 0 ||
@@ -223,14 +231,14 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   if (l.layer_page_bytes() > UINT32_MAX) return KernelStatus::kUnsupported;
   if (p.num_seqs == 0) return KernelStatus::kOk;
   if (p.pages == nullptr || p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
-      p.out == nullptr || (l.sink_tokens > 0 && p.sink_pages == nullptr) ||
-      p.workspace == nullptr ||
+      (p.out == nullptr) == (p.out_fp16 == nullptr) ||
+      (l.sink_tokens > 0 && p.sink_pages == nullptr) || p.workspace == nullptr ||
       p.workspace_bytes < AttentionWorkspaceBytes(l, p.num_seqs, p.num_q_heads,
                                                   p.max_blocks_per_seq, p.num_splits)) {
     return KernelStatus::kInvalidArgument;
   }
-  if (!Aligned16(p.q) || !Aligned16(p.out) || !Aligned16(p.pages) || !Aligned16(p.sink_pages) ||
-      !Aligned16(p.workspace)) {
+  if (!Aligned16(p.q) || !Aligned16(p.out) || !Aligned16(p.out_fp16) || !Aligned16(p.pages) ||
+      !Aligned16(p.sink_pages) || !Aligned16(p.workspace)) {
     return KernelStatus::kInvalidArgument;
   }
   return KernelStatus::kOk;
@@ -242,8 +250,8 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
 // Equal-length sequences make CTAs of one wave finish together, so a partial last wave costs a
 // whole one. Counts beyond 4 waves' worth of CTAs are not tried; ties go to fewer splits.
 int AutoSplits(const PageLayout& layout, int64_t ctas, int max_tokens, int stage_tokens) {
-  const int64_t slots =
-      static_cast<int64_t>(kNumSms) * (AttnUsesMma(layout) ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4);
+  const int64_t slots = static_cast<int64_t>(kNumSms) *
+                        (AttnUsesMma(layout) ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4);
   const int64_t max_splits =
       std::min<int64_t>(CeilDiv(max_tokens, stage_tokens), CeilDiv(4 * slots, ctas));
   int best = 1;
@@ -347,6 +355,7 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
   merge.seq_lens = p.seq_lens;
   merge.block_tokens_log2 = geo.block_tokens_log2;
   merge.out = p.out;
+  merge.out_fp16 = p.out_fp16;
   merge.lse = p.lse;
 
   return DispatchLayout</*kWithBlockTokens=*/false>(
@@ -365,10 +374,10 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
         split.rot_block = kRot;  // the effective rotation: 0 for FP16 pages
         const KernelStatus st = LaunchAttentionSplits<kDtype, kHeadDim>(split, p.num_seqs, s);
         if (st != KernelStatus::kOk) return st;
-        return CheckCuda(LaunchDependent(MergeSplitsKernel<kHeadDim, kRot>,
-                                         dim3(p.num_seqs, p.num_q_heads), dim3(kAttnThreads), 0,
-                                         s, merge),
-                         "MergeSplitsKernel");
+        return CheckCuda(
+            LaunchDependent(MergeSplitsKernel<kHeadDim, kRot>, dim3(p.num_seqs, p.num_q_heads),
+                            dim3(kAttnThreads), 0, s, merge),
+            "MergeSplitsKernel");
       });
 }
 

@@ -297,8 +297,10 @@ class CudaBackend final : public ComputeBackend {
       if (absl::Status s = ValidateQuantizeAppend(*append); !s.ok()) return s;
     }
     if (p.num_seqs == 0) return append != nullptr ? QuantizeAppend(*append) : absl::OkStatus();
-    if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr || p.out == nullptr) {
-      return absl::InvalidArgumentError("PagedDecodeAttention: null argument");
+    if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
+        (p.out == nullptr) == (p.out_fp16 == nullptr)) {
+      return absl::InvalidArgumentError(
+          "PagedDecodeAttention: null argument, or not exactly one of out and out_fp16");
     }
     for (int s = 0; s < p.num_seqs; ++s) {
       const int len = p.seq_lens[s];
@@ -319,7 +321,8 @@ class CudaBackend final : public ComputeBackend {
     const size_t table_bytes =
         static_cast<size_t>(p.num_seqs) * p.max_blocks_per_seq * sizeof(int32_t);
     const size_t lens_bytes = static_cast<size_t>(p.num_seqs) * sizeof(int32_t);
-    const size_t out_bytes = rows * l.head_dim * sizeof(float);
+    const size_t out_bytes =
+        rows * l.head_dim * (p.out_fp16 != nullptr ? sizeof(uint16_t) : sizeof(float));
     const size_t lse_bytes = p.lse != nullptr ? rows * sizeof(float) : 0;
     const size_t workspace_bytes = cuda::AttentionWorkspaceBytes(
         l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
@@ -344,9 +347,9 @@ class CudaBackend final : public ComputeBackend {
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, inputs_bytes,
                                                   cudaMemcpyHostToDevice, lane.stream));
       if (staging) {
-        if (absl::Status s = KernelResult(
-                cuda::QuantizeAppend(staging->DeviceParams(slot.device), lane.stream),
-                "QuantizeAppend");
+        if (absl::Status s =
+                KernelResult(cuda::QuantizeAppend(staging->DeviceParams(slot.device), lane.stream),
+                             "QuantizeAppend");
             !s.ok()) {
           return s;
         }
@@ -355,7 +358,11 @@ class CudaBackend final : public ComputeBackend {
       d.q = reinterpret_cast<const uint16_t*>(slot.device + q_off);
       d.block_tables = reinterpret_cast<const int32_t*>(slot.device + table_off);
       d.seq_lens = reinterpret_cast<const int32_t*>(slot.device + lens_off);
-      d.out = reinterpret_cast<float*>(slot.device + out_off);
+      if (p.out_fp16 != nullptr) {
+        d.out_fp16 = reinterpret_cast<uint16_t*>(slot.device + out_off);
+      } else {
+        d.out = reinterpret_cast<float*>(slot.device + out_off);
+      }
       d.lse = p.lse != nullptr ? reinterpret_cast<float*>(slot.device + lse_off) : nullptr;
       d.workspace = workspace_bytes > 0 ? slot.device + ws_off : nullptr;
       d.workspace_bytes = workspace_bytes;
@@ -368,7 +375,8 @@ class CudaBackend final : public ComputeBackend {
                                                   outputs_bytes, cudaMemcpyDeviceToHost,
                                                   lane.stream));
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
-      std::memcpy(p.out, slot.host + out_off, out_bytes);
+      std::memcpy(p.out_fp16 != nullptr ? static_cast<void*>(p.out_fp16) : p.out,
+                  slot.host + out_off, out_bytes);
       if (p.lse != nullptr) std::memcpy(p.lse, slot.host + lse_off, lse_bytes);
       return absl::OkStatus();
     });
@@ -444,8 +452,8 @@ class CudaBackend final : public ComputeBackend {
     const bool sinks = p.layout.sink_tokens > 0;
     StagingLayout layout;
     const size_t slot_off = layout.Add(static_cast<size_t>(p.num_tokens) * sizeof(int64_t));
-    const size_t pos_off = layout.Add(sinks ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t)
-                                            : 0);
+    const size_t pos_off =
+        layout.Add(sinks ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t) : 0);
     return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
       std::memcpy(slot.host + slot_off, p.slot_mapping, p.num_tokens * sizeof(int64_t));
       if (sinks) std::memcpy(slot.host + pos_off, p.positions, p.num_tokens * sizeof(int32_t));
@@ -466,11 +474,11 @@ class CudaBackend final : public ComputeBackend {
   absl::Status CheckFiniteArena(const uint16_t* x, size_t n, const char* what) override {
     if (n == 0) return absl::OkStatus();
     unsigned long long first_bad = 0;
-    absl::Status s = RunSynchronous(
-        sizeof(first_bad), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+    absl::Status s =
+        RunSynchronous(sizeof(first_bad), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
           auto* result = reinterpret_cast<unsigned long long*>(slot.device);
-          if (absl::Status k = KernelResult(
-                  cuda::FindFirstNonFiniteHalf(x, n, result, lane.stream), "CheckFiniteArena");
+          if (absl::Status k = KernelResult(cuda::FindFirstNonFiniteHalf(x, n, result, lane.stream),
+                                            "CheckFiniteArena");
               !k.ok()) {
             return k;
           }

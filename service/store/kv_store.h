@@ -42,14 +42,14 @@ struct NamespaceStoreStats {
   uint64_t blocks_in_use = 0;     // pinned or being written
   uint64_t blocks_evictable = 0;  // published, unpinned
   uint64_t bytes_per_block = 0;
-  uint64_t tokens_stored = 0;     // tokens in published blocks now
-  uint64_t evictions = 0;         // blocks evicted, total
-  uint64_t quantized_bytes = 0;   // page bytes written by QuantizeAppend, total
+  uint64_t tokens_stored = 0;    // tokens in published blocks now
+  uint64_t evictions = 0;        // blocks evicted, total
+  uint64_t quantized_bytes = 0;  // page bytes written by QuantizeAppend, total
   uint64_t prefix_query_tokens = 0;
   uint64_t prefix_hit_tokens = 0;
   double bytes_per_token = 0;
   double fp16_bytes_per_token = 0;
-  double quant_rel_error = 0;     // sampled relative L2 error of recent puts (EWMA), 0 if none
+  double quant_rel_error = 0;  // sampled relative L2 error of recent puts (EWMA), 0 if none
 };
 
 struct StoreStats {
@@ -68,8 +68,8 @@ class KvStore {
     absl::Duration default_lease_ttl = absl::Seconds(30);
     absl::Duration max_lease_ttl = absl::Minutes(10);
     uint64_t max_leases = 1 << 16;
-    uint32_t max_sequence_tokens = 1 << 20;   // tokens per Put / lease sequence
-    uint32_t max_attend_batch = 1024;         // items per Attend
+    uint32_t max_sequence_tokens = 1 << 20;  // tokens per Put / lease sequence
+    uint32_t max_attend_batch = 1024;        // items per Attend
     int max_namespaces = 64;
     // Every Nth Put chunk is read back to measure quantization error (0 = never).
     int quality_sample_every = 8;
@@ -99,7 +99,7 @@ class KvStore {
    public:
     virtual ~PutSession() = default;
     virtual const NamespaceInfo& info() const = 0;
-    virtual uint32_t tokens_cached() const = 0;   // leading tokens already in the pool
+    virtual uint32_t tokens_cached() const = 0;  // leading tokens already in the pool
     virtual uint32_t tokens_to_store() const = 0;
     virtual uint32_t tokens_ignored() const = 0;  // trailing partial block
     // fp16 K and V [num_tokens][num_kv_heads][head_dim] of tokens [token_begin, +num_tokens)
@@ -137,8 +137,8 @@ class KvStore {
 
   struct LeaseView {
     NamespaceInfo info;
-    uint32_t num_blocks = 0;              // matched + tail blocks
-    std::vector<uint32_t> layer_tokens;   // tokens held per layer
+    uint32_t num_blocks = 0;             // matched + tail blocks
+    std::vector<uint32_t> layer_tokens;  // tokens held per layer
   };
   virtual absl::StatusOr<LeaseView> DescribeLease(uint64_t lease_id) = 0;
 
@@ -154,26 +154,23 @@ class KvStore {
   // ReadFp16 of layers [layer_begin, layer_end) in one backend call into backend (arena) memory
   // at `dst`, e.g. a transfer staging buffer: for each layer ascending, K then V, each
   // [num_blocks*block_tokens][heads][head_dim]. Same checks as ReadFp16; synchronous.
-  virtual absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin,
-                                       uint32_t layer_end, uint32_t block_begin,
-                                       uint32_t num_blocks, uint32_t head_begin,
-                                       uint32_t head_end, uint8_t* dst) = 0;
+  virtual absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
+                                       uint32_t block_begin, uint32_t num_blocks,
+                                       uint32_t head_begin, uint32_t head_end, uint8_t* dst) = 0;
   // The raw pages of layers [layer_begin, layer_end) gathered, in one backend call, into
   // backend (arena) memory at `dst`: for each layer ascending, K then V, each
   // [num_blocks][heads] head pages of that layer's layout. Synchronous.
-  virtual absl::Status ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
-                                      uint32_t layer_end, uint32_t block_begin,
-                                      uint32_t num_blocks, uint32_t head_begin,
-                                      uint32_t head_end, uint8_t* dst) = 0;
+  virtual absl::Status ReadRawToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
+                                      uint32_t block_begin, uint32_t num_blocks,
+                                      uint32_t head_begin, uint32_t head_end, uint8_t* dst) = 0;
 
   // ---- Decode ---------------------------------------------------------------------------------
   // Appends fp16 K/V [num_tokens][num_kv_heads][head_dim] to `layer` of the lease's tail.
   // token_ids (empty or num_tokens long) name the tokens, for publishing full tail blocks.
   // Returns the tokens now held for that layer.
   virtual absl::StatusOr<uint32_t> Append(uint64_t lease_id, uint32_t layer,
-                                          absl::Span<const int32_t> token_ids,
-                                          uint32_t num_tokens, const uint16_t* k,
-                                          const uint16_t* v) = 0;
+                                          absl::Span<const int32_t> token_ids, uint32_t num_tokens,
+                                          const uint16_t* k, const uint16_t* v) = 0;
 
   struct AttendItem {
     uint64_t lease_id = 0;
@@ -182,12 +179,17 @@ class KvStore {
     const uint16_t* new_v = nullptr;
     int32_t new_token_id = -1;
   };
+  // Where Attend writes its results.
+  struct AttendOutputs {
+    float* out = nullptr;                // [items][num_q_heads][head_dim] fp32, or
+    uint16_t* out_fp16 = nullptr;        // the same in fp16: exactly one of the two
+    float* lse = nullptr;                // [items][num_q_heads] natural log, or null
+    uint32_t* context_tokens = nullptr;  // [items] tokens attended
+  };
   // One decode step at `layer` for a batch of leases of one namespace, in one kernel launch.
-  // out: [items][num_q_heads][head_dim] fp32; lse: [items][num_q_heads] or null;
-  // context_tokens: [items] tokens attended. All items are validated before any append.
+  // All items are validated before any append.
   virtual absl::Status Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
-                              absl::Span<const AttendItem> items, float* out, float* lse,
-                              uint32_t* context_tokens) = 0;
+                              absl::Span<const AttendItem> items, const AttendOutputs& outputs) = 0;
 
   virtual StoreStats Stats() const = 0;
 };

@@ -14,16 +14,15 @@
 namespace kvpool::store_internal {
 
 absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
-                               absl::Span<const AttendItem> items, float* out, float* lse,
-                               uint32_t* context_tokens) {
+                               absl::Span<const AttendItem> items, const AttendOutputs& outputs) {
   if (items.empty()) return absl::InvalidArgumentError("attend batch is empty");
   if (items.size() > options_.max_attend_batch) {
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "attend batch of %d items, over the limit of %d", items.size(),
-        options_.max_attend_batch));
+        "attend batch of %d items, over the limit of %d", items.size(), options_.max_attend_batch));
   }
-  if (out == nullptr || context_tokens == nullptr) {
-    return absl::InvalidArgumentError("null output buffer");
+  if ((outputs.out == nullptr) == (outputs.out_fp16 == nullptr) ||
+      outputs.context_tokens == nullptr) {
+    return absl::InvalidArgumentError("null output buffer, or not exactly one of out and out_fp16");
   }
   if (!std::isfinite(sm_scale) || sm_scale < 0) {
     return absl::InvalidArgumentError("sm_scale must be finite and not negative");
@@ -52,9 +51,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
           absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
     }
     if (num_q_heads == 0 || num_q_heads % config.num_kv_heads != 0) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "num_q_heads %d is not a positive multiple of the %d KV heads", num_q_heads,
-          config.num_kv_heads));
+      return absl::InvalidArgumentError(
+          absl::StrFormat("num_q_heads %d is not a positive multiple of the %d KV heads",
+                          num_q_heads, config.num_kv_heads));
     }
     const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
     const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
@@ -75,8 +74,8 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       if (item.new_k != nullptr) {
         if (absl::Status s = CheckFinite(item.new_k, kv_elems, "new_k"); !s.ok()) return s;
         if (absl::Status s = CheckFinite(item.new_v, kv_elems, "new_v"); !s.ok()) return s;
-        plans.push_back(AppendPlan{leases[i].get(), 1,
-                                   absl::Span<const int32_t>(&item.new_token_id, 1)});
+        plans.push_back(
+            AppendPlan{leases[i].get(), 1, absl::Span<const int32_t>(&item.new_token_id, 1)});
       } else if (leases[i]->layer_tokens[layer] == 0) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "item %d: lease %d holds no tokens at layer %d", i, item.lease_id, layer));
@@ -140,12 +139,15 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   a.max_blocks_per_seq = max_blocks;
   a.seq_lens = seq_lens.data();
   a.sm_scale = sm_scale > 0 ? sm_scale : 1.0f / std::sqrt(static_cast<float>(config.head_dim));
-  a.out = out;
-  a.lse = lse;
+  a.out = outputs.out;
+  a.out_fp16 = outputs.out_fp16;
+  a.lse = outputs.lse;
   a.num_blocks = pool.num_blocks();
   // The new tokens are quantized into their slots in the same backend call, before the attention.
   const absl::Status s = backend()->PagedDecodeAttention(a, plans.empty() ? nullptr : &p);
-  for (size_t i = 0; i < items.size(); ++i) context_tokens[i] = static_cast<uint32_t>(seq_lens[i]);
+  for (size_t i = 0; i < items.size(); ++i) {
+    outputs.context_tokens[i] = static_cast<uint32_t>(seq_lens[i]);
+  }
   absl::MutexLock l(&mu_);
   if (!plans.empty() && s.ok()) {
     ns->quantized_bytes += QuantizedBytes(pool.layout(layer), plans.size());

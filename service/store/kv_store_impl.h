@@ -74,11 +74,10 @@ class StoreImpl final : public KvStore {
   size_t ExpireLeases() override;
   absl::StatusOr<LeaseView> DescribeLease(uint64_t lease_id) override;
   absl::Status ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
-                        uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
-                        uint16_t* k, uint16_t* v) override;
-  absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
-                       uint32_t num_blocks, uint32_t head_begin, uint32_t head_end, uint8_t* k,
-                       uint8_t* v) override;
+                        uint32_t num_blocks, uint32_t head_begin, uint32_t head_end, uint16_t* k,
+                        uint16_t* v) override;
+  absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin, uint32_t num_blocks,
+                       uint32_t head_begin, uint32_t head_end, uint8_t* k, uint8_t* v) override;
   absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
                                uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
                                uint32_t head_end, uint8_t* dst) override;
@@ -89,8 +88,7 @@ class StoreImpl final : public KvStore {
                                   absl::Span<const int32_t> token_ids, uint32_t num_tokens,
                                   const uint16_t* k, const uint16_t* v) override;
   absl::Status Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
-                      absl::Span<const AttendItem> items, float* out, float* lse,
-                      uint32_t* context_tokens) override;
+                      absl::Span<const AttendItem> items, const AttendOutputs& outputs) override;
   StoreStats Stats() const override;
 
   // ---- shared with the Put session and the decode paths ----------------------------------------
@@ -131,8 +129,7 @@ class StoreImpl final : public KvStore {
   // Validates a read of lease blocks [block_begin, +num_blocks), heads [head_begin, head_end)
   // of `layer` and returns the block ids.
   absl::StatusOr<std::vector<int32_t>> CheckReadLocked(const Lease& lease, uint32_t layer,
-                                                       uint32_t block_begin,
-                                                       uint32_t num_blocks,
+                                                       uint32_t block_begin, uint32_t num_blocks,
                                                        uint32_t head_begin, uint32_t head_end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
@@ -154,12 +151,11 @@ class StoreImpl final : public KvStore {
   // tail blocks; fills the slot mapping and positions of all planned tokens, concatenated.
   // All or nothing: on error nothing changed.
   absl::Status ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
-                                    absl::Span<const AppendPlan> plans,
-                                    std::vector<int64_t>* slots, std::vector<int32_t>* positions)
+                                    absl::Span<const AppendPlan> plans, std::vector<int64_t>* slots,
+                                    std::vector<int32_t>* positions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the planned tokens written and publishes every tail block that is now complete.
-  void CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
-                             absl::Span<const AppendPlan> plans)
+  void CompleteAppendsLocked(NamespaceState& ns, uint32_t layer, absl::Span<const AppendPlan> plans)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes, in order, the lease's tail blocks that every layer has filled and whose token
   // ids are known; a block already published by someone else is pinned there instead.

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/fp16.h"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
 #include "tests/common/kv_test_data.h"
@@ -40,8 +41,9 @@ PageLayout Layout(KvDtype dtype, int head_dim, int block_tokens, int num_kv_head
 }
 
 struct Errors {
-  double out_rel = 0.0;  // max over (seq, head) rows of max|gpu - cpu| / max|cpu|
-  double lse_abs = 0.0;  // max |gpu - cpu| of lse
+  double out_rel = 0.0;        // max over (seq, head) rows of max|gpu - cpu| / max|cpu|
+  double lse_abs = 0.0;        // max |gpu - cpu| of lse
+  size_t fp16_mismatches = 0;  // elements of the GPU's fp16 output != its fp32 output rounded
 };
 
 // Runs both backends on `b` (GPU with `num_splits`, 0 = auto) and compares them.
@@ -73,7 +75,20 @@ Errors Compare(const HostBatch& b, int num_splits = 0) {
   KVPOOL_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<float> got_out = out.ToHost<float>(), got_lse = lse.ToHost<float>();
 
+  // The same call with fp16 output: the fp32 result rounded to nearest, element for element.
+  DeviceBuffer out16(rows * dim * sizeof(uint16_t));
+  KVPOOL_CUDA_CHECK(cudaMemset(out16.get(), 0xFF, out16.bytes()));
+  dev.out = nullptr;
+  dev.out_fp16 = out16.get<uint16_t>();
+  EXPECT_EQ(cuda::PagedDecodeAttention(dev, nullptr), KernelStatus::kOk)
+      << cuda::LastErrorMessage();
+  KVPOOL_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<uint16_t> got_out16 = out16.ToHost<uint16_t>();
+
   Errors e;
+  for (size_t i = 0; i < got_out.size(); ++i) {
+    e.fp16_mismatches += got_out16[i] != FloatToHalf(got_out[i]);
+  }
   for (size_t r = 0; r < rows; ++r) {
     double max_ref = 0.0, max_diff = 0.0;
     for (int c = 0; c < dim; ++c) {
@@ -105,6 +120,7 @@ void ExpectMatchesReference(const PageLayout& layout, int ratio, const std::vect
   const Errors e = Compare(b, num_splits);
   EXPECT_LE(e.out_rel, kMaxRelError) << Name(layout, ratio) << " splits=" << num_splits;
   EXPECT_LE(e.lse_abs, kMaxLseError) << Name(layout, ratio) << " splits=" << num_splits;
+  EXPECT_EQ(e.fp16_mismatches, 0u) << Name(layout, ratio) << " splits=" << num_splits;
 }
 
 constexpr KvDtype kAllDtypes[] = {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3,
@@ -197,6 +213,13 @@ TEST(CudaPagedAttention, RejectsWhatItCannotServe) {
   p.q = b.q.data() + 1;  // not 16-byte aligned
   EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
   p.q = b.q.data();
+  std::vector<uint16_t> out16(8 * 128);
+  p.out_fp16 = out16.data();  // both outputs
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
+  p.out = nullptr;
+  p.out_fp16 = nullptr;  // neither
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
+  p.out = out.data();
   p.layout.group_size = 8;  // valid for the CPU, not a multiple of 16
   EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
   p.layout = b.layout;

@@ -114,8 +114,8 @@ class CudaVsCpuStores : public ::testing::Test {
 
 TEST_F(CudaVsCpuStores, StoreMatchesCpuBackendForTheSamePuts) {
   KVPOOL_SKIP_WITHOUT_GPU();
-  ASSERT_NO_FATAL_FAILURE(
-      PutBoth(2024, [](int layer) { return static_cast<testing::Outliers>(1 + layer % 4); }, 100));
+  ASSERT_NO_FATAL_FAILURE(PutBoth(
+      2024, [](int layer) { return static_cast<testing::Outliers>(1 + layer % 4); }, 100));
   EXPECT_EQ(gpu_backend_->name(), "cuda");
   const uint32_t blocks = gpu_match_.num_blocks;
   const uint32_t heads = config_.num_kv_heads;
@@ -173,10 +173,12 @@ TEST_F(CudaVsCpuStores, StoreMatchesCpuBackendForTheSamePuts) {
     const size_t elems = static_cast<size_t>(blocks) * l.block_tokens * heads * l.head_dim;
     std::vector<uint16_t> cfk(elems), cfv(elems), gfk(elems), gfv(elems);
     ASSERT_TRUE(
-        cpu_store_->ReadFp16(cpu_match_.lease_id, layer, 0, blocks, 0, heads, cfk.data(), cfv.data())
+        cpu_store_
+            ->ReadFp16(cpu_match_.lease_id, layer, 0, blocks, 0, heads, cfk.data(), cfv.data())
             .ok());
     ASSERT_TRUE(
-        gpu_store_->ReadFp16(gpu_match_.lease_id, layer, 0, blocks, 0, heads, gfk.data(), gfv.data())
+        gpu_store_
+            ->ReadFp16(gpu_match_.lease_id, layer, 0, blocks, 0, heads, gfk.data(), gfv.data())
             .ok());
     const size_t token_elems = static_cast<size_t>(heads) * l.head_dim;
     for (size_t i = 0; i < elems; ++i) {
@@ -205,13 +207,14 @@ TEST_F(CudaVsCpuStores, StoreMatchesCpuBackendForTheSamePuts) {
 // before its append had landed would be far off.
 TEST_F(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBackend) {
   KVPOOL_SKIP_WITHOUT_GPU();
-  ASSERT_NO_FATAL_FAILURE(PutBoth(77, [](int) { return testing::Outliers::kSpikes; }, 300));
+  ASSERT_NO_FATAL_FAILURE(PutBoth(
+      77, [](int) { return testing::Outliers::kSpikes; }, 300));
   const int kv_heads = config_.num_kv_heads, dim = config_.head_dim, q_heads = 2 * kv_heads;
   for (int step = 0; step < 3; ++step) {
     for (int layer = 0; layer < config_.num_layers; ++layer) {
       SCOPED_TRACE(::testing::Message() << "step " << step << " layer " << layer);
-      const std::vector<float> q = testing::MakeNormal(static_cast<size_t>(q_heads) * dim,
-                                                       1000 + 10 * step + layer);
+      const std::vector<float> q =
+          testing::MakeNormal(static_cast<size_t>(q_heads) * dim, 1000 + 10 * step + layer);
       std::vector<float> k(static_cast<size_t>(kv_heads) * dim);
       for (int h = 0; h < kv_heads; ++h) {
         for (int c = 0; c < dim; ++c) k[h * dim + c] = 0.5f * q[(2 * h) * dim + c];
@@ -227,11 +230,13 @@ TEST_F(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBacken
                                          token};
       const KvStore::AttendItem gpu_item{gpu_match_.lease_id, hq.data(), hk.data(), hv.data(),
                                          token};
-      ASSERT_TRUE(cpu_store_->Attend(layer, q_heads, 0.0f, {cpu_item}, cpu_out.data(), nullptr,
-                                    &cpu_ctx)
+      ASSERT_TRUE(cpu_store_
+                      ->Attend(layer, q_heads, 0.0f, {cpu_item},
+                               {cpu_out.data(), nullptr, nullptr, &cpu_ctx})
                       .ok());
-      ASSERT_TRUE(gpu_store_->Attend(layer, q_heads, 0.0f, {gpu_item}, gpu_out.data(), nullptr,
-                                    &gpu_ctx)
+      ASSERT_TRUE(gpu_store_
+                      ->Attend(layer, q_heads, 0.0f, {gpu_item},
+                               {gpu_out.data(), nullptr, nullptr, &gpu_ctx})
                       .ok());
       ASSERT_EQ(gpu_ctx, cpu_ctx);
       ASSERT_EQ(gpu_ctx, 96u + step + 1);

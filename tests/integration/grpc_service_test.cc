@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/fp16.h"
 #include "tests/integration/reference_pages.h"
 #include "tests/integration/test_server.h"
 
@@ -210,6 +211,17 @@ TEST(GrpcService, SharedPrefixSequencesRoundTripThroughPutMatchGetAndAttend) {
                 l == 0 ? "int4" : "int8", worst_vs_fp16);
     // Measured with these seeds: 0.218 (INT4; K has offset outliers of 12) and 0.018 (INT8).
     EXPECT_LT(worst_vs_fp16, l == 0 ? 0.3 : 0.03);
+
+    // The same call with the default (fp16) output: the fp32 output rounded, element for element.
+    req.clear_output_dtype();
+    grpc::ClientContext ctx16;
+    v1::AttendResponse resp16;
+    ASSERT_TRUE(t->stub->Attend(&ctx16, req, &resp16).ok());
+    ASSERT_EQ(resp16.out().size(), seqs.size() * per_item * sizeof(uint16_t));
+    const uint16_t* out16 = reinterpret_cast<const uint16_t*>(resp16.out().data());
+    for (size_t i = 0; i < seqs.size() * per_item; ++i) {
+      ASSERT_EQ(out16[i], FloatToHalf(out[i])) << "element " << i;
+    }
   }
   for (uint64_t lease : leases) ReleaseOk(t->stub.get(), lease);
   EXPECT_EQ(GetStats(t->stub.get()).active_leases(), 0u);

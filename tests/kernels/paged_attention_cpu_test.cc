@@ -24,8 +24,7 @@ using Batch = testing::HostBatch;
 Batch MakeBatch(const PageLayout& l, int num_q_heads, const std::vector<int32_t>& lens,
                 uint64_t seed) {
   Batch b;
-  EXPECT_TRUE(
-      testing::MakeHostBatch(l, num_q_heads, lens, testing::Outliers::kOffset, seed, &b));
+  EXPECT_TRUE(testing::MakeHostBatch(l, num_q_heads, lens, testing::Outliers::kOffset, seed, &b));
   return b;
 }
 
@@ -173,6 +172,22 @@ TEST(PagedAttentionCpu, SinksMakeTheFirstTokensExactInLongerSequences) {
   EXPECT_LT(MaxRelativeError(bw, ow, exact.out), MaxRelativeError(bo, oo, exact.out));
 }
 
+// The fp16 output is the fp32 output rounded to nearest, element for element; lse is the same.
+TEST(PagedAttentionCpu, Fp16OutputIsTheRoundedFp32Output) {
+  const PageLayout l = MakeLayout(KvDtype::kInt4, 128, 128, 2, 128, 16, 2);
+  const Batch b = MakeBatch(l, 4, {37, 5}, 11);
+  std::vector<float> out(b.q.size()), lse(2 * 4), lse16(2 * 4, -1.0f);  // 2 seqs x 4 q heads
+  ASSERT_EQ(cpu::PagedDecodeAttention(b.HostParams(out.data(), lse.data())), KernelStatus::kOk);
+  std::vector<uint16_t> out16(b.q.size(), 0xFFFF);
+  PagedDecodeAttentionParams p = b.HostParams(nullptr, lse16.data());
+  p.out_fp16 = out16.data();
+  ASSERT_EQ(cpu::PagedDecodeAttention(p), KernelStatus::kOk);
+  for (size_t i = 0; i < out.size(); ++i) {
+    ASSERT_EQ(out16[i], FloatToHalf(out[i])) << "element " << i;
+  }
+  EXPECT_EQ(lse16, lse);
+}
+
 TEST(PagedAttentionCpu, RejectsInvalidInputsWithoutWriting) {
   const PageLayout l = MakeLayout(KvDtype::kInt4, 128, 128, 2, 128, 16, 2);
   const Batch good = MakeBatch(l, 4, {20, 5}, 3);
@@ -190,11 +205,15 @@ TEST(PagedAttentionCpu, RejectsInvalidInputsWithoutWriting) {
        [](Batch& b, PagedDecodeAttentionParams&) {
          b.block_tables[1] = static_cast<int32_t>(b.num_blocks);
        }},
-      {"negative block id",
-       [](Batch& b, PagedDecodeAttentionParams&) { b.block_tables[2] = -1; }},
+      {"negative block id", [](Batch& b, PagedDecodeAttentionParams&) { b.block_tables[2] = -1; }},
       {"sinks without sink pages",
        [](Batch&, PagedDecodeAttentionParams& p) { p.sink_pages = nullptr; }},
       {"bad layout", [](Batch&, PagedDecodeAttentionParams& p) { p.layout.rot_block = 12; }},
+      {"no output", [](Batch&, PagedDecodeAttentionParams& p) { p.out = nullptr; }},
+      {"both outputs",
+       [](Batch&, PagedDecodeAttentionParams& p) {
+         p.out_fp16 = reinterpret_cast<uint16_t*>(p.out);
+       }},
   };
   for (const Case& c : cases) {
     Batch b = good;

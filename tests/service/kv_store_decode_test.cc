@@ -5,6 +5,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "kernels/fp16.h"
 #include "kernels/kv_kernels.h"
 #include "service/store/kv_store.h"
 #include "tests/service/kv_store_test_util.h"
@@ -30,8 +31,8 @@ TEST_F(StoreTest, AppendThenAttendEqualsCpuReferenceOverThePages) {
   ASSERT_EQ(lease->cached_tokens, 8u);
   const size_t pt = PerToken();
   // Token 8: appended to layer 0, and to layer 1 by Attend itself.
-  auto held = store_->Append(lease->lease_id, 0, {ids[8]}, 1, TokenK(kv, 0, 8, pt),
-                             TokenV(kv, 0, 8, pt));
+  auto held =
+      store_->Append(lease->lease_id, 0, {ids[8]}, 1, TokenK(kv, 0, 8, pt), TokenV(kv, 0, 8, pt));
   ASSERT_TRUE(held.ok()) << held.status();
   EXPECT_EQ(*held, 9u);
 
@@ -48,8 +49,9 @@ TEST_F(StoreTest, AppendThenAttendEqualsCpuReferenceOverThePages) {
     }
     std::vector<float> out(q_heads * config_.head_dim), lse(q_heads);
     uint32_t context = 0;
-    ASSERT_TRUE(store_->Attend(layer, q_heads, 0.f, {item}, out.data(), lse.data(), &context)
-                    .ok());
+    ASSERT_TRUE(
+        store_->Attend(layer, q_heads, 0.f, {item}, {out.data(), nullptr, lse.data(), &context})
+            .ok());
     EXPECT_EQ(context, 9u);
 
     const std::vector<uint8_t> pages = ReferencePages(kv, layer, 9);
@@ -96,9 +98,16 @@ TEST_F(StoreTest, AttendBatchesLeasesInOneCall) {
   items[1].q = q.data() + 2 * config_.head_dim;
   std::vector<float> out(2 * 2 * config_.head_dim);
   uint32_t context[2];
-  ASSERT_TRUE(store_->Attend(0, 2, 0.f, items, out.data(), nullptr, context).ok());
+  ASSERT_TRUE(store_->Attend(0, 2, 0.f, items, {out.data(), nullptr, nullptr, context}).ok());
   EXPECT_EQ(context[0], 8u);
   EXPECT_EQ(context[1], 4u);
+  // fp16 output: the fp32 output rounded, element for element.
+  std::vector<uint16_t> out16(out.size(), 0xFFFF);
+  ASSERT_TRUE(store_->Attend(0, 2, 0.f, items, {nullptr, out16.data(), nullptr, context}).ok());
+  for (size_t i = 0; i < out.size(); ++i) ASSERT_EQ(out16[i], FloatToHalf(out[i])) << i;
+  // Exactly one of the two outputs.
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, items, {out.data(), out16.data(), nullptr, context}).code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(StoreTest, TailBlockPublishedAfterAllLayersFilled) {
@@ -111,14 +120,14 @@ TEST_F(StoreTest, TailBlockPublishedAfterAllLayersFilled) {
   ASSERT_TRUE(lease.ok());
   const size_t pt = PerToken();
   const std::vector<int32_t> tail(ids.begin() + 8, ids.end());
-  ASSERT_TRUE(store_->Append(lease->lease_id, 0, tail, 4, TokenK(kv, 0, 8, pt),
-                             TokenV(kv, 0, 8, pt)).ok());
+  ASSERT_TRUE(
+      store_->Append(lease->lease_id, 0, tail, 4, TokenK(kv, 0, 8, pt), TokenV(kv, 0, 8, pt)).ok());
   auto probe = store_->Match("main", ids, absl::ZeroDuration());
   ASSERT_TRUE(probe.ok());
   EXPECT_EQ(probe->cached_tokens, 8u);  // layer 1 has not filled the block yet
   ASSERT_TRUE(store_->Release(probe->lease_id).ok());
-  ASSERT_TRUE(store_->Append(lease->lease_id, 1, tail, 4, TokenK(kv, 1, 8, pt),
-                             TokenV(kv, 1, 8, pt)).ok());
+  ASSERT_TRUE(
+      store_->Append(lease->lease_id, 1, tail, 4, TokenK(kv, 1, 8, pt), TokenV(kv, 1, 8, pt)).ok());
   probe = store_->Match("main", ids, absl::ZeroDuration());
   ASSERT_TRUE(probe.ok());
   EXPECT_EQ(probe->cached_tokens, 12u);
@@ -143,8 +152,7 @@ TEST_F(StoreTest, TailWithoutTokenIdsStaysPrivateAndIsFreedOnRelease) {
   ASSERT_TRUE(lease.ok());
   EXPECT_EQ(lease->num_blocks, 0u);
   for (int l = 0; l < 2; ++l) {
-    ASSERT_TRUE(
-        store_->Append(lease->lease_id, l, {}, 4, kv.k[l].data(), kv.v[l].data()).ok());
+    ASSERT_TRUE(store_->Append(lease->lease_id, l, {}, 4, kv.k[l].data(), kv.v[l].data()).ok());
   }
   NamespaceStoreStats stats = store_->Stats().namespaces[0];
   EXPECT_EQ(stats.tokens_stored, 0u);

@@ -55,7 +55,7 @@ TEST_F(StoreErrorsTest, UnknownLeaseIsNotFound) {
   item.q = q.data();
   std::vector<float> out(2 * config_.head_dim);
   uint32_t ctx;
-  EXPECT_EQ(store_->Attend(0, 2, 0.f, {item}, out.data(), nullptr, &ctx).code(),
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &ctx}).code(),
             StatusCode::kNotFound);
 }
 
@@ -84,9 +84,8 @@ TEST_F(StoreErrorsTest, HeadOrBlockRangeOutOfRangeIsInvalid) {
 }
 
 TEST_F(StoreErrorsTest, TokenCountMismatchIsInvalid) {
-  EXPECT_EQ(
-      store_->Append(lease_, 0, {1, 2}, 3, kv_.k[0].data(), kv_.v[0].data()).status().code(),
-      StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Append(lease_, 0, {1, 2}, 3, kv_.k[0].data(), kv_.v[0].data()).status().code(),
+            StatusCode::kInvalidArgument);
   auto session = store_->BeginPut("main", TokenIds(4, 77));
   ASSERT_TRUE(session.ok());
   // Chunk tokens beyond the sequence.
@@ -100,13 +99,12 @@ TEST_F(StoreErrorsTest, EmptyPayloadIsInvalid) {
   ASSERT_TRUE(session.ok());
   EXPECT_EQ((*session)->AddChunk(0, 0, 0, kv_.k[0].data(), kv_.v[0].data()).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ((*session)->AddChunk(0, 0, 4, nullptr, nullptr).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*session)->AddChunk(0, 0, 4, nullptr, nullptr).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->Append(lease_, 0, {}, 0, kv_.k[0].data(), kv_.v[0].data()).status().code(),
             StatusCode::kInvalidArgument);
   std::vector<float> out(2 * config_.head_dim);
   uint32_t ctx;
-  EXPECT_EQ(store_->Attend(0, 2, 0.f, {}, out.data(), nullptr, &ctx).code(),
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, {}, {out.data(), nullptr, nullptr, &ctx}).code(),
             StatusCode::kInvalidArgument);
 }
 
@@ -125,9 +123,9 @@ TEST_F(StoreErrorsTest, BadAttendItemAppendsNothing) {
   items[1].new_v = kv_.v[0].data();
   std::vector<float> out(2 * 2 * config_.head_dim);
   uint32_t ctx[2];
-  EXPECT_EQ(store_->Attend(0, 2, 0.f, items, out.data(), nullptr, ctx).code(),
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, items, {out.data(), nullptr, nullptr, ctx}).code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(store_->Attend(0, 3, 0.f, {items[0]}, out.data(), nullptr, ctx).code(),
+  EXPECT_EQ(store_->Attend(0, 3, 0.f, {items[0]}, {out.data(), nullptr, nullptr, ctx}).code(),
             StatusCode::kInvalidArgument);  // 3 q heads over 2 KV heads
   auto view = store_->DescribeLease(lease_);
   ASSERT_TRUE(view.ok());
