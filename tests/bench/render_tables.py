@@ -88,12 +88,14 @@ def attend_latency():
     print(f"Attend's server time in process, p50 / p99 µs over {d['iters']} calls "
           f"(`tests/gpu/attend_latency_bench.cc`, attend_latency_h200.json, commit {d['commit']}, "
           f"NVIDIA H200):\n")
-    print("| batch x context | AttendRunner | KvStore::Attend | CUDA backend call | bare kernels (p50) |")
-    print("|---|---|---|---|---|")
+    print("| batch x context | AttendRunner | KvStore::Attend | decode step (with append) "
+          "| CUDA backend call | bare kernels (p50) |")
+    print("|---|---|---|---|---|---|")
     for c in d["cases"]:
         ctx = f"{c['context'] // 1024}K" if c["context"] >= 1024 else str(c["context"])
         print(f"| {c['batch']} x {ctx} | {c['runner_p50_us']:.0f} / {c['runner_p99_us']:.0f} | "
               f"{c['store_p50_us']:.0f} / {c['store_p99_us']:.0f} | "
+              f"{c['append_p50_us']:.0f} / {c['append_p99_us']:.0f} | "
               f"{c['backend_p50_us']:.0f} / {c['backend_p99_us']:.0f} | {c['kernel_p50_us']:.0f} |")
     print()
 
