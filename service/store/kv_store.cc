@@ -229,6 +229,7 @@ absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
   lease->matched_tokens = static_cast<uint32_t>(matched * bt);
   lease->layer_tokens.assign(ns.num_layers(), lease->matched_tokens);
   lease->layer_written = lease->layer_tokens;
+  lease->written_ahead.resize(ns.num_layers());
   lease->token_ids.assign(token_ids.begin(), token_ids.end());
   for (size_t b = 0; b < matched; ++b) {
     Lease::Block block;
@@ -306,7 +307,7 @@ absl::StatusOr<KvStore::LeaseView> StoreImpl::DescribeLease(uint64_t lease_id) {
   LeaseView view;
   view.info = namespaces_[(*lease)->namespace_index]->info;
   view.num_blocks = static_cast<uint32_t>((*lease)->blocks.size());
-  view.layer_tokens = (*lease)->layer_tokens;
+  view.layer_tokens = (*lease)->layer_written;
   return view;
 }
 

@@ -138,7 +138,7 @@ class KvStore {
   struct LeaseView {
     NamespaceInfo info;
     uint32_t num_blocks = 0;             // matched + tail blocks
-    std::vector<uint32_t> layer_tokens;  // tokens held per layer
+    std::vector<uint32_t> layer_tokens;  // tokens written per layer (appends in flight excluded)
   };
   virtual absl::StatusOr<LeaseView> DescribeLease(uint64_t lease_id) = 0;
 

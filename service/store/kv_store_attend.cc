@@ -67,6 +67,13 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
         return absl::InvalidArgumentError(absl::StrFormat("item %d: empty q", i));
       }
       if (absl::Status s = CheckFinite(item.q, q_elems, "q"); !s.ok()) return s;
+      const Lease& lease = *leases[i];
+      if (lease.layer_written[layer] != lease.layer_tokens[layer]) {
+        return absl::FailedPreconditionError(absl::StrFormat(
+            "item %d: lease %d has an append in flight at layer %d (%d tokens reserved, %d "
+            "written); a layer of a lease takes one append or decode step at a time",
+            i, item.lease_id, layer, lease.layer_tokens[layer], lease.layer_written[layer]));
+      }
       if ((item.new_k == nullptr) != (item.new_v == nullptr)) {
         return absl::InvalidArgumentError(
             absl::StrFormat("item %d: new_k and new_v must come together", i));
@@ -81,7 +88,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
             "item %d: lease %d holds no tokens at layer %d", i, item.lease_id, layer));
       }
     }
-    if (absl::Status s = ReserveAppendsLocked(*ns, layer, plans, &slots, &positions); !s.ok()) {
+    if (absl::Status s =
+            ReserveAppendsLocked(*ns, layer, absl::MakeSpan(plans), &slots, &positions);
+        !s.ok()) {
       return s;
     }
     // An item attends to everything its lease holds up to and including its own new token.
@@ -152,6 +161,8 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   if (!plans.empty() && s.ok()) {
     ns->quantized_bytes += QuantizedBytes(pool.layout(layer), plans.size());
     CompleteAppendsLocked(*ns, layer, plans);
+  } else if (!plans.empty()) {
+    AbandonAppendsLocked(layer, plans);
   }
   use.EndLocked();
   return s;

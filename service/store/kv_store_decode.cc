@@ -178,7 +178,7 @@ absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
 }
 
 absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
-                                             absl::Span<const AppendPlan> plans,
+                                             absl::Span<AppendPlan> plans,
                                              std::vector<int64_t>* slots,
                                              std::vector<int32_t>* positions) {
   const size_t bt = ns.block_tokens();
@@ -213,8 +213,9 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
       lease->blocks.push_back(block);
     }
   }
-  for (const AppendPlan& plan : plans) {
+  for (AppendPlan& plan : plans) {
     Lease& lease = *plan.lease;
+    plan.begin = lease.layer_tokens[layer];
     for (uint32_t i = 0; i < plan.num_tokens; ++i) {
       const uint32_t pos = lease.layer_tokens[layer]++;
       slots->push_back(static_cast<int64_t>(lease.blocks[pos / bt].id) * bt + pos % bt);
@@ -230,8 +231,32 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
 
 void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
                                       absl::Span<const AppendPlan> plans) {
-  for (const AppendPlan& plan : plans) plan.lease->layer_written[layer] += plan.num_tokens;
+  for (const AppendPlan& plan : plans) {
+    Lease& lease = *plan.lease;
+    uint32_t& written = lease.layer_written[layer];
+    std::vector<std::pair<uint32_t, uint32_t>>& ahead = lease.written_ahead[layer];
+    ahead.emplace_back(plan.begin, plan.begin + plan.num_tokens);
+    // Absorb every finished range that now starts at the watermark.
+    for (auto it = ahead.begin(); it != ahead.end();) {
+      if (it->first != written) {
+        ++it;
+        continue;
+      }
+      written = it->second;
+      ahead.erase(it);
+      it = ahead.begin();
+    }
+  }
   for (const AppendPlan& plan : plans) PublishTailLocked(ns, *plan.lease);
+}
+
+void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan> plans) {
+  for (auto plan = plans.rbegin(); plan != plans.rend(); ++plan) {
+    Lease& lease = *plan->lease;
+    if (lease.layer_tokens[layer] == plan->begin + plan->num_tokens) {
+      lease.layer_tokens[layer] = plan->begin;
+    }
+  }
 }
 
 void StoreImpl::PublishTailLocked(NamespaceState& ns, Lease& lease) {
@@ -291,7 +316,8 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
     if (absl::Status s = CheckFinite(k, n, "k"); !s.ok()) return s;
     if (absl::Status s = CheckFinite(v, n, "v"); !s.ok()) return s;
     plan = AppendPlan{lease->get(), num_tokens, token_ids};
-    if (absl::Status s = ReserveAppendsLocked(*ns, layer, {plan}, &slots, &positions);
+    if (absl::Status s =
+            ReserveAppendsLocked(*ns, layer, absl::MakeSpan(&plan, 1), &slots, &positions);
         !s.ok()) {
       return s;
     }
@@ -314,6 +340,8 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
   if (s.ok()) {
     ns->quantized_bytes += QuantizedBytes(p.layout, num_tokens);
     CompleteAppendsLocked(*ns, layer, {plan});
+  } else {
+    AbandonAppendsLocked(layer, {plan});
   }
   const uint32_t held = plan.lease->layer_tokens[layer];
   use.EndLocked();

@@ -146,16 +146,23 @@ class StoreImpl final : public KvStore {
     Lease* lease = nullptr;
     uint32_t num_tokens = 0;
     absl::Span<const int32_t> token_ids;  // empty or num_tokens long; -1 = unknown
+    uint32_t begin = 0;                   // first position, set by ReserveAppendsLocked
   };
   // Reserves tail slots for every plan in order (a lease may appear more than once), allocating
-  // tail blocks; fills the slot mapping and positions of all planned tokens, concatenated.
-  // All or nothing: on error nothing changed.
+  // tail blocks; fills the slot mapping and positions of all planned tokens, concatenated, and
+  // each plan's begin. All or nothing: on error nothing changed.
   absl::Status ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
-                                    absl::Span<const AppendPlan> plans, std::vector<int64_t>* slots,
+                                    absl::Span<AppendPlan> plans, std::vector<int64_t>* slots,
                                     std::vector<int32_t>* positions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Marks the planned tokens written and publishes every tail block that is now complete.
+  // Marks the planned tokens written (the written watermark moves once the positions before them
+  // are written too) and publishes every tail block that is now complete.
   void CompleteAppendsLocked(NamespaceState& ns, uint32_t layer, absl::Span<const AppendPlan> plans)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // After a failed backend call: gives back the plans' reservations where nothing was reserved
+  // after them (the tail blocks stay with the lease for the next append). A reservation followed
+  // by another stays, and the layer's written watermark stops below it.
+  void AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan> plans)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes, in order, the lease's tail blocks that every layer has filled and whose token
   // ids are known; a block already published by someone else is pinned there instead.

@@ -43,9 +43,12 @@ struct Lease {
   absl::Time expires;       // set by the table
   std::vector<Block> blocks;
   uint32_t matched_tokens = 0;
-  // Tokens reserved per layer (appends in flight included) and tokens written per layer.
+  // Tokens reserved per layer (appends in flight included), and tokens written per layer: every
+  // position below layer_written[l] is in the pages. Appends that finish out of order wait in
+  // written_ahead[l] as [begin, end) ranges until the positions before them are written.
   std::vector<uint32_t> layer_tokens;
   std::vector<uint32_t> layer_written;
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> written_ahead;
   // Token ids from position 0 as far as known; -1 = not given.
   std::vector<int32_t> token_ids;
   // Calls using the lease's blocks outside the store lock right now. A lease dropped (released

@@ -1,0 +1,163 @@
+// Appends that overlap on one lease and layer, and appends whose backend call fails: the store
+// publishes and serves only positions that are written, in order.
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "service/store/compute_backend.h"
+#include "service/store/kv_store.h"
+#include "tests/service/kv_store_test_util.h"
+
+namespace kvpool::testing {
+namespace {
+
+// The CPU backend, except that the QuantizeAppend call after Arm() waits until released, or
+// fails without writing.
+class GatedBackend final : public ComputeBackend {
+ public:
+  enum class Mode { kHold, kFail };
+
+  void Arm(Mode mode) {
+    mode_ = mode;
+    armed_.store(true);
+  }
+  void Release() { release_.Notify(); }
+  void WaitEntered() { entered_.WaitForNotification(); }
+
+  std::string name() const override { return inner_->name(); }
+  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
+    return inner_->AllocateArena(bytes);
+  }
+  void FreeArena(uint8_t* arena) override { inner_->FreeArena(arena); }
+  absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
+    if (armed_.exchange(false)) {
+      if (mode_ == Mode::kFail) return absl::InternalError("injected backend failure");
+      entered_.Notify();
+      release_.WaitForNotification();
+    }
+    return inner_->QuantizeAppend(p);
+  }
+  absl::Status Dequantize(const DequantizeParams& p) override { return inner_->Dequantize(p); }
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
+    if (append != nullptr) {
+      if (absl::Status s = QuantizeAppend(*append); !s.ok()) return s;
+    }
+    return inner_->PagedDecodeAttention(p, nullptr);
+  }
+  absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {
+    return inner_->ReadArena(src, bytes, dst);
+  }
+  absl::Status Synchronize() override { return inner_->Synchronize(); }
+  ComputeBackendStats Stats() const override { return inner_->Stats(); }
+
+ private:
+  const std::unique_ptr<ComputeBackend> inner_ = NewCpuBackend();
+  Mode mode_ = Mode::kHold;  // written before armed_ is set
+  std::atomic<bool> armed_{false};
+  absl::Notification entered_, release_;
+};
+
+class AppendOrderTest : public StoreTest {
+ protected:
+  // A store over a GatedBackend holding tokens [0, 8) of 16 (blocks of 4), a lease on them, and
+  // tokens [8, 16) appended to layer 1, so that blocks 2 and 3 are complete once layer 0 has
+  // them too.
+  void SetUpLease() {
+    auto backend = std::make_unique<GatedBackend>();
+    gate_ = backend.get();
+    backend_ = std::move(backend);
+    MakeStore(16);
+    ids_ = TokenIds(16, 7);
+    kv_ = MakeSequenceKv(config_, 16, 31);
+    ASSERT_TRUE(Put(std::vector<int32_t>(ids_.begin(), ids_.begin() + 8), kv_).ok());
+    auto lease = store_->Match("main", std::vector<int32_t>(ids_.begin(), ids_.begin() + 8),
+                               absl::ZeroDuration());
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    lease_ = lease->lease_id;
+    ASSERT_TRUE(AppendTokens(1, 8, 8).ok());
+  }
+
+  absl::Status AppendTokens(uint32_t layer, int first, int n) {
+    const size_t pt = PerToken();
+    return store_
+        ->Append(lease_, layer, absl::MakeConstSpan(ids_).subspan(first, n), n,
+                 kv_.k[layer].data() + first * pt, kv_.v[layer].data() + first * pt)
+        .status();
+  }
+
+  // Tokens another lease finds cached for the whole sequence.
+  uint32_t CachedTokens() {
+    auto probe = store_->Match("main", ids_, absl::ZeroDuration());
+    EXPECT_TRUE(probe.ok()) << probe.status();
+    if (!probe.ok()) return 0;
+    EXPECT_TRUE(store_->Release(probe->lease_id).ok());
+    return probe->cached_tokens;
+  }
+
+  uint32_t WrittenTokens(uint32_t layer) {
+    auto view = store_->DescribeLease(lease_);
+    EXPECT_TRUE(view.ok()) << view.status();
+    return view.ok() ? view->layer_tokens[layer] : 0;
+  }
+
+  GatedBackend* gate_ = nullptr;
+  std::vector<int32_t> ids_;
+  SequenceKv kv_;
+  uint64_t lease_ = 0;
+};
+
+TEST_F(AppendOrderTest, AnAppendFinishingFirstWaitsForTheOneBeforeIt) {
+  ASSERT_NO_FATAL_FAILURE(SetUpLease());
+  gate_->Arm(GatedBackend::Mode::kHold);
+  std::thread first([&] { EXPECT_TRUE(AppendTokens(0, 8, 2).ok()); });
+  gate_->WaitEntered();
+  // Tokens 10 to 15 land while 8 and 9 are still being written: 14 tokens' worth of appends
+  // have finished, but only the first 8 positions are written.
+  ASSERT_TRUE(AppendTokens(0, 10, 6).ok());
+  EXPECT_EQ(WrittenTokens(0), 8u);
+  EXPECT_EQ(CachedTokens(), 8u) << "block 2 published before tokens 8 and 9 were written";
+  // A decode step on that layer would read the unwritten slots: refused.
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 5));
+  std::vector<float> out(q.size());
+  uint32_t context = 0;
+  KvStore::AttendItem item;
+  item.lease_id = lease_;
+  item.q = q.data();
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &context}).code(),
+            absl::StatusCode::kFailedPrecondition);
+  gate_->Release();
+  first.join();
+  EXPECT_EQ(WrittenTokens(0), 16u);
+  EXPECT_EQ(CachedTokens(), 16u);
+  ASSERT_TRUE(store_->Attend(0, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &context}).ok());
+  EXPECT_EQ(context, 16u);
+}
+
+TEST_F(AppendOrderTest, AFailedAppendGivesItsSlotsBack) {
+  ASSERT_NO_FATAL_FAILURE(SetUpLease());
+  gate_->Arm(GatedBackend::Mode::kFail);
+  EXPECT_EQ(AppendTokens(0, 8, 8).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(WrittenTokens(0), 8u);
+  EXPECT_EQ(CachedTokens(), 8u);
+  // The retry takes the same positions, and the blocks published then hold what it wrote.
+  ASSERT_TRUE(AppendTokens(0, 8, 8).ok());
+  EXPECT_EQ(WrittenTokens(0), 16u);
+  EXPECT_EQ(CachedTokens(), 16u);
+  const size_t pt = PerToken();
+  std::vector<uint16_t> k(16 * pt), v(16 * pt);
+  ASSERT_TRUE(store_->ReadFp16(lease_, 0, 0, 4, 0, 2, k.data(), v.data()).ok());
+  const auto [rk, rv] = ReferenceFp16(kv_, 0, 16);
+  EXPECT_EQ(k, rk);
+  EXPECT_EQ(v, rv);
+}
+
+}  // namespace
+}  // namespace kvpool::testing
