@@ -293,10 +293,10 @@ class CudaBackend final : public ComputeBackend {
     if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.max_blocks_per_seq <= 0) {
       return absl::InvalidArgumentError("PagedDecodeAttention: bad batch shape");
     }
+    if (p.num_seqs == 0) return append != nullptr ? QuantizeAppend(*append) : absl::OkStatus();
     if (append != nullptr) {
       if (absl::Status s = ValidateQuantizeAppend(*append); !s.ok()) return s;
     }
-    if (p.num_seqs == 0) return append != nullptr ? QuantizeAppend(*append) : absl::OkStatus();
     if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
         (p.out == nullptr) == (p.out_fp16 == nullptr)) {
       return absl::InvalidArgumentError(
