@@ -93,45 +93,84 @@ struct MergeArgs {
 // Merges the splits of one (sequence, query head) by log-sum-exp, un-rotates the merged o' once,
 // merges the fp16 sink segment the same way, normalizes, and writes out and lse.
 // Grid (num_seqs, num_q_heads), kAttnThreads threads: the kVecs lane groups (kLanes lanes, 8
-// channels each) take the splits round-robin so that many partials load at once; warp 0 then
-// sums the groups and finishes (its lane groups all compute the same values; group 0 writes).
+// channels each) take the splits round-robin, kMergeBatch at a time with every load of a batch in
+// flight together, and merge them against their own running max; warp 0 then merges the groups
+// and finishes (its lane groups all compute the same values; group 0 writes).
+constexpr int kMergeBatch = 8;
 template <int kHeadDim, int kRot>
 __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArgs a) {
   using V = LaneVector<kHeadDim>;
-  constexpr int kWarps = kAttnThreads / 32;
-  __shared__ float warp_max[kWarps];
+  __shared__ float group_m[V::kVecs];
   __shared__ float group_l[V::kVecs];
   __shared__ float4 group_o[V::kVecs][kHeadDim / 4];
   GridDependencyWait();  // the split partials
   const int seq = blockIdx.x;
   const int head = blockIdx.y;
-  const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   const int vec = threadIdx.x / V::kLanes;
   const int chunk = threadIdx.x % V::kLanes;
   const size_t head_row = static_cast<size_t>(seq) * a.num_q_heads + head;
   const float2* ml = a.part_ml + head_row * a.num_splits;
+  const float4* po =
+      reinterpret_cast<const float4*>(a.part_o + head_row * a.num_splits * kHeadDim + chunk * 8);
 
+  // Empty splits hold {-inf, 0} and o' = 0, as do the batch's slots past the last split: weight
+  // 0 once the group has a finite max, and no branch between the loads.
   float m = -INFINITY;
-  for (int s = threadIdx.x; s < a.num_splits; s += kAttnThreads) m = fmaxf(m, ml[s].x);
-  m = GroupMax<32>(m);
-  if (lane == 0) warp_max[warp] = m;
-  __syncthreads();
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_max[w]);
-
-  // Empty splits hold {-inf, 0} and o' = 0: weight 0, no branch, so loads can be batched.
-  float o[8] = {};
   float l = 0.0f;
+  float o[8] = {};
+  for (int first = vec; first < a.num_splits; first += V::kVecs * kMergeBatch) {
+    float2 split_ml[kMergeBatch];
+    float4 p[kMergeBatch][2];
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) {
+      const int s = first + b * V::kVecs;
+      const bool in = s < a.num_splits;
+      split_ml[b] = in ? ml[s] : make_float2(-INFINITY, 0.0f);
+      p[b][0] = in ? po[s * (kHeadDim / 4)] : make_float4(0.f, 0.f, 0.f, 0.f);
+      p[b][1] = in ? po[s * (kHeadDim / 4) + 1] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float m_new = m;
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) m_new = fmaxf(m_new, split_ml[b].x);
+    if (m_new == -INFINITY) continue;  // nothing but empty splits so far
+    const float alpha = exp2f(m - m_new);
+    l *= alpha;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) o[i] *= alpha;
+#pragma unroll
+    for (int b = 0; b < kMergeBatch; ++b) {
+      const float w = exp2f(split_ml[b].x - m_new);
+      l += w * split_ml[b].y;
+      o[0] += w * p[b][0].x;
+      o[1] += w * p[b][0].y;
+      o[2] += w * p[b][0].z;
+      o[3] += w * p[b][0].w;
+      o[4] += w * p[b][1].x;
+      o[5] += w * p[b][1].y;
+      o[6] += w * p[b][1].z;
+      o[7] += w * p[b][1].w;
+    }
+    m = m_new;
+  }
+  group_o[vec][2 * chunk] = make_float4(o[0], o[1], o[2], o[3]);
+  group_o[vec][2 * chunk + 1] = make_float4(o[4], o[5], o[6], o[7]);
+  if (chunk == 0) {
+    group_m[vec] = m;
+    group_l[vec] = l;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+
+  m = -INFINITY;
+  for (int v = 0; v < V::kVecs; ++v) m = fmaxf(m, group_m[v]);
+  l = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = 0.0f;
   if (m > -INFINITY) {
-    const float4* po =
-        reinterpret_cast<const float4*>(a.part_o + head_row * a.num_splits * kHeadDim + chunk * 8);
-#pragma unroll 4
-    for (int s = vec; s < a.num_splits; s += V::kVecs) {
-      const float2 split = ml[s];
-      const float w = exp2f(split.x - m);
-      l += w * split.y;
-      const float4 p0 = po[s * (kHeadDim / 4)], p1 = po[s * (kHeadDim / 4) + 1];
+    for (int v = 0; v < V::kVecs; ++v) {
+      const float w = exp2f(group_m[v] - m);  // 0 for a group without a finite max
+      const float4 p0 = group_o[v][2 * chunk], p1 = group_o[v][2 * chunk + 1];
       o[0] += w * p0.x;
       o[1] += w * p0.y;
       o[2] += w * p0.z;
@@ -140,28 +179,8 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
       o[5] += w * p1.y;
       o[6] += w * p1.z;
       o[7] += w * p1.w;
+      l += w * group_l[v];
     }
-  }
-  group_o[vec][2 * chunk] = make_float4(o[0], o[1], o[2], o[3]);
-  group_o[vec][2 * chunk + 1] = make_float4(o[4], o[5], o[6], o[7]);
-  if (chunk == 0) group_l[vec] = l;
-  __syncthreads();
-  if (warp != 0) return;
-
-  l = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = 0.0f;
-  for (int v = 0; v < V::kVecs; ++v) {
-    const float4 p0 = group_o[v][2 * chunk], p1 = group_o[v][2 * chunk + 1];
-    o[0] += p0.x;
-    o[1] += p0.y;
-    o[2] += p0.z;
-    o[3] += p0.w;
-    o[4] += p1.x;
-    o[5] += p1.y;
-    o[6] += p1.z;
-    o[7] += p1.w;
-    l += group_l[v];
   }
   if constexpr (kRot > 0) {  // back to the original space: sign . H o'
     Hadamard8PerLane(o, chunk, kRot);

@@ -75,10 +75,47 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const int num_splits = a.plan.num_splits;
   const int bt_log2 = a.geo.block_tokens_log2;
 
-  const int len = min(a.seq_lens[seq], a.max_blocks_per_seq << bt_log2);
-  const int begin = max(split * a.plan.tokens_per_split, min(a.sink_tokens, len));
-  const int end = min((split + 1) * a.plan.tokens_per_split, len);
   const size_t head_row = static_cast<size_t>(seq) * a.num_q_heads + kv_head * a.ratio + h_first;
+  // The loads that do not depend on the sequence's length go out together with it: this CTA's
+  // heads of q, and the block ids of the warp's first tiles. A CTA with work begins at
+  // max(split * tokens_per_split, sink_tokens) whatever the length (a sequence no longer than
+  // its sink leaves every split empty), so its first tiles are known before the length is.
+  using QV = LaneVector<kHeadDim>;
+  constexpr int kQLoads = kH > QV::kVecs ? kH / QV::kVecs : 1;
+  uint4 q_raw[kQLoads];
+#pragma unroll
+  for (int r = 0; r < kQLoads; ++r) {
+    const int h = r * QV::kVecs + tid / QV::kLanes;
+    q_raw[r] = h < nh ? *reinterpret_cast<const uint4*>(a.q + (head_row + h) * kHeadDim +
+                                                        (tid % QV::kLanes) * 8)
+                      : make_uint4(0, 0, 0, 0);
+  }
+  const int begin = max(split * a.plan.tokens_per_split, a.sink_tokens);
+  const int first_token = begin & ~(kTileTokens - 1);
+  const int32_t* table = a.block_tables + static_cast<size_t>(seq) * a.max_blocks_per_seq;
+  const int32_t* const table_end = table + a.max_blocks_per_seq;
+  const int32_t* table_cursor =  // the entry next_tile_block looks up
+      KeepInRegister(table + ((first_token + warp * kTileTokens) >> bt_log2));
+  const int table_step = (kMmaWarps * kTileTokens) >> bt_log2;
+  // The block id of this warp's next tile (0 past the table; entries past the sequence's last
+  // block are loaded but never used): tiles 0, 1, 2, ... in order.
+  auto next_tile_block = [&]() -> uint32_t {
+    const uint32_t block = table_cursor < table_end ? __ldg(table_cursor) : 0;
+    table_cursor += table_step;
+    return block;
+  };
+  // The loop takes kTPI tiles per iteration (tiles i .. i + kTPI - 1 of this warp, tile x in
+  // stage x % kStages) while the next kStages - kTPI tiles load: 2 (one softmax update, twice
+  // the independent MMA chains) when two more can load meanwhile and the accumulators leave
+  // room (one P^T tile), else 1.
+  constexpr int kTPI = T::kStages >= 4 && kPT == 1 ? 2 : 1;
+  constexpr int kLead = T::kStages - kTPI;
+  uint32_t first_blocks[kLead];
+#pragma unroll
+  for (int i = 0; i < kLead; ++i) first_blocks[i] = next_tile_block();
+
+  const int len = min(a.seq_lens[seq], a.max_blocks_per_seq << bt_log2);
+  const int end = min((split + 1) * a.plan.tokens_per_split, len);
   float2* ml_out = a.part_ml + head_row * num_splits + split;
   float* o_out = a.part_o + (head_row * num_splits + split) * kHeadDim;
   if (begin >= end) {  // nothing quantized here: an empty state (weight 0 in the merge)
@@ -93,10 +130,8 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   uint4* qfrag = reinterpret_cast<uint4*>(smem + T::kTilesArea);  // [kSlabs][32]
   float* qsum_s = reinterpret_cast<float*>(qfrag + T::kSlabs * 32);
 
-  const int32_t* table = a.block_tables + static_cast<size_t>(seq) * a.max_blocks_per_seq;
   const size_t k_offset = static_cast<size_t>(kv_head) * a.geo.head_page_bytes;
   const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
-  const int first_token = begin & ~(kTileTokens - 1);
   const int num_tiles = (end - first_token + kTileTokens - 1) / kTileTokens;
   const int my_tiles = num_tiles > warp ? (num_tiles - warp + kMmaWarps - 1) / kMmaWarps : 0;
 
@@ -112,16 +147,12 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 
   // What a tile's copies need that does not change from tile to tile: the lane's source bytes in
   // a page (K; V is v_minus_k further) and its destination offsets in a stage; lanes 0..7 also
-  // copy 4 tokens' meta each (K, then V); the warp's first entry of the block table (tile i's
-  // block id is table_step * i further: 4 tiles of 16 tokens span a whole number of blocks).
+  // copy 4 tokens' meta each (K, then V).
   const uint8_t* lane_src = KeepInRegister(a.pages + k_offset + lane * 16);
   const int meta_row = (lane % 4) * 4;
   const uint8_t* meta_src = KeepInRegister(a.pages + k_offset + (lane / 4) * v_minus_k +
                                            a.geo.codes_bytes + meta_row * 4);
   const int meta_dst = T::kMetaArea + ((lane / 4) * kTileTokens + meta_row) * 4;
-  const int32_t* table_cursor =  // the entry of the next tile tile_block looks up
-      KeepInRegister(table + ((first_token + warp * kTileTokens) >> bt_log2));
-  const int table_step = (kMmaWarps * kTileTokens) >> bt_log2;
   // 32-bit products: PagedDecodeAttention rejects layer pages of 4 GiB or more.
   const uint32_t layer_page_bytes = static_cast<uint32_t>(a.geo.layer_page_bytes);
   int copy_dst[T::kCodeChunks];
@@ -169,29 +200,11 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     }
     CpAsyncCommit();
   };
-  // The block id of this warp's tile i; called for i = 0, 1, 2, ... in order.
-  auto tile_block = [&](int i) -> uint32_t {
-    const uint32_t block = i < my_tiles ? __ldg(table_cursor) : 0;
-    table_cursor += table_step;
-    return block;
-  };
-
-  // The loop takes kTPI tiles per iteration (tiles i .. i + kTPI - 1 of this warp, tile x in
-  // stage x % kStages) while the next kStages - kTPI tiles load: 2 (one softmax update, twice
-  // the independent MMA chains) when two more can load meanwhile and the accumulators leave
-  // room (one P^T tile), else 1.
-  constexpr int kTPI = T::kStages >= 4 && kPT == 1 ? 2 : 1;
-  constexpr int kLead = T::kStages - kTPI;
-  {  // the first tiles' block ids load together, then their copies are queued
-    uint32_t first_blocks[kLead];
 #pragma unroll
-    for (int i = 0; i < kLead; ++i) first_blocks[i] = tile_block(i);
-#pragma unroll
-    for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
-  }
+  for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
   uint32_t next_blocks[kTPI];  // the block ids of the tiles the iteration queues
 #pragma unroll
-  for (int t = 0; t < kTPI; ++t) next_blocks[t] = tile_block(kLead + t);
+  for (int t = 0; t < kTPI; ++t) next_blocks[t] = next_tile_block();
   int load_stage = kLead;  // stage of local tile i + kLead in iteration i
   int use_stage = 0;       // stage of local tile i
 
@@ -202,16 +215,12 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   float* q_stage = reinterpret_cast<float*>(qfrag);
   static_assert(kH * kHeadDim * 4 == T::kSlabs * 32 * 16, "q' fills the fragment area");
   {
-    using V = LaneVector<kHeadDim>;
-    const int chunk = tid % V::kLanes;
+    const int chunk = tid % QV::kLanes;
 #pragma unroll
-    for (int h0 = 0; h0 < kH; h0 += V::kVecs) {
-      const int h = h0 + tid / V::kLanes;
-      float x[8] = {};
-      if (h < nh) {
-        UnpackHalf8(*reinterpret_cast<const uint4*>(a.q + (head_row + h) * kHeadDim + chunk * 8),
-                    x);
-      }
+    for (int r = 0; r < kQLoads; ++r) {
+      const int h = r * QV::kVecs + tid / QV::kLanes;
+      float x[8];
+      UnpackHalf8(q_raw[r], x);
       if (a.rot_block > 0) {
         ApplySigns8(SignByte(a.signs, chunk), x);
         Hadamard8PerLane(x, chunk, a.rot_block);
@@ -304,7 +313,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 #pragma unroll
     for (int t = 0; t < kTPI; ++t) {
       issue(i + kLead + t, next_blocks[t], load_stage);
-      next_blocks[t] = tile_block(i + T::kStages + t);
+      next_blocks[t] = next_tile_block();
       load_stage = load_stage + 1 == T::kStages ? 0 : load_stage + 1;
     }
     const uint8_t* base[kTPI];
@@ -396,12 +405,17 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       }
     }
     tile_max = GroupMax<4>(tile_max);
-    const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
+    // The running max (finite after the first tile: tile i has a token in [begin, end)) moves
+    // only when a tile's max passes it by more than kMaxSlack, so most tiles skip the rescale of
+    // the accumulators even while the maxima still creep up; p_t = 2^(s_t - m_run) then stays
+    // below 2^kMaxSlack, far inside the range of fp16 (P^T) and fp32 (l, z).
+    constexpr float kMaxSlack = 8.0f;
+    const float m_new = tile_max > m_run + kMaxSlack ? tile_max : m_run;
     const float alpha = Exp2Ftz(m_run - m_new);
     m_run = m_new;
     l_run *= alpha;
     z_run *= alpha;
-    if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare: the maxima rarely jump by kMaxSlack
       // Column 2 tig (+1) of acc holds the state of the group whose g is that column (kPT == 1:
       // mod 4): its alpha, fetched from lane 4 * column.
       float col_alpha[2];
