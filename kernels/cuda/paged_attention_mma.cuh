@@ -129,6 +129,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   uint8_t* my_stages = smem + static_cast<size_t>(warp) * T::kStages * T::kTileBytes;
   uint4* qfrag = reinterpret_cast<uint4*>(smem + T::kTilesArea);  // [kSlabs][32]
   float* qsum_s = reinterpret_cast<float*>(qfrag + T::kSlabs * 32);
+  float2* rowsum_s = reinterpret_cast<float2*>(qsum_s + kH);  // [kMmaWarps][8 rows]
 
   const size_t k_offset = static_cast<size_t>(kv_head) * a.geo.head_page_bytes;
   const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
@@ -218,6 +219,9 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     const int chunk = tid % QV::kLanes;
 #pragma unroll
     for (int r = 0; r < kQLoads; ++r) {
+      // A warp whose heads all lie past nh stages nothing (warp-uniform: the rotation shuffles
+      // across the whole warp); the fragments below read only heads below nh.
+      if (r * QV::kVecs + warp * (32 / QV::kLanes) >= nh) continue;
       const int h = r * QV::kVecs + tid / QV::kLanes;
       float x[8];
       UnpackHalf8(q_raw[r], x);
@@ -235,6 +239,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   __syncthreads();
   constexpr int kFragsPerThread = T::kSlabs * 32 / kAttnThreads;
   uint4 frag[kFragsPerThread];
+  float row_hi = 0.0f, row_lo = 0.0f;  // sums of the hi / lo entries of this thread's fragments
 #pragma unroll
   for (int f = 0; f < kFragsPerThread; ++f) {
     const int i = tid + f * kAttnThreads;
@@ -255,6 +260,8 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     for (int e = 0; e < 4; ++e) {
       hi[e] = __float2half_rn(x[e]);
       lo[e] = __float2half_rn(x[e] - __half2float(hi[e]));
+      row_hi += __half2float(hi[e]);
+      row_lo += __half2float(lo[e]);
     }
     frag[f] = make_uint4(PackHalf2(hi[0], hi[1]), PackHalf2(lo[0], lo[1]), PackHalf2(hi[2], hi[3]),
                          PackHalf2(lo[2], lo[3]));
@@ -270,6 +277,13 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     sum = GroupSum<kSumLanes>(sum);
     if (tid % kSumLanes == 0) qsum_s[h] = sum * a.score_scale;
   }
+  // A row g's entries over every slab are built by lanes 4 g .. 4 g + 3 of every warp: the
+  // warp's share of the row's hi and lo sums, summed in a fixed order (deterministic).
+  if constexpr (C::kIntCodes) {
+    row_hi = GroupSum<4>(row_hi);
+    row_lo = GroupSum<4>(row_lo);
+    if (tig == 0) rowsum_s[warp * 8 + g] = make_float2(row_hi, row_lo);
+  }
   __syncthreads();  // q' read: its bytes take the fragments
 #pragma unroll
   for (int f = 0; f < kFragsPerThread; ++f) qfrag[tid + f * kAttnThreads] = frag[f];
@@ -280,17 +294,13 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   float bias_hi = 0.0f, bias_lo = 0.0f;
   if constexpr (C::kIntCodes) {
 #pragma unroll
-    for (int slab = 0; slab < T::kSlabs; ++slab) {
-      const uint4 f = qfrag[slab * 32 + lane];
-      const float2 h0 = __half22float2(*reinterpret_cast<const __half2*>(&f.x));
-      const float2 l0 = __half22float2(*reinterpret_cast<const __half2*>(&f.y));
-      const float2 h1 = __half22float2(*reinterpret_cast<const __half2*>(&f.z));
-      const float2 l1 = __half22float2(*reinterpret_cast<const __half2*>(&f.w));
-      bias_hi += (h0.x + h0.y) + (h1.x + h1.y);
-      bias_lo += (l0.x + l0.y) + (l1.x + l1.y);
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float2 part = rowsum_s[w * 8 + g];
+      bias_hi += part.x;
+      bias_lo += part.y;
     }
-    bias_hi = -C::kCodeBias * GroupSum<4>(bias_hi);
-    bias_lo = -C::kCodeBias * GroupSum<4>(bias_lo);
+    bias_hi *= -C::kCodeBias;
+    bias_lo *= -C::kCodeBias;
   }
   const float bias_start[4] = {bias_hi, bias_hi, bias_lo, bias_lo};
   constexpr float kZeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -497,11 +507,12 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     }
   }
 
-  // Merge the warps: {m, l, z} [warp][head] then o [warp][head][channel] in the freed tiles.
+  // Merge the warps: {m, l, z} [warp][head] then o [warp][P^T column][channel] in the freed
+  // tiles.
   CpAsyncWait<0>();
   __syncthreads();
   float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][3]
-  float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][kH] rows of T::kORow
+  float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][8 columns] rows of T::kORow
   l_run = GroupSum<4>(l_run);
   z_run = GroupSum<4>(z_run);
   if (tig == 0 && g == head_g) {
@@ -509,49 +520,51 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     ml_s[(warp * kH + g) * 3 + 1] = l_run;
     ml_s[(warp * kH + g) * 3 + 2] = z_run;
   }
-  // Column c of P^T tile j is head c + 8 j - 8 (kPT == 2: hi / lo in tiles 0 / 1) or head c % 4
-  // (kPT == 1: hi / lo in columns c < 4 / c >= 4): sum the hi and lo columns of each head.
-  if constexpr (kPT == 1) {
-#pragma unroll
-    for (int mt = 0; mt < T::kMTiles; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[mt][0][r] += __shfl_xor_sync(0xffffffffu, acc[mt][0][r], 2);
-    }
-  } else {
+  // Column c of P^T tile j holds head c + 8 j - 8 (kPT == 2: hi / lo parts in tiles 0 / 1, summed
+  // here) or head c % 4 (kPT == 1: hi / lo parts in columns c < 4 / c >= 4, summed below).
+  if constexpr (kPT == 2) {
 #pragma unroll
     for (int mt = 0; mt < T::kMTiles; ++mt) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[mt][0][r] += acc[mt][1][r];
     }
   }
-  if (kPT == 2 || tig < 2) {
 #pragma unroll
-    for (int mt = 0; mt < T::kMTiles; ++mt) {
+  for (int mt = 0; mt < T::kMTiles; ++mt) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int head = 2 * tig + r % 2;
-        const int channel = T::kVChannels * g + 2 * mt + r / 2;
-        o_s[T::OIndex(warp * kH + head, channel)] = acc[mt][0][r];
-      }
+    for (int r = 0; r < 4; ++r) {
+      const int column = 2 * tig + r % 2;
+      const int channel = T::kVChannels * g + 2 * mt + r / 2;
+      o_s[T::OIndex(warp * 8 + column, channel)] = acc[mt][0][r];
     }
   }
   __syncthreads();
-  for (int i = tid; i < nh * kHeadDim; i += kAttnThreads) {
-    const int h = i / kHeadDim;
-    const int c = i % kHeadDim;
+  constexpr int kQuads = kHeadDim / 4;  // each thread merges 4 channels of a head at a time
+  for (int i = tid; i < nh * kQuads; i += kAttnThreads) {
+    const int h = i / kQuads;
+    const int c = (i % kQuads) * 4;
     float m = -INFINITY;
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, ml_s[(w * kH + h) * 3]);
-    float l = 0.0f, o = 0.0f;
+    float l = 0.0f;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
     for (int w = 0; w < kMmaWarps; ++w) {
       const float* mlz = ml_s + (w * kH + h) * 3;
       if (mlz[0] == -INFINITY) continue;  // a warp without tiles
       const float wgt = exp2f(mlz[0] - m);
       l += wgt * mlz[1];
-      o += wgt * (o_s[T::OIndex(w * kH + h, c)] + mlz[2]);
+      float4 v = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h, c));
+      if constexpr (kPT == 1) {
+        const float4 lo = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h + 4, c));
+        v = make_float4(v.x + lo.x, v.y + lo.y, v.z + lo.z, v.w + lo.w);
+      }
+      o.x += wgt * (v.x + mlz[2]);
+      o.y += wgt * (v.y + mlz[2]);
+      o.z += wgt * (v.z + mlz[2]);
+      o.w += wgt * (v.w + mlz[2]);
     }
-    o_out[static_cast<size_t>(h) * num_splits * kHeadDim + c] = o;
+    *reinterpret_cast<float4*>(o_out + static_cast<size_t>(h) * num_splits * kHeadDim + c) = o;
     if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
   }
 }

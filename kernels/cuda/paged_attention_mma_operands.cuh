@@ -182,19 +182,23 @@ struct MmaTraits {
   static constexpr int kVWords = kVChannels * DtypeBits(kDtype) / 32;
   static constexpr int kH = kAttnMaxHeadsPerCta;
   // Shared memory: per warp kStages tiles; the q' A fragments [kSlabs][32 lanes] uint4; the
-  // sums of q' [kH]. The end-of-CTA merge reuses the tiles: {m, l, z} [warps][kH] and
-  // o [warps][kH][kHeadDim] floats.
-  static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4;
+  // sums of q' [kH]; each warp's share of the fragment rows' hi and lo sums [warps][8] float2.
+  // The end-of-CTA merge reuses the tiles: {m, l, z} [warps][kH] and o [warps][kH][kHeadDim]
+  // floats.
+  static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4 + kMmaWarps * 8 * 8;
   // Tile stages per warp: as many as fit (at most 8, at least 2: one loading while one is used)
   // when kMinCtasPerSm CTAs share an SM's 228 KiB of shared memory, 1 KiB of it reserved per CTA.
   static constexpr int kFitStages =
       (228 * 1024 / kMinCtasPerSm - 1024 - kQBytes) / (kMmaWarps * kTileBytes);
   static constexpr int kStages = kFitStages > 8 ? 8 : kFitStages < 2 ? 2 : kFitStages;
   static constexpr size_t kStageArea = static_cast<size_t>(kMmaWarps) * kStages * kTileBytes;
-  // o rows of the merge are padded by one float per 16 channels (OIndex): the lanes that store
-  // channels 16 apart hit distinct banks.
-  static constexpr int kORow = kHeadDim + kHeadDim / 16;
-  __device__ static int OIndex(int row, int channel) { return row * kORow + channel + channel / 16; }
+  // o rows of the merge are padded by four floats per 16 channels (OIndex), and 8 per row: the
+  // lanes that store channels 16 apart hit distinct banks, and 4 channels from a multiple of 4
+  // load as one 16-byte word.
+  static constexpr int kORow = kHeadDim + kHeadDim / 4 + 8;
+  __device__ static int OIndex(int row, int channel) {
+    return row * kORow + channel + (channel / 16) * 4;
+  }
   static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kORow + 3) * 4;
   static constexpr size_t kTilesArea = kStageArea > kMergeBytes ? kStageArea : kMergeBytes;
   static constexpr size_t kSharedBytes = kTilesArea + kQBytes;
