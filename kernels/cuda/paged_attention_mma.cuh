@@ -24,6 +24,8 @@
 //           hi parts of heads 0..3 and 4..7 their lo parts, and S^T rows 4..7 / 12..15 repeat
 //           heads 0..3 so that group g computes the scores of head g % 4; with kPT == 2 (up to
 //           8 heads) n8 tile 0 holds the hi parts of heads 0..7 and tile 1 the lo parts.
+//           Integer value codes enter as fp16 subnormals (their bits masked in place, no
+//           subtraction), scaled back once at the end (MmaCodec::ChannelScale).
 //           sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
 // The thread that holds a score in the S^T accumulator holds the same entries of P^T as a B
 // operand, so scores never leave registers. At the end the four warps' states are merged in
@@ -535,7 +537,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     for (int r = 0; r < 4; ++r) {
       const int column = 2 * tig + r % 2;
       const int channel = T::kVChannels * g + 2 * mt + r / 2;
-      o_s[T::OIndex(warp * 8 + column, channel)] = acc[mt][0][r];
+      o_s[T::OIndex(warp * 8 + column, channel)] = acc[mt][0][r] * C::ChannelScale(r / 2 == 1);
     }
   }
   __syncthreads();

@@ -50,20 +50,6 @@ __device__ __forceinline__ float Exp2Ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
   return r;
 }
-// {1024 + a, 1024 + b} as half2 bits -> {a, b} (exact for integers < 1024).
-__device__ __forceinline__ uint32_t Sub1024(uint32_t h) {
-  const __half2 r =
-      __hsub2(*reinterpret_cast<const __half2*>(&h), __half2half2(__ushort_as_half(0x6400)));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
-// {1024 + 16 a, 1024 + 16 b} as half2 bits -> {a, b} with one fma by 1/16 and -64 (exact for
-// integers < 64): unpacks a high nibble in place, without a shift.
-__device__ __forceinline__ uint32_t Div16Sub64(uint32_t h) {
-  const __half2 r = __hfma2(*reinterpret_cast<const __half2*>(&h),
-                            __half2half2(__ushort_as_half(0x2C00)),
-                            __half2half2(__ushort_as_half(0xD400)));
-  return *reinterpret_cast<const uint32_t*>(&r);
-}
 __device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t pair16) {
   const __half2_raw h =
       __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair16), __NV_E4M3);
@@ -119,21 +105,23 @@ struct MmaCodec {
     }
   }
   // For each channel c of a 32-bit word of two rows a and b: half2 {code_a[c], code_b[c]}.
-  // Channels per word: 32 / kBits; out[i] is the word's i-th channel.
+  // Channels per word: 32 / kBits; out[i] is the word's i-th channel. Integer codes come as fp16
+  // subnormals, the code's bits masked in place: c 2^-24 for INT8 bytes and INT4 low nibbles
+  // (even channels), 16 c 2^-24 for INT4 high nibbles (odd channels). Products with fp16 P^T
+  // entries are exact in the MMA's fp32 accumulation; ChannelScale(odd) scales the sums back.
   static constexpr int kChPerWord = 32 / kBits;
   __device__ static void PairWord(uint32_t a, uint32_t b, uint32_t (&out)[kChPerWord]) {
     if constexpr (kDtype == KvDtype::kInt4) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const uint32_t x = __byte_perm(a, b, i | (i << 4) | ((4 + i) << 8) | ((4 + i) << 12));
-        out[2 * i] = Sub1024(AndOr(x, 0x000F000Fu, 0x64006400u));
-        out[2 * i + 1] = Div16Sub64(AndOr(x, 0x00F000F0u, 0x64006400u));
+        out[2 * i] = x & 0x000F000Fu;
+        out[2 * i + 1] = x & 0x00F000F0u;
       }
     } else if constexpr (kDtype == KvDtype::kInt8) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint32_t x = __byte_perm(a, b, i | ((4 + i) << 8));
-        out[i] = Sub1024(AndOr(x, 0x00FF00FFu, 0x64006400u));
+        out[i] = __byte_perm(a, b, i | ((4 + i) << 8)) & 0x00FF00FFu;
       }
     } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
 #pragma unroll
@@ -146,6 +134,11 @@ struct MmaCodec {
       out[0] = __byte_perm(a, b, 0x5410);
       out[1] = __byte_perm(a, b, 0x7632);
     }
+  }
+  // The factor that turns a value-MMA sum over PairWord channels of parity `odd` into a sum over
+  // codes: 2^24 for INT8 and INT4 low nibbles, 2^20 for INT4 high nibbles, 1 for FP8 and FP16.
+  __device__ static constexpr float ChannelScale(bool odd) {
+    return !kIntCodes ? 1.0f : kDtype == KvDtype::kInt4 && odd ? 1048576.0f : 16777216.0f;
   }
 };
 
