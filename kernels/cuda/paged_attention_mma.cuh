@@ -168,9 +168,11 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const int bt_mask = (1 << bt_log2) - 1;
 
   // Enqueues this warp's local tile i (CTA tile warp + 4 i) into stage `stage`: K and V code
-  // rows of tokens in [begin, end) (the other rows are zeroed), and their meta. `block` is the
-  // tile's block id (a tile never crosses a block: block_tokens >= 16). Always commits one group
-  // per lane.
+  // rows and their meta. `block` is the tile's block id (a tile never crosses a block:
+  // block_tokens >= 16), so every row of the tile lies in that block's page. Integer codes are
+  // finite whatever their bits, so their tiles copy whole, rows outside [begin, end) included;
+  // FP8 and FP16 rows outside [begin, end) are zeroed instead (their bytes could be inf or NaN).
+  // Always commits one group per lane.
   auto issue = [&](int i, uint32_t block, int stage) {
     if (i < my_tiles) {
       const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
@@ -178,7 +180,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       const int in_block = t0 & bt_mask;
       const size_t page = static_cast<size_t>(block) * layer_page_bytes;
       const uint8_t* src = lane_src + page + in_block * T::kCodeBytes;
-      if (t0 >= begin && t0 + kTileTokens <= end) {  // every row: no predicate
+      if (C::kIntCodes || (t0 >= begin && t0 + kTileTokens <= end)) {  // no predicate
 #pragma unroll
         for (int j = 0; j < T::kCodeChunks; ++j) {
           CpAsync16(base + copy_dst[j],
@@ -196,7 +198,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
         }
       }
       if constexpr (T::kQuantized) {
-        if (lane < 8 && t0 + meta_row < end) {
+        if (lane < 8 && (C::kIntCodes || t0 + meta_row < end)) {
           CpAsync16(base + meta_dst, meta_src + page + in_block * 4);
         }
       }
@@ -391,8 +393,8 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       }
     }
     // This lane's tokens of each tile: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig. Rows outside
-    // [begin, end) hold zeroed codes and stale meta (possibly inf/NaN as floats): they are
-    // selected away, never multiplied by 0.
+    // [begin, end) hold finite codes (see issue) and any meta (possibly inf/NaN as floats): they
+    // are selected away, never multiplied by 0.
     int tok[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
@@ -413,8 +415,9 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
           dot = sz.x * dot + sz.y * qsum;
         }
         s[t][u] = valid[t][u] ? dot : -INFINITY;
-        tile_max = fmaxf(tile_max, s[t][u]);
       }
+      // A tree, not a chain of dependent maxima.
+      tile_max = fmaxf(tile_max, fmaxf(fmaxf(s[t][0], s[t][1]), fmaxf(s[t][2], s[t][3])));
     }
     tile_max = GroupMax<4>(tile_max);
     // The running max (finite after the first tile: tile i has a token in [begin, end)) moves
@@ -481,8 +484,8 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       }
 
       // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
-      // word of each row at a time; rows outside [begin, end) hold the zeros of their copy
-      // (finite codes against p = 0).
+      // word of each row at a time; rows outside [begin, end) hold finite codes (see issue)
+      // against p = 0.
       const uint32_t* vrow[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
