@@ -104,16 +104,26 @@ DequantizeParams Fp16Read(const BlockPool& pool, uint32_t layer, const std::vect
 
 }  // namespace
 
+template <typename ReadFn>
+absl::Status StoreImpl::PinnedRead(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
+                                   uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
+                                   uint32_t head_end, ReadFn&& read) {
+  LeaseUse use(this);
+  auto begun = BeginRead(use, lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin,
+                         head_end);
+  if (!begun.ok()) return begun.status();
+  return read(*begun->first, begun->second);
+}
+
 absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                                  uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                  uint16_t* k, uint16_t* v) {
   if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
-  LeaseUse use(this);
-  auto read = BeginRead(use, lease_id, layer, layer + 1, block_begin, num_blocks, head_begin,
-                        head_end);
-  if (!read.ok()) return read.status();
-  const auto& [pool, ids] = *read;
-  return backend()->Dequantize(Fp16Read(*pool, layer, ids, head_begin, head_end, k, v));
+  return PinnedRead(
+      lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
+      [&](const BlockPool& pool, const std::vector<int32_t>& ids) {
+        return backend()->Dequantize(Fp16Read(pool, layer, ids, head_begin, head_end, k, v));
+      });
 }
 
 absl::Status StoreImpl::ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin,
@@ -121,40 +131,39 @@ absl::Status StoreImpl::ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin,
                                         uint32_t num_blocks, uint32_t head_begin,
                                         uint32_t head_end, uint8_t* dst) {
   if (dst == nullptr) return absl::InvalidArgumentError("null output buffer");
-  LeaseUse use(this);
-  auto read = BeginRead(use, lease_id, layer_begin, layer_end, block_begin, num_blocks,
-                        head_begin, head_end);
-  if (!read.ok()) return read.status();
-  const auto& [pool, ids] = *read;
-  const size_t half = ids.size() * pool->layout(layer_begin).block_tokens *
-                      (head_end - head_begin) * pool->layout(layer_begin).head_dim;  // values
-  std::vector<DequantizeParams> layers;
-  auto* at = reinterpret_cast<uint16_t*>(dst);
-  for (uint32_t layer = layer_begin; layer < layer_end; ++layer, at += 2 * half) {
-    layers.push_back(Fp16Read(*pool, layer, ids, head_begin, head_end, at, at + half));
-  }
-  return backend()->DequantizeToArena(layers);
+  return PinnedRead(
+      lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
+      [&](const BlockPool& pool, const std::vector<int32_t>& ids) {
+        const size_t half = ids.size() * pool.layout(layer_begin).block_tokens *
+                            (head_end - head_begin) * pool.layout(layer_begin).head_dim;  // values
+        std::vector<DequantizeParams> layers;
+        auto* at = reinterpret_cast<uint16_t*>(dst);
+        for (uint32_t layer = layer_begin; layer < layer_end; ++layer, at += 2 * half) {
+          layers.push_back(Fp16Read(pool, layer, ids, head_begin, head_end, at, at + half));
+        }
+        return backend()->DequantizeToArena(layers);
+      });
 }
 
 absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                 uint8_t* k, uint8_t* v) {
   if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
-  LeaseUse use(this);
-  auto read = BeginRead(use, lease_id, layer, layer + 1, block_begin, num_blocks, head_begin,
-                        head_end);
-  if (!read.ok()) return read.status();
-  const auto& [pool, ids] = *read;
-  for (int kv = 0; kv < 2; ++kv) {
-    std::vector<ComputeBackend::ArenaRun> runs;
-    AppendRawRuns(*pool, layer, kv, ids, head_begin, head_end, &runs);
-    uint8_t* out = kv == 0 ? k : v;
-    for (const ComputeBackend::ArenaRun& run : runs) {
-      if (absl::Status s = backend()->ReadArena(run.src, run.bytes, out); !s.ok()) return s;
-      out += run.bytes;
-    }
-  }
-  return absl::OkStatus();
+  return PinnedRead(lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
+                    [&](const BlockPool& pool, const std::vector<int32_t>& ids) -> absl::Status {
+                      for (int kv = 0; kv < 2; ++kv) {
+                        std::vector<ComputeBackend::ArenaRun> runs;
+                        AppendRawRuns(pool, layer, kv, ids, head_begin, head_end, &runs);
+                        uint8_t* out = kv == 0 ? k : v;
+                        for (const ComputeBackend::ArenaRun& run : runs) {
+                          if (absl::Status s = backend()->ReadArena(run.src, run.bytes, out);
+                              !s.ok())
+                            return s;
+                          out += run.bytes;
+                        }
+                      }
+                      return absl::OkStatus();
+                    });
 }
 
 absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
@@ -162,19 +171,17 @@ absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
                                        uint32_t num_blocks, uint32_t head_begin,
                                        uint32_t head_end, uint8_t* dst) {
   if (dst == nullptr) return absl::InvalidArgumentError("null output buffer");
-  LeaseUse use(this);
-  auto read = BeginRead(use, lease_id, layer_begin, layer_end, block_begin, num_blocks,
-                        head_begin, head_end);
-  if (!read.ok()) return read.status();
-  const auto& [pool, ids] = *read;
-  std::vector<ComputeBackend::ArenaRun> runs;
-  runs.reserve(size_t{2} * (layer_end - layer_begin) * ids.size());
-  for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
-    for (int kv = 0; kv < 2; ++kv) {
-      AppendRawRuns(*pool, layer, kv, ids, head_begin, head_end, &runs);
-    }
-  }
-  return backend()->GatherArena(runs, dst);
+  return PinnedRead(lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
+                    [&](const BlockPool& pool, const std::vector<int32_t>& ids) {
+                      std::vector<ComputeBackend::ArenaRun> runs;
+                      runs.reserve(size_t{2} * (layer_end - layer_begin) * ids.size());
+                      for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
+                        for (int kv = 0; kv < 2; ++kv) {
+                          AppendRawRuns(pool, layer, kv, ids, head_begin, head_end, &runs);
+                        }
+                      }
+                      return backend()->GatherArena(runs, dst);
+                    });
 }
 
 absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,

@@ -140,6 +140,12 @@ class StoreImpl final : public KvStore {
       LeaseUse& use, uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
       uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin, uint32_t head_end)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // BeginRead, then read(pool, ids) outside mu_ while the lease stays pinned: BeginRead's error
+  // or read's status. Defined in kv_store_decode.cc, its only user.
+  template <typename ReadFn>
+  absl::Status PinnedRead(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
+                          uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
+                          uint32_t head_end, ReadFn&& read) ABSL_LOCKS_EXCLUDED(mu_);
 
   // One append of `num_tokens` tokens to a lease's tail at one layer.
   struct AppendPlan {
