@@ -420,17 +420,14 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       tile_max = fmaxf(tile_max, fmaxf(fmaxf(s[t][0], s[t][1]), fmaxf(s[t][2], s[t][3])));
     }
     tile_max = GroupMax<4>(tile_max);
-    // The running max (finite after the first tile: tile i has a token in [begin, end)) moves
-    // only when a tile's max passes it by more than kMaxSlack, so most tiles skip the rescale of
-    // the accumulators even while the maxima still creep up; p_t = 2^(s_t - m_run) then stays
-    // below 2^kMaxSlack, far inside the range of fp16 (P^T) and fp32 (l, z).
-    constexpr float kMaxSlack = 8.0f;
-    const float m_new = tile_max > m_run + kMaxSlack ? tile_max : m_run;
+    // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the V
+    // scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t overflow fp16.
+    const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
     const float alpha = Exp2Ftz(m_run - m_new);
     m_run = m_new;
     l_run *= alpha;
     z_run *= alpha;
-    if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare: the maxima rarely jump by kMaxSlack
+    if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
       // Column 2 tig (+1) of acc holds the state of the group whose g is that column (kPT == 1:
       // mod 4): its alpha, fetched from lane 4 * column.
       float col_alpha[2];

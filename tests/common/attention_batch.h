@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -51,10 +52,12 @@ struct HostBatch {
 };
 
 // Builds a batch; returns false when cpu::QuantizeAppend rejects it. `spare_blocks` unused blocks
-// are mixed into the arena so that tables are scattered and not dense.
+// are mixed into the arena so that tables are scattered and not dense; `edit_kv`, when set,
+// changes each sequence's K/V ([len][num_kv_heads][head_dim] floats) before it is stored.
 inline bool MakeHostBatch(const PageLayout& layout, int num_q_heads,
                           const std::vector<int32_t>& seq_lens, Outliers outliers, uint64_t seed,
-                          HostBatch* b, int spare_blocks = 7) {
+                          HostBatch* b, int spare_blocks = 7,
+                          const std::function<void(KvData&)>& edit_kv = nullptr) {
   b->layout = layout;
   b->num_q_heads = num_q_heads;
   b->seq_lens = seq_lens;
@@ -86,7 +89,8 @@ inline bool MakeHostBatch(const PageLayout& layout, int num_q_heads,
   size_t next = 0;
   for (size_t s = 0; s < num_seqs; ++s) {
     const int len = seq_lens[s];
-    const KvData kv = MakeKv(len, layout.num_kv_heads, layout.head_dim, outliers, seed + 17 * s);
+    KvData kv = MakeKv(len, layout.num_kv_heads, layout.head_dim, outliers, seed + 17 * s);
+    if (edit_kv) edit_kv(kv);
     std::vector<int64_t> slots(len);
     std::vector<int32_t> positions(len);
     for (int t = 0; t < len; ++t) {
