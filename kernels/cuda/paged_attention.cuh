@@ -118,9 +118,9 @@ struct AttnSplitArgs {
 
 // Launches the split kernel over grid (num_splits, num_kv_heads * head_groups, num_seqs):
 // AttentionSplitMmaKernel (tensor cores, paged_attention_mma.cuh) when args.plan.mma, else
-// AttentionSplitKernel
-// (CUDA cores, any group size that is a multiple of 16, paged_attention_split.cuh). Defined in
-// paged_attention_mma.cuh, instantiated per dtype in paged_attention_<dtype>.cu.
+// AttentionSplitKernel (CUDA cores, any group size that is a multiple of 16,
+// paged_attention_split.cuh). Defined in paged_attention_launch.cuh, instantiated per dtype in
+// paged_attention_<dtype>.cu.
 template <KvDtype kDtype, int kHeadDim>
 KernelStatus LaunchAttentionSplits(const AttnSplitArgs& args, int num_seqs, cudaStream_t stream);
 

@@ -1,5 +1,5 @@
 // Instantiates the paged decode attention split kernels for FP16 pages, every compiled head_dim.
-#include "kernels/cuda/paged_attention_mma.cuh"
+#include "kernels/cuda/paged_attention_launch.cuh"
 
 namespace kvpool::cuda {
 

@@ -1,8 +1,7 @@
 // The tensor-core split kernel of paged decode attention, for layouts with one {scale, zero} per
-// (token, head) (group_size == head_dim) and for FP16 pages, and LaunchAttentionSplits, which
-// picks it or AttentionSplitKernel (paged_attention_split.cuh, the other group sizes; same
-// contract and partial outputs). Included only by the instantiation files
-// paged_attention_<dtype>.cu.
+// (token, head) (group_size == head_dim) and for FP16 pages (paged_attention_split.cuh serves
+// the other group sizes; same contract and partial outputs). Launched by
+// paged_attention_launch.cuh.
 //
 // Grid (num_splits, num_kv_heads * head_groups, num_seqs), kMmaWarps (4) warps. The CTA first
 // rotates its query heads' q (the layout's block-diagonal Hadamard, as the CUDA-core path's
@@ -571,37 +570,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   }
 }
 
-template <KvDtype kDtype, int kHeadDim, int kPT>
-KernelStatus LaunchAttentionSplitsMmaPT(const AttnSplitArgs& args, int num_seqs,
-                                        cudaStream_t stream) {
-  using T = MmaTraits<kDtype, kHeadDim>;
-  constexpr auto kernel = AttentionSplitMmaKernel<kDtype, kHeadDim, kPT>;
-  KVPOOL_CUDA_RETURN_IF_ERROR(
-      (AllowDynamicSharedMemory<kernel, static_cast<int>(T::kSharedBytes)>()));
-  const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
-  return CheckCuda(LaunchDependent(kernel, grid, dim3(kAttnThreads), T::kSharedBytes, stream, args),
-                   "AttentionSplitMmaKernel");
-}
-
-// One P^T tile when every CTA serves at most 4 query heads (GQA ratio <= 4), else two.
-template <KvDtype kDtype, int kHeadDim>
-KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
-                                      cudaStream_t stream) {
-  return args.ratio <= 4 ? LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, 1>(args, num_seqs, stream)
-                         : LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, 2>(args, num_seqs, stream);
-}
-
 }  // namespace attention_internal
-
-template <KvDtype kDtype, int kHeadDim>
-KernelStatus LaunchAttentionSplits(const AttnSplitArgs& args, int num_seqs, cudaStream_t stream) {
-  return args.plan.mma
-             ? attention_internal::LaunchAttentionSplitsMma<kDtype, kHeadDim>(args, num_seqs,
-                                                                              stream)
-             : attention_internal::LaunchAttentionSplitsGeneral<kDtype, kHeadDim>(args, num_seqs,
-                                                                                  stream);
-}
-
 }  // namespace kvpool::cuda
 
 #endif  // KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
