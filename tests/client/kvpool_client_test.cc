@@ -238,20 +238,26 @@ TEST(KvPoolClientConnect, WaitForReadyWaitsForALateServerAndFailFastDoesNot) {
   server->Shutdown();
 }
 
-TEST_F(KvPoolClientTest, AttendSessionAnswersEachStepInOrderOnOneStream) {
-  absl::StatusOr<std::unique_ptr<AttendSession>> session = Client(1 << 20)->OpenAttendStream();
-  ASSERT_TRUE(session.ok()) << session.status();
-  for (uint32_t layer = 0; layer < 5; ++layer) {
+// Steps layers 0..steps-1 of `session` (the fake echoes q as out and the layer as the context
+// length), then finishes it; a step after Finish fails.
+void ExpectStepsInOrder(AttendSession& session, uint32_t steps) {
+  for (uint32_t layer = 0; layer < steps; ++layer) {
     v1::AttendRequest req;
     req.set_layer(layer);
     req.add_items()->set_q("q" + std::to_string(layer));
-    absl::StatusOr<v1::AttendResponse> resp = (*session)->Step(req);
+    absl::StatusOr<v1::AttendResponse> resp = session.Step(req);
     ASSERT_TRUE(resp.ok()) << resp.status();
     EXPECT_EQ(resp->context_tokens(0), layer);
     EXPECT_EQ(resp->out(), "q" + std::to_string(layer));
   }
-  EXPECT_TRUE((*session)->Finish().ok());
-  EXPECT_FALSE((*session)->Step(v1::AttendRequest()).ok());
+  EXPECT_TRUE(session.Finish().ok());
+  EXPECT_FALSE(session.Step(v1::AttendRequest()).ok());
+}
+
+TEST_F(KvPoolClientTest, AttendSessionAnswersEachStepInOrderOnOneStream) {
+  absl::StatusOr<std::unique_ptr<AttendSession>> session = Client(1 << 20)->OpenAttendStream();
+  ASSERT_TRUE(session.ok()) << session.status();
+  ExpectStepsInOrder(**session, 5);
 }
 
 // With spinning off (block at once) the session behaves the same.
@@ -260,16 +266,8 @@ TEST_F(KvPoolClientTest, AttendSessionWithoutSpinningAnswersInOrder) {
   options.attend_spin = absl::ZeroDuration();
   auto client = KvPoolClient::Create(server_->InProcessChannel(grpc::ChannelArguments()), options);
   absl::StatusOr<std::unique_ptr<AttendSession>> session = client->OpenAttendStream();
-  ASSERT_TRUE(session.ok());
-  for (uint32_t layer = 0; layer < 3; ++layer) {
-    v1::AttendRequest req;
-    req.set_layer(layer);
-    req.add_items()->set_q("x" + std::to_string(layer));
-    absl::StatusOr<v1::AttendResponse> resp = (*session)->Step(req);
-    ASSERT_TRUE(resp.ok()) << resp.status();
-    EXPECT_EQ(resp->out(), "x" + std::to_string(layer));
-  }
-  EXPECT_TRUE((*session)->Finish().ok());
+  ASSERT_TRUE(session.ok()) << session.status();
+  ExpectStepsInOrder(**session, 3);
 }
 
 // A session dropped mid-stream (no Finish) cancels its call and returns; one that is opened and
