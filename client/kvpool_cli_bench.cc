@@ -182,7 +182,10 @@ int RunBenchAttend() {
   std::printf(
       "bench attend: batch %d x %u context tokens, %d q heads, %d %s: p50 %.0f us, "
       "p99 %.0f us\n",
-      batch, attended, q_heads, iters, stream ? "AttendStream steps" : "unary RPCs",
+      batch, attended, q_heads, iters,
+      !stream                                ? "unary RPCs"
+      : c->options().attend_socket_port != 0 ? "AttendSocket steps"
+                                             : "AttendStream steps",
       Percentile(latency_us, 0.5), Percentile(latency_us, 0.99));
   return 0;
 }

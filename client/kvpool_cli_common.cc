@@ -18,6 +18,9 @@ ABSL_FLAG(int32_t, q_heads_per_kv_head, 4, "query heads per KV head (GQA group) 
 ABSL_FLAG(int32_t, deadline_ms, 60000, "deadline of each RPC (streams: the whole stream)");
 ABSL_FLAG(int64_t, attend_spin_us, 500,
           "how long an AttendStream step polls for its response before blocking (0 = block)");
+ABSL_FLAG(int32_t, attend_socket_port, 0,
+          "run AttendStream sessions over the server's AttendSocket on this port of the "
+          "--target host instead of gRPC (0 = gRPC)");
 ABSL_FLAG(bool, wait_for_ready, true,
           "calls wait (up to --deadline_ms) for the server to accept a connection instead of "
           "failing at the first connect error");
@@ -36,6 +39,7 @@ client::ClientOptions Options(int channel_index, size_t max_chunk_bytes) {
   options.channel_index = channel_index;
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
   options.attend_spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_spin_us));
+  options.attend_socket_port = absl::GetFlag(FLAGS_attend_socket_port);
   if (max_chunk_bytes > 0) options.max_chunk_bytes = max_chunk_bytes;
   return options;
 }

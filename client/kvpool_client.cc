@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
+#include "client/attend_socket_session.h"
 #include "grpcpp/grpcpp.h"
 
 namespace kvpool::client {
@@ -127,8 +128,12 @@ class GrpcAttendSession final : public AttendSession {
 
 class GrpcKvPoolClient final : public KvPoolClient {
  public:
-  GrpcKvPoolClient(std::shared_ptr<grpc::Channel> channel, const ClientOptions& options)
-      : options_(options), stub_(v1::KvPool::NewStub(std::move(channel))) {}
+  // `target`: the channel's target, "" for a channel made elsewhere.
+  GrpcKvPoolClient(std::shared_ptr<grpc::Channel> channel, std::string target,
+                   const ClientOptions& options)
+      : options_(options),
+        target_(std::move(target)),
+        stub_(v1::KvPool::NewStub(std::move(channel))) {}
 
   const ClientOptions& options() const override { return options_; }
 
@@ -302,6 +307,18 @@ class GrpcKvPoolClient final : public KvPoolClient {
 
   absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendStream(
       const CallOptions& call) override {
+    if (options_.attend_socket_port != 0) {
+      if (options_.credentials != nullptr) {
+        return absl::FailedPreconditionError(
+            "attend_socket_port: the AttendSocket carries no TLS; use AttendStream with "
+            "credentials");
+      }
+      absl::StatusOr<std::string> address =
+          AttendSocketAddress(target_, options_.attend_socket_port);
+      if (!address.ok()) return address.status();
+      return OpenAttendSocketSession(*address, Deadline(call), options_.attend_spin,
+                                     static_cast<uint32_t>(options_.max_message_bytes));
+    }
     return std::make_unique<GrpcAttendSession>(stub_.get(), Deadline(call),
                                                options_.wait_for_ready, options_.attend_spin);
   }
@@ -327,6 +344,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
   }
 
   const ClientOptions options_;
+  const std::string target_;
   const std::unique_ptr<v1::KvPool::Stub> stub_;
 };
 
@@ -341,12 +359,13 @@ std::unique_ptr<KvPoolClient> KvPoolClient::Create(const std::string& target,
   args.SetInt("kvpool.channel_index", options.channel_index);
   std::shared_ptr<grpc::ChannelCredentials> creds =
       options.credentials ? options.credentials : grpc::InsecureChannelCredentials();
-  return Create(grpc::CreateCustomChannel(target, creds, args), options);
+  return std::make_unique<GrpcKvPoolClient>(grpc::CreateCustomChannel(target, creds, args), target,
+                                            options);
 }
 
 std::unique_ptr<KvPoolClient> KvPoolClient::Create(std::shared_ptr<grpc::Channel> channel,
                                                    const ClientOptions& options) {
-  return std::make_unique<GrpcKvPoolClient>(std::move(channel), options);
+  return std::make_unique<GrpcKvPoolClient>(std::move(channel), "", options);
 }
 
 }  // namespace kvpool::client

@@ -39,6 +39,10 @@ struct ClientOptions {
   // How long an AttendSession::Step polls for its response without sleeping before it blocks:
   // a decode step's response then lands without a thread wake-up. 0 = block at once.
   absl::Duration attend_spin = absl::Microseconds(500);
+  // 0: AttendSessions are gRPC AttendStreams. Otherwise OpenAttendStream connects to this port
+  // on the host of the client's "host:port" target (the server's --attend_socket_port) and runs
+  // the steps over the AttendSocket format, without gRPC (no TLS: refused with credentials).
+  int attend_socket_port = 0;
   // Channel credentials; null = insecure.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
 };
@@ -137,7 +141,8 @@ class KvPoolClient {
 
   virtual absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
                                                     const CallOptions& call = {}) = 0;
-  // Opens an AttendStream; the deadline covers the whole session.
+  // Opens an AttendStream (or an AttendSocket session: ClientOptions::attend_socket_port); the
+  // deadline covers the whole session.
   virtual absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendStream(
       const CallOptions& call = {}) = 0;
 

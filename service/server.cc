@@ -71,6 +71,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", options.grpc_address));
   }
   s->attend_streams_->Start();
+  if (!options.attend_socket.address.empty()) {
+    absl::StatusOr<std::unique_ptr<AttendSocketServer>> socket =
+        AttendSocketServer::Start(s->store_.get(), s->rpc_metrics_.get(), options.attend_socket);
+    if (!socket.ok()) {
+      s->Shutdown(absl::ZeroDuration());
+      return socket.status();
+    }
+    s->attend_socket_ = *std::move(socket);
+  }
   s->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
 
   if (!options.metrics_address.empty()) {
@@ -91,6 +100,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
 }
 
 Server::~Server() { Shutdown(absl::ZeroDuration()); }
+
+int Server::attend_socket_port() const {
+  return attend_socket_ == nullptr ? 0 : attend_socket_->port();
+}
 
 int Server::metrics_port() const { return exposer_ == nullptr ? 0 : exposer_->port(); }
 
@@ -115,6 +128,7 @@ void Server::Shutdown(absl::Duration grace) {
     grpc_server_->Wait();
   }
   if (attend_streams_ != nullptr) attend_streams_->Shutdown();
+  if (attend_socket_ != nullptr) attend_socket_->Shutdown();
   if (!stop_sweeper_.HasBeenNotified()) stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
   exposer_.reset();

@@ -1,6 +1,7 @@
 // The kvpool server assembled: compute backend, store (with its start-up namespaces), gRPC
 // server (KvPool service, KvPoolTransport (the NCCL data plane) on a CUDA backend built with
-// NCCL, grpc.health.v1, server reflection), the /metrics exposer and a lease-sweeper thread.
+// NCCL, grpc.health.v1, server reflection), the AttendSocket listener, the /metrics exposer and
+// a lease-sweeper thread.
 // Shutdown is graceful: health turns NOT_SERVING, in-flight RPCs drain until the deadline, then
 // the rest are cancelled.
 #ifndef KVPOOL_SERVICE_SERVER_H_
@@ -19,6 +20,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
+#include "service/attend_socket_server.h"
 #include "service/attend_stream_server.h"
 #include "service/kvpool_service.h"
 #include "service/metrics/metrics_exposer.h"
@@ -46,6 +48,8 @@ struct ServerOptions {
   std::vector<NamespaceConfig> namespaces;
   ServiceOptions service;
   AttendStreamOptions attend_stream;
+  // Attend over a plain TCP socket (kvpool-server: --attend_socket_port); off by default here.
+  AttendSocketOptions attend_socket;
   // The CUDA backend's device, on which KvPoolTransport opens NCCL channels; -1 = no
   // KvPoolTransport. Ignored (no KvPoolTransport) for a non-CUDA backend or a build without NCCL.
   int nccl_device = -1;
@@ -67,6 +71,7 @@ class Server {
   Server& operator=(const Server&) = delete;
 
   int port() const { return port_; }  // 0 without a TCP listener
+  int attend_socket_port() const;     // 0 without an AttendSocket listener
   int metrics_port() const;           // 0 without an exposer
   KvStore* store() const { return store_.get(); }
   const ComputeBackend& backend() const { return *backend_; }
@@ -92,6 +97,7 @@ class Server {
   std::unique_ptr<RpcMetrics> rpc_metrics_;
   std::unique_ptr<KvPoolService> service_;
   std::unique_ptr<AttendStreamServer> attend_streams_;  // its queues outlive the gRPC server
+  std::unique_ptr<AttendSocketServer> attend_socket_;   // null without its listener
   std::unique_ptr<PeerTransportFactory> transport_factory_;    // null without KvPoolTransport
   std::unique_ptr<KvPoolTransportService> transport_service_;  // null without KvPoolTransport
   std::unique_ptr<grpc::Server> grpc_server_;

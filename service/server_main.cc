@@ -40,6 +40,16 @@ ABSL_FLAG(int, attend_stream_threads, 4,
 ABSL_FLAG(int64_t, attend_stream_spin_us, 500,
           "how long an AttendStream thread polls without sleeping after its last event (0 = "
           "block; spinning saves a thread wake-up per decode step)");
+ABSL_FLAG(int, attend_socket_port, 50052,
+          "AttendSocket port: Attend steps over plain TCP, without gRPC (0 = pick a free one, "
+          "-1 = off)");
+ABSL_FLAG(int, attend_socket_max_connections, 256, "AttendSocket sessions served at once");
+ABSL_FLAG(int64_t, attend_socket_spin_us, 500,
+          "how long an AttendSocket session polls for its next request without sleeping (0 = "
+          "block)");
+ABSL_FLAG(int64_t, attend_socket_idle_timeout_ms, 600000,
+          "an AttendSocket session with no request (or an unsendable response) this long is "
+          "closed");
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 10000, "time in-flight RPCs get to finish on shutdown");
 ABSL_FLAG(int64_t, lease_sweep_ms, 1000, "period of the expired-lease sweep (0 = off)");
@@ -101,7 +111,15 @@ int Run() {
   options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
   options.attend_stream.threads = absl::GetFlag(FLAGS_attend_stream_threads);
   options.attend_stream.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_stream_spin_us));
+  const int attend_socket_port = absl::GetFlag(FLAGS_attend_socket_port);
+  options.attend_socket.address =
+      attend_socket_port < 0 ? "" : absl::StrCat("0.0.0.0:", attend_socket_port);
+  options.attend_socket.max_connections = absl::GetFlag(FLAGS_attend_socket_max_connections);
+  options.attend_socket.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_socket_spin_us));
+  options.attend_socket.idle_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_attend_socket_idle_timeout_ms));
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
+  options.attend_socket.max_frame_bytes = static_cast<uint32_t>(options.max_message_bytes);
   options.lease_sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_lease_sweep_ms));
   if ((*backend)->name() == "cuda") options.nccl_device = absl::GetFlag(FLAGS_device);
   const uint64_t pool_bytes = options.store.pool_bytes;
@@ -113,10 +131,11 @@ int Run() {
     return 1;
   }
   std::fprintf(stderr,
-               "kvpool-server %s listening: grpc port %d, metrics port %d, backend %s, "
-               "pool %llu bytes\n",
+               "kvpool-server %s listening: grpc port %d, metrics port %d, attend socket port %d, "
+               "backend %s, pool %llu bytes\n",
                kServerVersion, (*server)->port(), (*server)->metrics_port(),
-               (*server)->backend().name().c_str(), static_cast<unsigned long long>(pool_bytes));
+               (*server)->attend_socket_port(), (*server)->backend().name().c_str(),
+               static_cast<unsigned long long>(pool_bytes));
 
   int sig = 0;
   sigwait(&signals, &sig);

@@ -62,6 +62,8 @@ for shape in "1 32768" "32 4096" "1 16" "32 16"; do
   timed_attend Attend "unary Attend calls" --batch=$batch --context=$context --iters=300 --nostream
   timed_attend AttendStream.step "AttendStream steps" --batch=$batch --context=$context --iters=300 \
     --stream
+  timed_attend AttendSocket.step "AttendSocket steps" --batch=$batch --context=$context --iters=300 \
+    --stream --attend_socket_port=50052
 done
 # The demo's progress line (stderr, redrawn with \r) stays out of the results; its errors do not.
 timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 demo 2> "$tmp/demo.err" | tee -a "$grpc" \

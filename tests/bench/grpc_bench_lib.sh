@@ -4,7 +4,7 @@
 
 start_server() {  # extra kvpool-server flags; sets $server
   # 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
-  "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 \
+  "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 --attend_socket_port=50052 \
     --max_put_stream_bytes=17179869184 "$@" >> "$tmp/server.log" 2>&1 &
   server=$!
   for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
@@ -22,8 +22,9 @@ cli() {  # the kvpool tool against the server; its output and, when it fails, it
   ((rc == 0)) || { echo "kvpool $*: exit status $rc" | tee -a "$grpc"; status=1; }
 }
 
-# Each Attend run also reports the server's mean time per unary call, or per AttendStream step
-# (kvpool_rpc_duration_seconds{method="Attend" or "AttendStream.step"}) over the run.
+# Each Attend run also reports the server's mean time per unary call, or per AttendStream or
+# AttendSocket step (kvpool_rpc_duration_seconds{method="Attend", "AttendStream.step" or
+# "AttendSocket.step"}) over the run.
 duration_sum() {  # method -> "sum count" of its kvpool_rpc_duration_seconds series
   curl -s 127.0.0.1:9464/metrics | awk -v m="$1" '
     index($1, "kvpool_rpc_duration_seconds_sum{method=\"" m "\"") == 1 { s += $2 }

@@ -41,14 +41,10 @@ RULES = DEPLOY / "prometheus" / "kvpool-rules.yaml"
 RULES_TEST = DEPLOY / "prometheus" / "kvpool-rules_test.yaml"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 
-# The server's flags (the contract between kvpool-server and its deployments).
-SERVER_FLAGS = {
-    "port", "metrics_port", "backend", "device", "pool_bytes", "pool_memory_fraction",
-    "default_namespace_fraction", "default_lease_ttl_ms", "max_lease_ttl_ms", "max_leases",
-    "max_message_bytes", "max_put_stream_bytes", "max_sequence_tokens", "max_attend_batch",
-    "get_chunk_bytes", "shutdown_grace_ms", "lease_sweep_ms", "attend_stream_threads",
-    "attend_stream_spin_us",
-}
+# The server's flags (the contract between kvpool-server and its deployments), as defined in
+# its main.
+SERVER_MAIN = ROOT / "service" / "server_main.cc"
+SERVER_FLAGS = set(re.findall(r"^ABSL_FLAG\(\s*[\w:]+\s*,\s*(\w+)\s*,", SERVER_MAIN.read_text(), re.M))
 
 # The metrics the server exports (the contract between the server, the dashboard and the rules).
 CONTRACT_METRICS = {
@@ -220,7 +216,8 @@ def check_k8s_matches_chart(report, chart, values, objects):
                         [flag_arg(k, flags[k]) for k in sorted(flags)])
     ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
     report.expect_equal(where, "container ports", ports,
-                        {"grpc": flags["port"], "metrics": flags["metrics_port"]})
+                        {"grpc": flags["port"], "metrics": flags["metrics_port"],
+                         "attend": flags["attend_socket_port"]})
     grace = (values["preStopSleepSeconds"] + math.ceil(flags["shutdown_grace_ms"] / 1000)
              + values["terminationGraceMarginSeconds"])
     report.expect_equal(where, "terminationGracePeriodSeconds",
@@ -253,6 +250,9 @@ def check_k8s_matches_chart(report, chart, values, objects):
                         "None")
     report.expect_equal(where, "StatefulSet serviceName", spec.get("serviceName"),
                         headless.get("metadata", {}).get("name"))
+    report.expect_equal(where, "headless Service ports",
+                        {p["name"]: p["port"] for p in headless.get("spec", {}).get("ports", [])},
+                        {"grpc": flags["port"], "attend": flags["attend_socket_port"]})
 
 
 def check_dockerfile(report, values):
@@ -262,7 +262,8 @@ def check_dockerfile(report, values):
     for line in re.findall(r"^EXPOSE\s+(.+)$", text, re.M):
         exposed |= {int(p.split("/")[0]) for p in line.split()}
     report.expect_equal(where, "EXPOSE", exposed,
-                        {values["flags"]["port"], values["flags"]["metrics_port"]})
+                        {values["flags"]["port"], values["flags"]["metrics_port"],
+                         values["flags"]["attend_socket_port"]})
     users = re.findall(r"^USER\s+(\d+)", text, re.M)
     report.expect_equal(where, "USER", users[-1:], [str(values["podSecurityContext"]["runAsUser"])])
     if not re.search(r'^ENTRYPOINT \["[^"]*/kvpool-server"\]', text, re.M):

@@ -40,7 +40,7 @@ free_port() {
 }
 
 # The server picks its own ports and names them in its start-up line.
-"$server_bin" --port=0 --metrics_port=0 --backend=cpu --pool_bytes=268435456 \
+"$server_bin" --port=0 --metrics_port=0 --attend_socket_port=0 --backend=cpu --pool_bytes=268435456 \
   >"$work/server.log" 2>&1 &
 server_pid=$!
 wait_for 30 grep -q "listening:" "$work/server.log" || fail "server did not start"

@@ -17,6 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/attend_socket_session.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
@@ -66,8 +69,10 @@ class ServerProcess {
     char line[1024];
     while (std::fgets(line, sizeof(line), err_) != nullptr) {
       log_ += line;
-      if (std::sscanf(line, "kvpool-server %*s listening: grpc port %d, metrics port %d", &port_,
-                      &metrics_port_) == 2) {
+      if (std::sscanf(line,
+                      "kvpool-server %*s listening: grpc port %d, metrics port %d, attend socket "
+                      "port %d",
+                      &port_, &metrics_port_, &attend_socket_port_) == 3) {
         return true;
       }
     }
@@ -89,6 +94,7 @@ class ServerProcess {
 
   int port() const { return port_; }
   int metrics_port() const { return metrics_port_; }
+  int attend_socket_port() const { return attend_socket_port_; }
   const std::string& log() const { return log_; }
 
  private:
@@ -108,6 +114,7 @@ class ServerProcess {
   std::string log_;
   int port_ = 0;
   int metrics_port_ = 0;
+  int attend_socket_port_ = 0;
 };
 
 // grpc.health.v1.Health/Check for the whole server, through the generic stub (an empty
@@ -156,8 +163,8 @@ std::string HttpGetMetrics(int port) {
 
 TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   ServerProcess server;
-  ASSERT_TRUE(server.Start({"--port=0", "--metrics_port=0", "--backend=cpu",
-                            "--pool_bytes=67108864", "--shutdown_grace_ms=2000"}))
+  ASSERT_TRUE(server.Start({"--port=0", "--metrics_port=0", "--attend_socket_port=0",
+                            "--backend=cpu", "--pool_bytes=67108864", "--shutdown_grace_ms=2000"}))
       << server.log();
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server.port()),
                                      grpc::InsecureChannelCredentials());
@@ -189,12 +196,32 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   for (const auto& r : msgs) k_bytes += r.k().size();
   EXPECT_EQ(k_bytes, 2u * 32 * pt * 2);
 
+  // One decode step over the AttendSocket.
+  absl::StatusOr<std::unique_ptr<client::AttendSession>> session = client::OpenAttendSocketSession(
+      absl::StrCat("127.0.0.1:", server.attend_socket_port()), absl::Now() + absl::Seconds(30),
+      absl::ZeroDuration(), 1 << 20);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(size_t{2} * pt, 3));
+  v1::AttendRequest attend;
+  attend.set_num_q_heads(2 * c.num_kv_heads);
+  v1::AttendItem* item = attend.add_items();
+  item->set_lease_id(mr.lease_id());
+  item->set_q(reinterpret_cast<const char*>(q.data()), q.size() * 2);
+  item->set_new_token_id(-1);
+  absl::StatusOr<v1::AttendResponse> attended = (*session)->Step(attend);
+  ASSERT_TRUE(attended.ok()) << attended.status();
+  EXPECT_EQ(attended->context_tokens(0), 32u);
+  EXPECT_TRUE((*session)->Finish().ok());
+
   const std::string scrape = HttpGetMetrics(server.metrics_port());
   EXPECT_EQ(scrape.rfind("HTTP/1.1 200", 0), 0u) << scrape;
   EXPECT_NE(scrape.find("text/plain; version=0.0.4"), std::string::npos);
   EXPECT_NE(scrape.find("kvpool_rpc_duration_seconds_count{method=\"Put\",code=\"OK\"} 1\n"),
             std::string::npos);
   EXPECT_NE(scrape.find("kvpool_tokens_stored{namespace=\"default\"} 32\n"), std::string::npos);
+  EXPECT_NE(scrape.find(
+                "kvpool_rpc_duration_seconds_count{method=\"AttendSocket.step\",code=\"OK\"} 1\n"),
+            std::string::npos);
   EXPECT_NE(scrape.find("kvpool_build_info{version=\"0.1.0\",backend=\"cpu\"} 1\n"),
             std::string::npos);
 

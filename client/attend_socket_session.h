@@ -1,0 +1,31 @@
+// An AttendSession over the AttendSocket format (proto/kvpool/v1/attend_socket.h): the steps of
+// a decode loop over a plain TCP connection to the server's --attend_socket_port, no gRPC. Used
+// by KvPoolClient::OpenAttendStream when ClientOptions::attend_socket_port is set.
+#ifndef KVPOOL_CLIENT_ATTEND_SOCKET_SESSION_H_
+#define KVPOOL_CLIENT_ATTEND_SOCKET_SESSION_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "client/kvpool_client.h"
+
+namespace kvpool::client {
+
+// The "HOST:PORT" of `port` on the host of a gRPC target ("host:port", "dns:///host:port",
+// "ipv4:host:port", "ipv6:[host]:port"); INVALID_ARGUMENT for other targets (unix sockets).
+absl::StatusOr<std::string> AttendSocketAddress(const std::string& target, int port);
+
+// Connects to `address` ("HOST:PORT"). `deadline` covers the whole session; each Step polls for
+// its response without sleeping for `spin`, then blocks; responses over `max_response_bytes` fail
+// the session with RESOURCE_EXHAUSTED.
+absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendSocketSession(const std::string& address,
+                                                                       absl::Time deadline,
+                                                                       absl::Duration spin,
+                                                                       uint32_t max_response_bytes);
+
+}  // namespace kvpool::client
+
+#endif  // KVPOOL_CLIENT_ATTEND_SOCKET_SESSION_H_

@@ -1,0 +1,283 @@
+#include "kvpool/v1/attend_socket.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+
+namespace kvpool::attend_socket {
+namespace {
+
+constexpr uint32_t kMagic = 0x3141564b;  // "KVA1" read as a little-endian word
+
+void PutU16(uint8_t* p, uint16_t v) {
+  p[0] = static_cast<uint8_t>(v);
+  p[1] = static_cast<uint8_t>(v >> 8);
+}
+void PutU32(uint8_t* p, uint32_t v) {
+  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
+}
+uint16_t GetU16(const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); }
+uint32_t GetU32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
+  return v;
+}
+
+// Starts `out` with the header of a frame of `payload` bytes.
+void StartFrame(std::string* out, FrameType type, int code, size_t payload) {
+  out->resize(kHeaderBytes + payload);
+  auto* h = reinterpret_cast<uint8_t*>(out->data());
+  PutU32(h, kMagic);
+  PutU16(h + 4, static_cast<uint16_t>(type));
+  PutU16(h + 6, static_cast<uint16_t>(code));
+  PutU32(h + 8, static_cast<uint32_t>(payload));
+  PutU32(h + 12, 0);
+}
+
+// poll(2) for `events` until `deadline`; false when it passed first.
+absl::StatusOr<bool> WaitFor(int fd, short events, absl::Time deadline) {
+  for (;;) {
+    int timeout_ms = -1;
+    if (deadline != absl::InfiniteFuture()) {
+      const absl::Duration left = deadline - absl::Now();
+      if (left <= absl::ZeroDuration()) return false;
+      timeout_ms =
+          static_cast<int>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))));
+    }
+    pollfd p{fd, events, 0};
+    const int n = poll(&p, 1, timeout_ms);
+    if (n > 0) return true;
+    if (n < 0 && errno != EINTR) {
+      return absl::UnavailableError(absl::StrCat("AttendSocket poll: ", std::strerror(errno)));
+    }
+  }
+}
+
+absl::Status SocketError(const char* what) {
+  return absl::UnavailableError(absl::StrCat("AttendSocket ", what, ": ", std::strerror(errno)));
+}
+
+// "HOST:PORT" with HOST possibly in brackets.
+absl::Status SplitHostPort(const std::string& address, std::string* host, std::string* port) {
+  const size_t colon = address.rfind(':');
+  int number = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(address.substr(colon + 1), &number) ||
+      number < 0 || number > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("AttendSocket address must be HOST:PORT, not \"", address, "\""));
+  }
+  *host = address.substr(0, colon);
+  if (host->size() >= 2 && host->front() == '[' && host->back() == ']') {
+    *host = host->substr(1, host->size() - 2);
+  }
+  *port = address.substr(colon + 1);
+  return absl::OkStatus();
+}
+
+// getaddrinfo for TCP; the caller frees the list.
+absl::StatusOr<addrinfo*> Resolve(const std::string& address, bool passive) {
+  std::string host, port;
+  if (absl::Status s = SplitHostPort(address, &host, &port); !s.ok()) return s;
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = passive ? AI_PASSIVE : 0;
+  addrinfo* list = nullptr;
+  const int rc = getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &list);
+  if (rc != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("AttendSocket cannot resolve ", address, ": ", gai_strerror(rc)));
+  }
+  return list;
+}
+
+}  // namespace
+
+FrameConnection::FrameConnection(int fd) : fd_(fd) {
+  fcntl(fd_, F_SETFL, fcntl(fd_, F_GETFL) | O_NONBLOCK);
+  const int one = 1;
+  setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+FrameConnection::~FrameConnection() { close(fd_); }
+
+void FrameConnection::Shutdown() { shutdown(fd_, SHUT_RDWR); }
+
+absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payload,
+                                                             uint32_t max_payload,
+                                                             absl::Time deadline,
+                                                             absl::Duration spin) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point spin_end = Clock::now() + absl::ToChronoNanoseconds(spin);
+  uint8_t header[kHeaderBytes];
+  // Fills [dst, dst + n): spinning on recv until spin_end, then polling until the deadline.
+  size_t total = 0;  // bytes of this frame read so far
+  auto fill = [&](uint8_t* dst, size_t n) -> absl::Status {
+    size_t got = 0;
+    while (got < n) {
+      const ssize_t r = recv(fd_, dst + got, n - got, MSG_DONTWAIT);
+      if (r > 0) {
+        got += static_cast<size_t>(r);
+        total += static_cast<size_t>(r);
+        continue;
+      }
+      if (r == 0) {
+        return total == 0 ? absl::OutOfRangeError("AttendSocket closed by the peer")
+                          : absl::UnavailableError("AttendSocket closed inside a frame");
+      }
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return SocketError("recv");
+      if (Clock::now() < spin_end) continue;
+      absl::StatusOr<bool> ready = WaitFor(fd_, POLLIN, deadline);
+      if (!ready.ok()) return ready.status();
+      if (!*ready) return absl::DeadlineExceededError("AttendSocket read deadline");
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = fill(header, kHeaderBytes); !s.ok()) return s;
+  const uint16_t type = GetU16(header + 4);
+  const uint16_t code = GetU16(header + 6);
+  const uint32_t length = GetU32(header + 8);
+  if (GetU32(header) != kMagic || GetU32(header + 12) != 0 ||
+      type < static_cast<uint16_t>(FrameType::kRequest) ||
+      type > static_cast<uint16_t>(FrameType::kStatus) ||
+      (type == static_cast<uint16_t>(FrameType::kStatus)) != (code != 0)) {
+    return absl::InvalidArgumentError("AttendSocket: not a frame header (magic, type or code)");
+  }
+  if (length > max_payload) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "AttendSocket frame of ", length, " payload bytes over the limit of ", max_payload));
+  }
+  payload->resize(length);
+  if (absl::Status s = fill(reinterpret_cast<uint8_t*>(payload->data()), length); !s.ok()) {
+    return s;
+  }
+  return Frame{static_cast<FrameType>(type), code};
+}
+
+absl::Status FrameConnection::WriteMessage(FrameType type,
+                                           const google::protobuf::MessageLite& message,
+                                           absl::Time deadline) {
+  const size_t size = message.ByteSizeLong();
+  if (size > UINT32_MAX) return absl::ResourceExhaustedError("AttendSocket message over 4 GiB");
+  StartFrame(&out_, type, 0, size);
+  message.SerializeWithCachedSizesToArray(reinterpret_cast<uint8_t*>(out_.data()) + kHeaderBytes);
+  return WriteFrame(deadline);
+}
+
+absl::Status FrameConnection::WriteStatus(const absl::Status& status, absl::Time deadline) {
+  const absl::string_view message = status.message();
+  StartFrame(&out_, FrameType::kStatus, static_cast<int>(status.code()), message.size());
+  std::memcpy(out_.data() + kHeaderBytes, message.data(), message.size());
+  return WriteFrame(deadline);
+}
+
+absl::Status FrameConnection::WriteFrame(absl::Time deadline) {
+  size_t sent = 0;
+  while (sent < out_.size()) {
+    const ssize_t r = send(fd_, out_.data() + sent, out_.size() - sent, MSG_NOSIGNAL);
+    if (r >= 0) {
+      sent += static_cast<size_t>(r);
+      continue;
+    }
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return SocketError("send");
+    absl::StatusOr<bool> ready = WaitFor(fd_, POLLOUT, deadline);
+    if (!ready.ok()) return ready.status();
+    if (!*ready) return absl::DeadlineExceededError("AttendSocket write deadline");
+  }
+  return absl::OkStatus();
+}
+
+absl::Status StatusFromFrame(int code, absl::string_view message) {
+  return absl::Status(static_cast<absl::StatusCode>(code), message);
+}
+
+absl::StatusOr<int> Listen(const std::string& address, int* port) {
+  absl::StatusOr<addrinfo*> list = Resolve(address, /*passive=*/true);
+  if (!list.ok()) return list.status();
+  absl::Status last =
+      absl::UnavailableError(absl::StrCat("AttendSocket: no address for ", address));
+  int fd = -1;
+  for (addrinfo* a = *list; a != nullptr && fd < 0; a = a->ai_next) {
+    fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      last = SocketError("socket");
+      continue;
+    }
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 || listen(fd, SOMAXCONN) != 0) {
+      last = absl::UnavailableError(
+          absl::StrCat("AttendSocket cannot listen on ", address, ": ", std::strerror(errno)));
+      close(fd);
+      fd = -1;
+    }
+  }
+  freeaddrinfo(*list);
+  if (fd < 0) return last;
+  sockaddr_storage bound{};
+  socklen_t len = sizeof(bound);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &len);
+  *port = ntohs(bound.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port
+                                            : reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+  return fd;
+}
+
+absl::StatusOr<std::unique_ptr<FrameConnection>> Connect(const std::string& address,
+                                                         absl::Time deadline) {
+  absl::StatusOr<addrinfo*> list = Resolve(address, /*passive=*/false);
+  if (!list.ok()) return list.status();
+  absl::Status last =
+      absl::UnavailableError(absl::StrCat("AttendSocket: no address for ", address));
+  std::unique_ptr<FrameConnection> conn;
+  for (addrinfo* a = *list; a != nullptr && conn == nullptr; a = a->ai_next) {
+    const int fd =
+        socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      last = SocketError("socket");
+      continue;
+    }
+    auto candidate = std::make_unique<FrameConnection>(fd);
+    if (connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
+      if (errno != EINPROGRESS) {
+        last = absl::UnavailableError(
+            absl::StrCat("AttendSocket cannot connect to ", address, ": ", std::strerror(errno)));
+        continue;
+      }
+      absl::StatusOr<bool> ready = WaitFor(fd, POLLOUT, deadline);
+      if (!ready.ok() || !*ready) {
+        last = ready.ok() ? absl::DeadlineExceededError(
+                                absl::StrCat("AttendSocket connect to ", address, " timed out"))
+                          : ready.status();
+        continue;
+      }
+      int error = 0;
+      socklen_t len = sizeof(error);
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len);
+      if (error != 0) {
+        last = absl::UnavailableError(
+            absl::StrCat("AttendSocket cannot connect to ", address, ": ", std::strerror(error)));
+        continue;
+      }
+    }
+    conn = std::move(candidate);
+  }
+  freeaddrinfo(*list);
+  if (conn == nullptr) return last;
+  return conn;
+}
+
+}  // namespace kvpool::attend_socket

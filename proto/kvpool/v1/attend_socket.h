@@ -1,0 +1,82 @@
+// The AttendSocket wire format: AttendStream's messages (kvpool.proto) over a plain TCP
+// connection, for decode loops that cannot afford gRPC's hand-offs between threads on every
+// message. Server and client share this one implementation so both ends agree byte for byte.
+//
+// A connection carries frames, each a 16-byte header then `length` payload bytes:
+//   bytes 0-3    magic "KVA1"
+//   bytes 4-5    type, little-endian: 1 request (a serialized AttendRequest), 2 response (a
+//                serialized AttendResponse), 3 status (a UTF-8 message)
+//   bytes 6-7    status frames: the gRPC status code (never 0); 0 otherwise
+//   bytes 8-11   payload length, little-endian
+//   bytes 12-15  zero
+// The client sends a request and reads its response before the next request, in order, like an
+// AttendStream step. The server answers a failed step, a bad frame or a refused connection with a
+// status frame and closes the connection; the client closing the connection ends the session.
+#ifndef KVPOOL_PROTO_KVPOOL_V1_ATTEND_SOCKET_H_
+#define KVPOOL_PROTO_KVPOOL_V1_ATTEND_SOCKET_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "google/protobuf/message_lite.h"
+
+namespace kvpool::attend_socket {
+
+enum class FrameType : uint16_t { kRequest = 1, kResponse = 2, kStatus = 3 };
+inline constexpr size_t kHeaderBytes = 16;
+
+// One connected TCP socket (non-blocking, TCP_NODELAY), closed on destruction. Reads and writes
+// whole frames; Shutdown may be called from another thread to end a blocked Read or Write.
+class FrameConnection {
+ public:
+  // Takes ownership of `fd`.
+  explicit FrameConnection(int fd);
+  ~FrameConnection();
+  FrameConnection(const FrameConnection&) = delete;
+  FrameConnection& operator=(const FrameConnection&) = delete;
+
+  struct Frame {
+    FrameType type;
+    int code;  // status frames only
+  };
+  // Reads the next frame's payload into `payload` (its capacity is reused). Polls without
+  // sleeping for `spin` (a response or the next step then lands without a thread wake-up), then
+  // blocks until `deadline`. Errors: OUT_OF_RANGE when the peer closed between frames,
+  // UNAVAILABLE when it closed inside one or the socket failed, DEADLINE_EXCEEDED,
+  // INVALID_ARGUMENT for a header that is not this format's, RESOURCE_EXHAUSTED for a payload
+  // over `max_payload` (nothing of it is read).
+  absl::StatusOr<Frame> Read(std::string* payload, uint32_t max_payload, absl::Time deadline,
+                             absl::Duration spin);
+  // Writes `message` as a frame of `type` (kRequest or kResponse).
+  absl::Status WriteMessage(FrameType type, const google::protobuf::MessageLite& message,
+                            absl::Time deadline);
+  // Writes a status frame carrying `status` (not OK).
+  absl::Status WriteStatus(const absl::Status& status, absl::Time deadline);
+  // shutdown(2) on both directions: a Read or Write in another thread returns at once.
+  void Shutdown();
+
+ private:
+  absl::Status WriteFrame(absl::Time deadline);  // sends out_
+  std::string out_;                              // the frame being written
+  const int fd_;
+};
+
+// The status a status frame carries.
+absl::Status StatusFromFrame(int code, absl::string_view message);
+
+// Listens on "HOST:PORT" (port 0 picks a free one; HOST may be "[::]" or "0.0.0.0"): a blocking
+// listening socket, whose port is stored in `*port`.
+absl::StatusOr<int> Listen(const std::string& address, int* port);
+// Connects to "HOST:PORT" before `deadline`; the FrameConnection of the connected socket.
+absl::StatusOr<std::unique_ptr<FrameConnection>> Connect(const std::string& address,
+                                                         absl::Time deadline);
+
+}  // namespace kvpool::attend_socket
+
+#endif  // KVPOOL_PROTO_KVPOOL_V1_ATTEND_SOCKET_H_

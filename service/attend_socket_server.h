@@ -1,0 +1,92 @@
+// Attend over a plain TCP socket (the AttendSocket format, proto/kvpool/v1/attend_socket.h): the
+// decode hot path without gRPC. Each connection is a session served by a thread of its own that
+// reads a request, runs it (the AttendRunner of AttendStream: same checks, same store call, same
+// response) and writes the response, reading the socket itself: after each response it polls
+// for the next request without sleeping for `spin`, then blocks. A failed step, a bad frame or
+// an idle connection gets a status frame and the connection is closed.
+#ifndef KVPOOL_SERVICE_ATTEND_SOCKET_SERVER_H_
+#define KVPOOL_SERVICE_ATTEND_SOCKET_SERVER_H_
+
+#include <atomic>
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvpool/v1/attend_socket.h"
+#include "service/rpc_metrics.h"
+#include "service/store/kv_store.h"
+
+namespace kvpool {
+
+struct AttendSocketOptions {
+  // "HOST:PORT" to listen on; port 0 picks a free one. Empty: the Server starts no listener.
+  std::string address;
+  // Sessions served at once; a connection beyond them gets UNAVAILABLE and is closed.
+  int max_connections = 256;
+  // How long a session's thread polls for the next request without sleeping (0: block at once).
+  absl::Duration spin = absl::Microseconds(500);
+  // A session whose next request has not fully arrived after this long is closed
+  // (DEADLINE_EXCEEDED); so is one whose response cannot be sent for this long.
+  absl::Duration idle_timeout = absl::Minutes(10);
+  // Largest request payload accepted (RESOURCE_EXHAUSTED beyond).
+  uint32_t max_frame_bytes = 64 << 20;
+};
+
+class AttendSocketServer {
+ public:
+  // Listens and starts accepting. `store` and `metrics` must outlive the server.
+  static absl::StatusOr<std::unique_ptr<AttendSocketServer>> Start(
+      KvStore* store, RpcMetrics* metrics, const AttendSocketOptions& options);
+  // Shuts down if Shutdown was not called.
+  ~AttendSocketServer();
+
+  AttendSocketServer(const AttendSocketServer&) = delete;
+  AttendSocketServer& operator=(const AttendSocketServer&) = delete;
+
+  int port() const { return port_; }
+
+  // Stops accepting, ends every session (a step in progress finishes first; its response is not
+  // sent) and joins their threads. Idempotent; thread-safe.
+  void Shutdown();
+
+  // kvpool_rpc_duration_seconds has a series per session (method "AttendSocket": connection to
+  // close, with the status that ended it) and per step (method "AttendSocket.step": a request
+  // read to its response written).
+  struct Metrics {
+    RpcMetrics::Method session;
+    RpcMetrics::Method step;
+  };
+
+ private:
+  struct Session {
+    std::unique_ptr<attend_socket::FrameConnection> conn;
+    std::thread thread;
+    std::atomic<bool> done{false};
+  };
+
+  AttendSocketServer(KvStore* store, RpcMetrics* metrics, const AttendSocketOptions& options);
+  void Accept();
+  void Serve(Session* session);
+  // Joins the threads of finished sessions and drops them.
+  void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  KvStore* const store_;
+  Metrics metrics_;
+  const AttendSocketOptions options_;
+  int listen_fd_ = -1;
+  int port_ = 0;
+  std::thread acceptor_;
+  absl::Mutex mu_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::list<Session> sessions_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace kvpool
+
+#endif  // KVPOOL_SERVICE_ATTEND_SOCKET_SERVER_H_

@@ -1,0 +1,355 @@
+// Attend over the AttendSocket (service/attend_socket_server.h, client/attend_socket_session.h)
+// with the CPU backend on loopback: sessions give the same answers as gRPC, appends included; a
+// bad step, a bad frame, a refused connection and an idle session each get their status and end
+// only their own session; shutdown with sessions open does not hang; target parsing.
+#include "kvpool/v1/attend_socket.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "client/attend_socket_session.h"
+#include "client/kvpool_client.h"
+#include "gtest/gtest.h"
+#include "tests/integration/attend_fixture.h"
+
+namespace kvpool::testing {
+namespace {
+
+using attend_socket::FrameConnection;
+using attend_socket::FrameType;
+
+struct SocketFixture {
+  AttendFixture f;
+  std::unique_ptr<client::KvPoolClient> socket_client;  // sessions over the AttendSocket
+};
+
+// A server listening for gRPC and AttendSocket on loopback, with `sequences` cached prompts.
+SocketFixture StartSocket(int sequences, std::function<void(AttendSocketOptions*)> tweak = {},
+                          absl::Duration client_spin = absl::Microseconds(500)) {
+  SocketFixture s;
+  s.f = StartAttendFixture(sequences, [&](ServerOptions* o) {
+    o->grpc_address = "127.0.0.1:0";
+    o->attend_socket.address = "127.0.0.1:0";
+    if (tweak) tweak(&o->attend_socket);
+  });
+  if (s.f.server == nullptr) return s;
+  client::ClientOptions options;
+  options.attend_socket_port = s.f.server->server->attend_socket_port();
+  options.attend_spin = client_spin;
+  s.socket_client = client::KvPoolClient::Create(
+      "127.0.0.1:" + std::to_string(s.f.server->server->port()), options);
+  return s;
+}
+
+// A raw TCP connection to the AttendSocket (for frames the client library never sends).
+int RawConnect(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << std::strerror(errno);
+  return fd;
+}
+
+// A 16-byte header: magic, type, code, length, reserved.
+std::string Header(uint32_t magic, uint16_t type, uint16_t code, uint32_t length) {
+  std::string h(16, '\0');
+  std::memcpy(h.data(), &magic, 4);
+  std::memcpy(h.data() + 4, &type, 2);
+  std::memcpy(h.data() + 6, &code, 2);
+  std::memcpy(h.data() + 8, &length, 4);
+  return h;
+}
+constexpr uint32_t kMagic = 0x3141564b;
+
+// Sends `bytes` on a raw connection and returns the status frame the server answers with; the
+// server then closes the connection.
+absl::Status StatusAfterSending(int port, const std::string& bytes) {
+  const int fd = RawConnect(port);
+  EXPECT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
+  FrameConnection conn(fd);
+  std::string payload;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  absl::StatusOr<FrameConnection::Frame> frame =
+      conn.Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
+  if (!frame.ok()) return frame.status();
+  EXPECT_EQ(frame->type, FrameType::kStatus);
+  // Closed after the status.
+  EXPECT_TRUE(
+      absl::IsOutOfRange(conn.Read(&payload, 1 << 20, deadline, absl::ZeroDuration()).status()));
+  return attend_socket::StatusFromFrame(frame->code, payload);
+}
+
+int MetricCount(const SocketFixture& s, const std::string& method, const std::string& code) {
+  const std::string text = s.f.server->server->registry()->Serialize();
+  const std::string key =
+      "kvpool_rpc_duration_seconds_count{method=\"" + method + "\",code=\"" + code + "\"} ";
+  const size_t at = text.find(key);
+  return at == std::string::npos ? 0 : std::stoi(text.substr(at + key.size()));
+}
+
+// Sessions on several threads give, step for step, the unary Attend's answers.
+void ExpectSessionsMatchUnary(absl::Duration server_spin, absl::Duration client_spin) {
+  constexpr int kSessions = 4;
+  constexpr int kSteps = 10;
+  SocketFixture s = StartSocket(
+      kSessions, [&](AttendSocketOptions* o) { o->spin = server_spin; }, client_spin);
+  ASSERT_NE(s.f.server, nullptr);
+  ASSERT_EQ(s.f.leases.size(), static_cast<size_t>(kSessions));
+  std::vector<std::vector<std::string>> want(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    for (int step = 0; step < kSteps; ++step) {
+      absl::StatusOr<v1::AttendResponse> r =
+          s.f.client->Attend(AttendRequestFor(s.f, s.f.leases[i], 100 * i + step));
+      ASSERT_TRUE(r.ok()) << r.status();
+      want[i].push_back(r->out());
+    }
+  }
+  std::atomic<int> mismatches{0}, failures{0};
+  std::vector<std::thread> workers;
+  for (int i = 0; i < kSessions; ++i) {
+    workers.emplace_back([&, i] {
+      absl::StatusOr<std::unique_ptr<client::AttendSession>> session =
+          s.socket_client->OpenAttendStream();
+      if (!session.ok()) {
+        ++failures;
+        return;
+      }
+      for (int step = 0; step < kSteps; ++step) {
+        absl::StatusOr<v1::AttendResponse> r =
+            (*session)->Step(AttendRequestFor(s.f, s.f.leases[i], 100 * i + step));
+        if (!r.ok()) {
+          ++failures;
+          return;
+        }
+        if (r->out() != want[i][step] || r->context_tokens(0) != kAttendPromptTokens) {
+          ++mismatches;
+        }
+      }
+      if (!(*session)->Finish().ok()) ++failures;
+    });
+  }
+  for (std::thread& w : workers) w.join();
+  EXPECT_EQ(failures.load(), 0);
+  EXPECT_EQ(mismatches.load(), 0);
+  // A session is counted once its thread has seen the close, after its steps.
+  for (int i = 0; i < 1000 && MetricCount(s, "AttendSocket", "OK") < kSessions; ++i) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_EQ(MetricCount(s, "AttendSocket", "OK"), kSessions);
+  EXPECT_EQ(MetricCount(s, "AttendSocket.step", "OK"), kSessions * kSteps);
+}
+
+TEST(AttendSocket, SpinningSessionsMatchUnaryAttend) {
+  ExpectSessionsMatchUnary(absl::Microseconds(500), absl::Microseconds(500));
+}
+
+TEST(AttendSocket, BlockingSessionsMatchUnaryAttend) {
+  ExpectSessionsMatchUnary(absl::ZeroDuration(), absl::ZeroDuration());
+}
+
+// The same decode loop, appending a new token every step, over AttendStream on one lease and
+// over the AttendSocket on another lease of the same prompt: equal outputs and lengths.
+TEST(AttendSocket, AppendingDecodeLoopMatchesAttendStream) {
+  SocketFixture s = StartSocket(/*sequences=*/1);
+  ASSERT_NE(s.f.server, nullptr);
+  const Sequence prompt = MakeSequence(s.f.config, kAttendPromptTokens, 1000, 50);
+  absl::StatusOr<v1::MatchResponse> second = s.f.client->Match("small", prompt.tokens);
+  ASSERT_TRUE(second.ok()) << second.status();
+  auto stream = s.f.client->OpenAttendStream();
+  auto socket = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(stream.ok() && socket.ok());
+  const int per_token = s.f.config.num_kv_heads * s.f.config.head_dim;
+  for (int step = 0; step < 20; ++step) {
+    v1::AttendRequest req = AttendRequestFor(s.f, s.f.leases[0], 7 + step);
+    req.set_layer(0);
+    v1::AttendItem* item = req.mutable_items(0);
+    const std::vector<uint16_t> k = ToHalf(MakeNormal(per_token, 900 + step));
+    const std::vector<uint16_t> v = ToHalf(MakeNormal(per_token, 1900 + step));
+    item->set_new_k(reinterpret_cast<const char*>(k.data()), k.size() * 2);
+    item->set_new_v(reinterpret_cast<const char*>(v.data()), v.size() * 2);
+    item->set_new_token_id(5000 + step);
+    absl::StatusOr<v1::AttendResponse> a = (*stream)->Step(req);
+    item->set_lease_id(second->lease_id());
+    absl::StatusOr<v1::AttendResponse> b = (*socket)->Step(req);
+    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
+    EXPECT_EQ(a->out(), b->out()) << "step " << step;
+    EXPECT_EQ(b->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens + step + 1));
+    EXPECT_EQ(a->context_tokens(0), b->context_tokens(0));
+  }
+  EXPECT_TRUE((*stream)->Finish().ok());
+  EXPECT_TRUE((*socket)->Finish().ok());
+  EXPECT_EQ((*socket)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(AttendSocket, BadStepEndsOnlyItsOwnSessionAndAppendsNothing) {
+  SocketFixture s = StartSocket(/*sequences=*/1);
+  ASSERT_NE(s.f.server, nullptr);
+  auto good = s.socket_client->OpenAttendStream();
+  auto bad = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(good.ok() && bad.ok());
+  ASSERT_TRUE((*good)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+  // A new token with a short query: refused before anything is appended.
+  v1::AttendRequest wrong = AttendRequestFor(s.f, s.f.leases[0], 2);
+  const std::vector<uint16_t> kv(s.f.config.num_kv_heads * s.f.config.head_dim, 0x3c00);
+  wrong.mutable_items(0)->set_new_k(reinterpret_cast<const char*>(kv.data()), kv.size() * 2);
+  wrong.mutable_items(0)->set_new_v(reinterpret_cast<const char*>(kv.data()), kv.size() * 2);
+  wrong.mutable_items(0)->set_q("short");
+  absl::StatusOr<v1::AttendResponse> r = (*bad)->Step(wrong);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ((*bad)->Step(AttendRequestFor(s.f, s.f.leases[0], 3)).status().code(),
+            absl::StatusCode::kInvalidArgument);  // the session stays finished
+  auto unknown = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(unknown.ok());
+  EXPECT_EQ((*unknown)->Step(AttendRequestFor(s.f, s.f.leases[0] + 1000, 4)).status().code(),
+            absl::StatusCode::kNotFound);
+  for (int step = 0; step < 3; ++step) {
+    absl::StatusOr<v1::AttendResponse> g =
+        (*good)->Step(AttendRequestFor(s.f, s.f.leases[0], 10 + step));
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_EQ(g->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens));
+  }
+  EXPECT_TRUE((*good)->Finish().ok());
+}
+
+TEST(AttendSocket, BadFramesGetAStatusAndTheServerGoesOn) {
+  SocketFixture s =
+      StartSocket(/*sequences=*/1, [](AttendSocketOptions* o) { o->max_frame_bytes = 1 << 20; });
+  ASSERT_NE(s.f.server, nullptr);
+  const int port = s.f.server->server->attend_socket_port();
+  EXPECT_EQ(StatusAfterSending(port, Header(0x12345678, 1, 0, 0)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 9, 0, 0)).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 1, 0, (1 << 20) + 1)).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 2, 0, 0)).code(),
+            absl::StatusCode::kInvalidArgument);  // a response frame from a client
+  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 1, 0, 3) + "\xff\xff\xff").code(),
+            absl::StatusCode::kInvalidArgument);  // not an AttendRequest
+  // A client that leaves inside a frame, and one that connects and leaves.
+  {
+    const int fd = RawConnect(port);
+    const std::string half = Header(kMagic, 1, 0, 100) + "abc";
+    EXPECT_EQ(send(fd, half.data(), half.size(), MSG_NOSIGNAL), static_cast<ssize_t>(half.size()));
+    FrameConnection closing(fd);
+  }
+  { FrameConnection closing(RawConnect(port)); }
+  auto session = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(session.ok());
+  EXPECT_TRUE((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 5)).ok());
+  EXPECT_TRUE((*session)->Finish().ok());
+  for (int i = 0; i < 1000 && MetricCount(s, "AttendSocket", "INVALID_ARGUMENT") < 4; ++i) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_EQ(MetricCount(s, "AttendSocket", "INVALID_ARGUMENT"), 4);
+  EXPECT_EQ(MetricCount(s, "AttendSocket", "RESOURCE_EXHAUSTED"), 1);
+}
+
+TEST(AttendSocket, ConnectionsBeyondTheLimitAreRefused) {
+  SocketFixture s =
+      StartSocket(/*sequences=*/1, [](AttendSocketOptions* o) { o->max_connections = 1; });
+  ASSERT_NE(s.f.server, nullptr);
+  auto first = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE((*first)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+  auto second = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(second.ok());  // the connection is accepted, then refused with a status
+  absl::StatusOr<v1::AttendResponse> refused =
+      (*second)->Step(AttendRequestFor(s.f, s.f.leases[0], 2));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_NE(refused.status().message().find("max_connections"), absl::string_view::npos)
+      << refused.status();
+  EXPECT_TRUE((*first)->Step(AttendRequestFor(s.f, s.f.leases[0], 3)).ok());
+  EXPECT_TRUE((*first)->Finish().ok());
+  // Once the first session's thread has seen its close, its slot is free again.
+  absl::Status third = absl::UnknownError("not tried");
+  for (int i = 0; i < 500 && !third.ok(); ++i) {
+    auto session = s.socket_client->OpenAttendStream();
+    ASSERT_TRUE(session.ok());
+    third = (*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 4)).status();
+    if (!third.ok()) absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_TRUE(third.ok()) << third;
+}
+
+TEST(AttendSocket, IdleSessionIsClosedWithDeadlineExceeded) {
+  SocketFixture s = StartSocket(
+      /*sequences=*/1, [](AttendSocketOptions* o) { o->idle_timeout = absl::Milliseconds(50); });
+  ASSERT_NE(s.f.server, nullptr);
+  auto session = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(session.ok());
+  ASSERT_TRUE((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+  absl::SleepFor(absl::Milliseconds(300));
+  EXPECT_EQ((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 2)).status().code(),
+            absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST(AttendSocket, ShutdownEndsOpenSessionsWithoutHanging) {
+  SocketFixture s = StartSocket(/*sequences=*/2);
+  ASSERT_NE(s.f.server, nullptr);
+  std::vector<std::unique_ptr<client::AttendSession>> sessions;
+  for (uint64_t lease : s.f.leases) {
+    auto session = s.socket_client->OpenAttendStream();
+    ASSERT_TRUE(session.ok());
+    ASSERT_TRUE((*session)->Step(AttendRequestFor(s.f, lease, 7)).ok());
+    sessions.push_back(*std::move(session));
+  }
+  auto idle = s.socket_client->OpenAttendStream();  // connected, never stepped
+  ASSERT_TRUE(idle.ok());
+  s.f.server->server->Shutdown(absl::ZeroDuration());
+  for (size_t i = 0; i < sessions.size(); ++i) {
+    EXPECT_FALSE(sessions[i]->Step(AttendRequestFor(s.f, s.f.leases[i], 8)).ok());
+  }
+  EXPECT_FALSE((*idle)->Step(AttendRequestFor(s.f, s.f.leases[0], 9)).ok());
+}
+
+TEST(AttendSocket, SessionTargetsAndRefusals) {
+  EXPECT_EQ(*client::AttendSocketAddress("localhost:50051", 7), "localhost:7");
+  EXPECT_EQ(*client::AttendSocketAddress("dns:///pool-0.kvpool:50051", 7), "pool-0.kvpool:7");
+  EXPECT_EQ(*client::AttendSocketAddress("ipv4:10.0.0.2:1", 7), "10.0.0.2:7");
+  EXPECT_EQ(*client::AttendSocketAddress("ipv6:[::1]:1", 7), "[::1]:7");
+  for (const char* bad :
+       {"unix:/tmp/kvpool.sock", "localhost", "ipv4:1.2.3.4:1,5.6.7.8:1", ":50051", "::1:50051"}) {
+    EXPECT_EQ(client::AttendSocketAddress(bad, 7).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+  client::ClientOptions options;
+  options.attend_socket_port = 7;
+  options.credentials = grpc::SslCredentials(grpc::SslCredentialsOptions());
+  EXPECT_EQ(
+      client::KvPoolClient::Create("localhost:50051", options)->OpenAttendStream().status().code(),
+      absl::StatusCode::kFailedPrecondition);
+  // Nothing listens on a port the kernel just handed out and took back.
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  close(fd);
+  EXPECT_EQ(
+      client::OpenAttendSocketSession("127.0.0.1:" + std::to_string(ntohs(a.sin_port)),
+                                      absl::Now() + absl::Seconds(5), absl::ZeroDuration(), 1 << 20)
+          .status()
+          .code(),
+      absl::StatusCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace kvpool::testing
