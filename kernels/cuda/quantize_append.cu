@@ -20,7 +20,7 @@ constexpr int kThreads = 256;
 // Channels of a row per lane: hadamard blocks up to 32 need no shuffle, 64 and 128 one and two.
 constexpr int kChannels = 32;
 // Items (token, head) per lane group, one after the other (item g + u * lane_groups_in_grid):
-// the sign masks are set up once per thread.
+// the sign masks and Hadamard fragments are set up once per block / thread.
 constexpr int kItemsPerLaneGroup = 4;
 
 struct QuantizeArgs {
@@ -46,6 +46,30 @@ __device__ __forceinline__ float DivWithReciprocal(float a, float b, float r) {
   const float q = __fmul_rn(a, r);
   const float rem = __fmaf_rn(-q, b, a);
   return __fmaf_rn(rem, r, q);
+}
+
+// RN(1 / s) for s > 0 an fp16 value, as __frcp_rn(s), without the subroutine call that rcp.rn
+// compiles to for inputs it cannot take on its fast path (which never happen here): at the
+// 128-register cap the call's register convention made ptxas spill. y = rcp.approx(s) is within
+// 1 ulp of 1 / s (PTX ISA), so e = 1 - s y is exact and y + y e = (1 / s)(1 - e^2) is within
+// 2^-46 of 1 / s (relative); every rounding midpoint M (25 significant bits) is farther, since
+// for s of 11 significant bits 1 - s M is a nonzero multiple of a power of two above 2^-36: one
+// rounding of it gives RN(1 / s).
+__device__ __forceinline__ float ReciprocalOfHalf(float s) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(s));
+  return __fmaf_rn(y, __fmaf_rn(-s, y, 1.0f), y);
+}
+
+// A 16-byte shared-memory load issued where it stands (volatile): loads of the same address for
+// the K and the V row of an item are not merged into one whose value the V row would hold in
+// registers through the K row's encode.
+__device__ __forceinline__ uint4 LoadSharedVolatile16(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+  return v;
 }
 
 // Max (and min when kWithMin) over aligned groups of `lanes` lanes (a power of two <= kLanes,
@@ -86,7 +110,7 @@ __device__ __forceinline__ GroupMeta MakeGroupMeta(float mn, float mx) {
     z = HalfBitsToFloat(zero_h);
     m.word = static_cast<uint32_t>(scale_h) | (static_cast<uint32_t>(zero_h) << 16);
   }
-  m.r = s > 0.0f ? __frcp_rn(s) : 0.0f;
+  m.r = s > 0.0f ? ReciprocalOfHalf(s) : 0.0f;
   m.b = __fmul_rn(-z, m.r);
   return m;
 }
@@ -173,13 +197,14 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
 }
 
 // Quantizes one row (K or V of an item) from its raw fp16 words, 32 consecutive channels per
-// lane (lane `chunk` of kHeadDim / 32 consecutive lanes of the warp): sign flip and Hadamard
+// lane (lane `chunk` of kHeadDim / 32 consecutive lanes of the warp): sign flip (word w's masks
+// at sign_masks[w * kHeadDim / 32], the lane's column of the block's table) and Hadamard
 // (HadamardMma32PerLane with `hadamard_b` from HadamardMmaFragments<kRot>) when kRot > 0,
 // per-group min / max (in-lane, then shuffles for groups wider than a lane), codes and meta stored
 // into token `offset` of `head_page` when `write`. Every lane of the warp must call it.
 template <KvDtype kDtype, int kHeadDim, int kRot>
 __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint4 (&raw)[4],
-                                               const uint32_t (&sign_mask)[16],
+                                               const uint4* sign_masks,
                                                const uint32_t (&hadamard_b)[4], uint8_t* head_page,
                                                int offset, int chunk, bool write) {
   constexpr int kLanes = kHeadDim / kChannels;
@@ -192,8 +217,8 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
     uint4 flipped[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      flipped[w] = make_uint4(raw[w].x ^ sign_mask[4 * w], raw[w].y ^ sign_mask[4 * w + 1],
-                              raw[w].z ^ sign_mask[4 * w + 2], raw[w].w ^ sign_mask[4 * w + 3]);
+      const uint4 m = LoadSharedVolatile16(sign_masks + w * kLanes);
+      flipped[w] = make_uint4(raw[w].x ^ m.x, raw[w].y ^ m.y, raw[w].z ^ m.z, raw[w].w ^ m.w);
     }
     HadamardMma32PerLane<kRot>(flipped, hadamard_b, x);
     norm = HadamardNorm(kRot);
@@ -334,7 +359,7 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
 // channels of K and V of an item: four 16-byte loads each, sign flip on the raw fp16 words,
 // rotation by tensor cores and butterflies in registers (no shuffles), quantize, packed stores.
 // Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads.
-// 2 blocks per SM (<= 128 registers, a few spills when rotating): measured on the H200 against 1
+// 2 blocks per SM (<= 128 registers, no spills): measured on the H200 against 1
 // block (no spills) and 3 or 4 blocks (80 / 64 registers, heavy spills), both far slower
 // (tests/bench/results/experiments_2026-11-29.md).
 template <KvDtype kDtype, int kHeadDim, int kRot>
@@ -347,11 +372,24 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const uint32_t lane_group = (blockIdx.x * kThreads + threadIdx.x) / kLanes;
   const uint32_t lane_groups = gridDim.x * (kThreads / kLanes);
   const int chunk = static_cast<int>(threadIdx.x % kLanes);
-  uint32_t sign_mask[16] = {};
+  // The sign masks (HalfSignMasks32) of every chunk, word w of chunk c at [w * kLanes + c]: a
+  // warp's 16-byte loads of word w read kLanes consecutive entries (no bank conflict). Kept in
+  // shared memory, not in 16 registers per thread: at the 128-register cap those spilled around
+  // the Hadamard's MMAs.
+  __shared__ uint4 sign_masks[kRot > 0 ? 4 * kLanes : 1];
   uint32_t hadamard_b[4] = {};
   if constexpr (kRot > 0) {
-    HalfSignMasks32(a.signs, chunk, sign_mask);
+    if (threadIdx.x < kLanes) {
+      uint32_t m[16];
+      HalfSignMasks32(a.signs, static_cast<int>(threadIdx.x), m);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        sign_masks[w * kLanes + threadIdx.x] =
+            make_uint4(m[4 * w], m[4 * w + 1], m[4 * w + 2], m[4 * w + 3]);
+      }
+    }
     HadamardMmaFragments<kRot>(hadamard_b);
+    __syncthreads();
   }
 
   const uint32_t heads = static_cast<uint32_t>(a.num_kv_heads);
@@ -402,11 +440,11 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
       }
       if (more) LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, next_v);
     } else {
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_k, sign_mask, hadamard_b, k_page, offset,
-                                             chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_k, sign_masks + chunk, hadamard_b, k_page,
+                                             offset, chunk, write);
       if (more) LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, next_v);
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_v, sign_mask, hadamard_b, v_page, offset,
-                                             chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_v, sign_masks + chunk, hadamard_b, v_page,
+                                             offset, chunk, write);
     }
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
