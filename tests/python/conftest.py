@@ -27,14 +27,21 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server():
+def attend_socket_port() -> int:
+    """The server's AttendSocket port."""
+    return _free_port()
+
+
+@pytest.fixture(scope="session")
+def server(attend_socket_port):
     """Address of a kvpool-server (KVPOOL_SERVER_BIN, default build/kvpool-server)."""
     binary = os.environ.get("KVPOOL_SERVER_BIN", str(REPO / "build" / "kvpool-server"))
     if not os.access(binary, os.X_OK):
         pytest.fail(f"kvpool-server not found at {binary}; build it or set KVPOOL_SERVER_BIN")
     port = _free_port()
     proc = subprocess.Popen([binary, f"--port={port}", f"--metrics_port={_free_port()}",
-                             "--backend=cpu", f"--pool_bytes={256 << 20}"])
+                             f"--attend_socket_port={attend_socket_port}", "--backend=cpu",
+                             f"--pool_bytes={256 << 20}"])
     target = f"127.0.0.1:{port}"
     try:
         with grpc.insecure_channel(target) as channel:

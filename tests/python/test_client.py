@@ -1,11 +1,12 @@
 """kvpool_client.Client against a real kvpool-server: fp16 round trip through INT4 pages,
-remote attention, AttendStream decode, stats, and status codes of bad requests."""
+remote attention, AttendStream decode over gRPC and over the AttendSocket, stats, and status
+codes of bad requests."""
 
 import grpc
 import numpy as np
 import pytest
 
-from kvpool_client import AttendItem, Client
+from kvpool_client import AttendItem, AttendSocketError, Client
 
 LAYERS, HEADS, DIM, BLOCK = 2, 2, 64, 16
 
@@ -96,24 +97,57 @@ def test_attend_matches_fp64_attention_over_the_fp16_kv(client):
         client.release(m.lease_id)
 
 
-def test_attend_stream_appends_one_token_per_step(client):
+@pytest.fixture(scope="module")
+def socket_client(server, attend_socket_port, client):
+    """A Client whose attend_stream() sessions use the AttendSocket (after `client` made the
+    namespace)."""
+    with Client(server, timeout=30, attend_socket_port=attend_socket_port) as c:
+        yield c
+
+
+@pytest.mark.parametrize("transport", ["grpc", "socket"])
+def test_attend_stream_appends_one_token_per_step(client, socket_client, transport):
+    decoder = socket_client if transport == "socket" else client
     ids, k, v, _ = put_sequence(client, 32, seed=41)
     extra_k, extra_v = outlier_kv(3, seed=42)
     m = client.match(ids, namespace="pytest")
     try:
-        with client.attend_stream() as stream:
+        with decoder.attend_stream() as stream:
             for step in range(3):
                 for layer in range(LAYERS):
                     q = np.random.default_rng(step * 10 + layer).standard_normal(
                         (2 * HEADS, DIM)).astype(np.float16)
-                    res = stream.step(layer, [AttendItem(m.lease_id, q, extra_k[layer, step],
-                                                         extra_v[layer, step], 900 + step)])
+                    item = AttendItem(m.lease_id, q, extra_k[layer, step], extra_v[layer, step],
+                                      900 + step)
+                    res = stream.step(layer, [item])
                     assert res.context_tokens == [33 + step]
                     full_k = np.concatenate([k[layer], extra_k[layer, :step + 1]])
                     full_v = np.concatenate([v[layer], extra_v[layer, :step + 1]])
                     assert rel_err(res.out[0], attention(q, full_k, full_v)) < 0.35
+                    # The unary call sees the same context without appending: equal outputs.
+                    again = client.attend(layer, [AttendItem(m.lease_id, q)])
+                    np.testing.assert_array_equal(again.out, res.out)
     finally:
         client.release(m.lease_id)
+
+
+def test_attend_socket_bad_step_raises_its_status_and_ends_the_session(socket_client):
+    ids, _, _, _ = put_sequence(socket_client, 32, seed=45)
+    m = socket_client.match(ids, namespace="pytest")
+    q = np.ones((2 * HEADS, DIM), np.float16)
+    try:
+        with socket_client.attend_stream() as stream:
+            assert stream.step(0, [AttendItem(m.lease_id, q)]).context_tokens == [32]
+            with pytest.raises(AttendSocketError) as e:
+                stream.step(0, [AttendItem(m.lease_id + 1000, q)])
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+            with pytest.raises(AttendSocketError) as e:  # the session stays finished
+                stream.step(0, [AttendItem(m.lease_id, q)])
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(ValueError):
+            Client("unix:/tmp/kvpool.sock", attend_socket_port=1)
+    finally:
+        socket_client.release(m.lease_id)
 
 
 def test_stats_report_the_namespace_and_its_compression(client):

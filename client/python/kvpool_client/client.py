@@ -14,6 +14,7 @@ import grpc
 import numpy as np
 
 try:
+    from .attend_socket import AttendSocketSession, socket_address
     from .v1 import kvpool_pb2 as pb
     from .v1 import kvpool_pb2_grpc as pb_grpc
 except ImportError as e:  # pragma: no cover - a checkout without generated stubs
@@ -86,21 +87,31 @@ def _attend_result(resp, items: Sequence[AttendItem], return_lse) -> AttendResul
 
 
 class AttendStream:
-    """One AttendStream RPC kept open for a decode loop: step() sends one request and returns
-    its response. Use as a context manager, or call close()."""
+    """A decode loop's session, kept open: step() sends one request and returns its response.
+    An AttendStream RPC, or an AttendSocket connection when the Client has an
+    attend_socket_port. Use as a context manager, or call close()."""
 
     _END = object()
 
-    def __init__(self, stub, timeout):
-        self._requests: "queue.Queue" = queue.Queue()
-        self._responses = stub.AttendStream(iter(self._requests.get, self._END), timeout=timeout)
+    def __init__(self, stub, timeout, socket_session: Optional[AttendSocketSession] = None):
+        self._socket = socket_session
+        if socket_session is None:
+            self._requests: "queue.Queue" = queue.Queue()
+            self._responses = stub.AttendStream(iter(self._requests.get, self._END),
+                                                timeout=timeout)
 
     def step(self, layer: int, items: Sequence[AttendItem], sm_scale: float = 0.0,
              return_lse: bool = False) -> AttendResult:
-        self._requests.put(_attend_request(layer, items, sm_scale, return_lse))
+        req = _attend_request(layer, items, sm_scale, return_lse)
+        if self._socket is not None:
+            return _attend_result(self._socket.request(req), items, return_lse)
+        self._requests.put(req)
         return _attend_result(next(self._responses), items, return_lse)
 
     def close(self):
+        if self._socket is not None:
+            self._socket.close()
+            return
         self._requests.put(self._END)
         for _ in self._responses:  # drains and surfaces the final status
             pass
@@ -109,7 +120,7 @@ class AttendStream:
         return self
 
     def __exit__(self, *exc):
-        if exc[0] is None:
+        if exc[0] is None or self._socket is not None:
             self.close()
         else:
             self._responses.cancel()
@@ -120,7 +131,7 @@ class Client:
     stream; every method also takes its own `timeout`."""
 
     def __init__(self, target: str, timeout: float = 60.0, max_message_bytes: int = 64 << 20,
-                 max_chunk_bytes: int = 4 << 20):
+                 max_chunk_bytes: int = 4 << 20, attend_socket_port: int = 0):
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -128,6 +139,11 @@ class Client:
         self._stub = pb_grpc.KvPoolStub(self._channel)
         self._timeout = timeout
         self._max_chunk_bytes = max_chunk_bytes
+        self._max_message_bytes = max_message_bytes
+        # attend_stream() sessions go over the server's AttendSocket on this port of the target's
+        # host (its --attend_socket_port) instead of gRPC; 0 = gRPC.
+        self._attend_socket = socket_address(target, attend_socket_port) \
+            if attend_socket_port else None
 
     def close(self):
         self._channel.close()
@@ -251,6 +267,9 @@ class Client:
         return _attend_result(resp, items, return_lse)
 
     def attend_stream(self, timeout=None) -> AttendStream:
+        if self._attend_socket is not None:
+            return AttendStream(None, None, AttendSocketSession(
+                self._attend_socket, self._t(timeout), self._max_message_bytes))
         return AttendStream(self._stub, self._t(timeout))
 
     def stats(self, timeout=None):
