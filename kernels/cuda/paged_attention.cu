@@ -18,6 +18,12 @@ namespace {
 // fill, q' fragments, end-of-CTA merge, partial writes) in tokens of its work.
 constexpr int kNumSms = 132;
 constexpr int kCtaFixedTokens = 256;
+// Co-resident split CTAs that draw an SM's full throughput (AutoSplits): more of them in one round
+// only add their fixed costs (prologue, end-of-CTA merge, partials for the merge kernel).
+// Measured on the H200 with attention_bench --splits: at 1 x 32K and 8 x 8K, INT4 with two CTAs
+// per SM (32 / 4 splits) ran 10% / 6% faster than with four (64 / 8), INT8 and FP8 at 8 x 8K 3%
+// faster than with three (results/experiments_2026-11-29.md, "Seventh session").
+constexpr int64_t kBandwidthCtasPerSm = 2;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -263,23 +269,28 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   return KernelStatus::kOk;
 }
 
-// The split count that minimizes the modelled time of the split kernel,
-// waves * (tokens per split + kCtaFixedTokens), where waves = ceil(CTAs / resident CTAs) with
-// AttnMmaCtasPerSm resident per SM for the tensor-core kernel (4 assumed for the other one).
-// Equal-length sequences make CTAs of one wave finish together, so a partial last wave costs a
-// whole one. Counts beyond 4 waves' worth of CTAs are not tried; ties go to fewer splits.
+// The split count that minimizes the modelled time of the split kernel. The busiest SM runs
+// per_sm = min(ceil(CTAs / SMs), resident) CTAs at once (AttnMmaCtasPerSm resident for the
+// tensor-core kernel, 4 assumed for the other one), in ceil(CTAs / (SMs * per_sm)) rounds; a
+// round's CTAs each do their tokens plus kCtaFixedTokens of work, and share the SM's throughput,
+// which kBandwidthCtasPerSm of them already draw. Equal-length sequences make CTAs of one round
+// finish together, so a partial last round costs a whole one. Counts beyond 4 rounds' worth of
+// CTAs are not tried; ties go to fewer splits.
 int AutoSplits(const PageLayout& layout, int64_t ctas, int max_tokens, int stage_tokens) {
-  const int64_t slots = static_cast<int64_t>(kNumSms) *
-                        (AttnUsesMma(layout) ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4);
+  const int64_t resident =
+      AttnUsesMma(layout) ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4;
   const int64_t max_splits =
-      std::min<int64_t>(CeilDiv(max_tokens, stage_tokens), CeilDiv(4 * slots, ctas));
+      std::min<int64_t>(CeilDiv(max_tokens, stage_tokens), CeilDiv(4 * kNumSms * resident, ctas));
   int best = 1;
-  int64_t best_cost = INT64_MAX;
+  double best_cost = 0;
   for (int s = 1; s <= max_splits; ++s) {
     const int64_t tokens = CeilDiv(CeilDiv(max_tokens, s), stage_tokens) * stage_tokens;
-    const int64_t cost =
-        CeilDiv(ctas * CeilDiv(max_tokens, tokens), slots) * (tokens + kCtaFixedTokens);
-    if (cost < best_cost) {
+    const int64_t n = ctas * CeilDiv(max_tokens, tokens);
+    const int64_t per_sm = std::min(CeilDiv(n, kNumSms), resident);
+    const int64_t rounds = CeilDiv(n, kNumSms * per_sm);
+    const double cost = static_cast<double>(rounds * per_sm * (tokens + kCtaFixedTokens)) /
+                        static_cast<double>(std::min(per_sm, kBandwidthCtasPerSm));
+    if (s == 1 || cost < best_cost) {
       best_cost = cost;
       best = s;
     }

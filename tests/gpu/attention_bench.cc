@@ -35,6 +35,9 @@
 ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
 ABSL_FLAG(int, iters, 25, "timed runs per case; the median is reported");
 ABSL_FLAG(std::string, commit, "", "source revision recorded in the JSON");
+ABSL_FLAG(int, splits, 0,
+          "split-K count per (sequence, KV head) for every case (0 = the kernel's automatic "
+          "choice); for sweeps of the split heuristic");
 
 namespace kvpool {
 namespace {
@@ -183,6 +186,7 @@ std::pair<double, double> RowErrors(const std::vector<float>& got, const std::ve
 void RunShape(const Shape& shape, int iters, double stream_tbps, const DeviceBuffer& flush,
               std::vector<Result>* results) {
   const int blocks_per_seq = shape.context / kBlockTokens;
+  const int splits = absl::GetFlag(FLAGS_splits);
   const int64_t num_blocks = static_cast<int64_t>(shape.batch) * blocks_per_seq + 64;
   std::vector<int32_t> ids(num_blocks);
   std::iota(ids.begin(), ids.end(), 0);
@@ -200,7 +204,7 @@ void RunShape(const Shape& shape, int iters, double stream_tbps, const DeviceBuf
     const PageLayout l = MakeLayout(f);
     const DeviceBuffer pages = FillPages(l, shape, num_blocks, ids, blocks_per_seq);
     DeviceBuffer workspace(
-        cuda::AttentionWorkspaceBytes(l, shape.batch, kQHeads, blocks_per_seq, 0));
+        cuda::AttentionWorkspaceBytes(l, shape.batch, kQHeads, blocks_per_seq, splits));
     PagedDecodeAttentionParams p;
     p.layout = l;
     p.pages = pages.get<uint8_t>();
@@ -215,6 +219,7 @@ void RunShape(const Shape& shape, int iters, double stream_tbps, const DeviceBuf
     p.num_blocks = num_blocks;
     p.workspace = workspace.get();
     p.workspace_bytes = workspace.bytes();
+    p.num_splits = splits;
     Result r;
     r.shape = shape;
     r.format = f.name;
@@ -244,10 +249,11 @@ void WriteJson(const std::string& path, const std::string& device, double stream
   std::fprintf(f,
                "{\n  \"benchmark\": \"attention_bench\",\n  \"device\": \"%s\",\n"
                "  \"commit\": \"%s\",\n  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
-               "\"block_tokens\": %d,\n  \"iters\": %d,\n  \"stream_read_tbps\": %.4f,\n"
+               "\"block_tokens\": %d,\n  \"iters\": %d,\n  \"splits\": %d,\n"
+               "  \"stream_read_tbps\": %.4f,\n"
                "  \"cases\": [\n",
                device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), kQHeads, kKvHeads, kHeadDim,
-               kBlockTokens, iters, stream_tbps);
+               kBlockTokens, iters, absl::GetFlag(FLAGS_splits), stream_tbps);
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     std::fprintf(f,
