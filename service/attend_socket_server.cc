@@ -97,8 +97,12 @@ void AttendSocketServer::Serve(Session* session) {
   std::string payload;
   absl::Status end;  // what ends the session: OK when the client closes it
   for (;;) {
-    absl::StatusOr<FrameConnection::Frame> frame = conn.Read(
-        &payload, options_.max_frame_bytes, absl::Now() + options_.idle_timeout, options_.spin);
+    const bool spin = spinning_.fetch_add(1, std::memory_order_relaxed) < options_.max_spinning;
+    if (!spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
+    absl::StatusOr<FrameConnection::Frame> frame =
+        conn.Read(&payload, options_.max_frame_bytes, absl::Now() + options_.idle_timeout,
+                  spin ? options_.spin : absl::ZeroDuration());
+    if (spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
     if (!frame.ok()) {
       if (!absl::IsOutOfRange(frame.status())) end = frame.status();
       break;

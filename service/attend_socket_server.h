@@ -2,8 +2,9 @@
 // decode hot path without gRPC. Each connection is a session served by a thread of its own that
 // reads a request, runs it (the AttendRunner of AttendStream: same checks, same store call, same
 // response) and writes the response, reading the socket itself: after each response it polls
-// for the next request without sleeping for `spin`, then blocks. A failed step, a bad frame or
-// an idle connection gets a status frame and the connection is closed.
+// for the next request without sleeping for `spin` (at most `max_spinning` sessions at once, each
+// a busy core), then blocks. A failed step, a bad frame or an idle connection gets a status frame
+// and the connection is closed.
 #ifndef KVPOOL_SERVICE_ATTEND_SOCKET_SERVER_H_
 #define KVPOOL_SERVICE_ATTEND_SOCKET_SERVER_H_
 
@@ -31,6 +32,9 @@ struct AttendSocketOptions {
   int max_connections = 256;
   // How long a session's thread polls for the next request without sleeping (0: block at once).
   absl::Duration spin = absl::Microseconds(500);
+  // Sessions that may poll that way at the same time; the others block at once, so that many
+  // sessions do not keep every core busy.
+  int max_spinning = 4;
   // A session whose next request has not fully arrived after this long is closed
   // (DEADLINE_EXCEEDED); so is one whose response cannot be sent for this long.
   absl::Duration idle_timeout = absl::Minutes(10);
@@ -84,6 +88,7 @@ class AttendSocketServer {
   std::thread acceptor_;
   absl::Mutex mu_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<int> spinning_{0};  // sessions polling without sleeping now
   std::list<Session> sessions_ ABSL_GUARDED_BY(mu_);
 };
 

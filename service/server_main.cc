@@ -47,6 +47,9 @@ ABSL_FLAG(int, attend_socket_max_connections, 256, "AttendSocket sessions served
 ABSL_FLAG(int64_t, attend_socket_spin_us, 500,
           "how long an AttendSocket session polls for its next request without sleeping (0 = "
           "block)");
+ABSL_FLAG(int, attend_socket_max_spinning, 4,
+          "AttendSocket sessions that may poll without sleeping at the same time (each a busy "
+          "core); the others block at once");
 ABSL_FLAG(int64_t, attend_socket_idle_timeout_ms, 600000,
           "an AttendSocket session with no request (or an unsendable response) this long is "
           "closed");
@@ -116,6 +119,7 @@ int Run() {
       attend_socket_port < 0 ? "" : absl::StrCat("0.0.0.0:", attend_socket_port);
   options.attend_socket.max_connections = absl::GetFlag(FLAGS_attend_socket_max_connections);
   options.attend_socket.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_socket_spin_us));
+  options.attend_socket.max_spinning = absl::GetFlag(FLAGS_attend_socket_max_spinning);
   options.attend_socket.idle_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_attend_socket_idle_timeout_ms));
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

@@ -101,11 +101,17 @@ int MetricCount(const SocketFixture& s, const std::string& method, const std::st
 }
 
 // Sessions on several threads give, step for step, the unary Attend's answers.
-void ExpectSessionsMatchUnary(absl::Duration server_spin, absl::Duration client_spin) {
+void ExpectSessionsMatchUnary(absl::Duration server_spin, absl::Duration client_spin,
+                              int max_spinning) {
   constexpr int kSessions = 4;
   constexpr int kSteps = 10;
   SocketFixture s = StartSocket(
-      kSessions, [&](AttendSocketOptions* o) { o->spin = server_spin; }, client_spin);
+      kSessions,
+      [&](AttendSocketOptions* o) {
+        o->spin = server_spin;
+        o->max_spinning = max_spinning;
+      },
+      client_spin);
   ASSERT_NE(s.f.server, nullptr);
   ASSERT_EQ(s.f.leases.size(), static_cast<size_t>(kSessions));
   std::vector<std::vector<std::string>> want(kSessions);
@@ -153,11 +159,16 @@ void ExpectSessionsMatchUnary(absl::Duration server_spin, absl::Duration client_
 }
 
 TEST(AttendSocket, SpinningSessionsMatchUnaryAttend) {
-  ExpectSessionsMatchUnary(absl::Microseconds(500), absl::Microseconds(500));
+  ExpectSessionsMatchUnary(absl::Microseconds(500), absl::Microseconds(500), /*max_spinning=*/4);
+}
+
+// One session at a time may spin; the others block: the same answers.
+TEST(AttendSocket, SessionsBeyondTheSpinningLimitBlockAndMatch) {
+  ExpectSessionsMatchUnary(absl::Microseconds(500), absl::Microseconds(500), /*max_spinning=*/1);
 }
 
 TEST(AttendSocket, BlockingSessionsMatchUnaryAttend) {
-  ExpectSessionsMatchUnary(absl::ZeroDuration(), absl::ZeroDuration());
+  ExpectSessionsMatchUnary(absl::ZeroDuration(), absl::ZeroDuration(), /*max_spinning=*/4);
 }
 
 // The same decode loop, appending a new token every step, over AttendStream on one lease and
