@@ -3,6 +3,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -54,12 +55,16 @@ void AttendSocketServer::Shutdown() {
 void AttendSocketServer::Accept() {
   for (;;) {
     const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    // Out of descriptors or memory: retrying at once would spin.
+    if (fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
+      absl::SleepFor(absl::Milliseconds(10));
+    }
     absl::MutexLock l(&mu_);
     if (stopping_) {
       if (fd >= 0) close(fd);
       return;
     }
-    if (fd < 0) continue;  // the peer gave up before the accept, or a transient error
+    if (fd < 0) continue;  // as above, or the peer gave up before the accept
     auto conn = std::make_unique<FrameConnection>(fd);
     ReapLocked();
     if (sessions_.size() >= static_cast<size_t>(options_.max_connections)) {
