@@ -328,6 +328,30 @@ TEST(AttendSocket, ShutdownEndsOpenSessionsWithoutHanging) {
   EXPECT_FALSE((*idle)->Step(AttendRequestFor(s.f, s.f.leases[0], 9)).ok());
 }
 
+// A frame several times the reader's growth step and the socket buffers, written and read on two
+// threads: the payload arrives whole and unchanged.
+TEST(AttendSocket, LargeFramesArriveWhole) {
+  int fds[2];
+  ASSERT_EQ(socketpair(AF_UNIX, SOCK_STREAM, 0, fds), 0);
+  FrameConnection writer(fds[0]), reader(fds[1]);
+  v1::AttendRequest big;
+  std::string q(5 << 20, '\0');
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<char>(i * 131 % 251);
+  big.add_items()->set_q(q);
+  const absl::Time deadline = absl::Now() + absl::Seconds(30);
+  std::thread send(
+      [&] { EXPECT_TRUE(writer.WriteMessage(FrameType::kRequest, big, deadline).ok()); });
+  std::string payload;
+  absl::StatusOr<FrameConnection::Frame> frame =
+      reader.Read(&payload, 8 << 20, deadline, absl::ZeroDuration());
+  send.join();
+  ASSERT_TRUE(frame.ok()) << frame.status();
+  EXPECT_EQ(frame->type, FrameType::kRequest);
+  v1::AttendRequest got;
+  ASSERT_TRUE(got.ParseFromString(payload));
+  EXPECT_EQ(got.items(0).q(), q);
+}
+
 TEST(AttendSocket, SessionTargetsAndRefusals) {
   EXPECT_EQ(*client::AttendSocketAddress("localhost:50051", 7), "localhost:7");
   EXPECT_EQ(*client::AttendSocketAddress("dns:///pool-0.kvpool:50051", 7), "pool-0.kvpool:7");

@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -20,6 +21,7 @@ namespace kvpool::attend_socket {
 namespace {
 
 constexpr uint32_t kMagic = 0x3141564b;  // "KVA1" read as a little-endian word
+constexpr size_t kReadChunkBytes = size_t{1} << 20;
 
 void PutU16(uint8_t* p, uint16_t v) {
   p[0] = static_cast<uint8_t>(v);
@@ -160,9 +162,17 @@ absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payloa
     return absl::ResourceExhaustedError(absl::StrCat(
         "AttendSocket frame of ", length, " payload bytes over the limit of ", max_payload));
   }
-  payload->resize(length);
-  if (absl::Status s = fill(reinterpret_cast<uint8_t*>(payload->data()), length); !s.ok()) {
-    return s;
+  // The buffer grows with the bytes that arrive, not with what the header announces: a peer
+  // that announces a large frame and sends little holds little memory.
+  payload->clear();
+  while (payload->size() < length) {
+    const size_t at = payload->size();
+    payload->resize(std::min<size_t>(length, at + kReadChunkBytes));
+    if (absl::Status s =
+            fill(reinterpret_cast<uint8_t*>(payload->data()) + at, payload->size() - at);
+        !s.ok()) {
+      return s;
+    }
   }
   return Frame{static_cast<FrameType>(type), code};
 }
