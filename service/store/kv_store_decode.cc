@@ -270,9 +270,13 @@ void StoreImpl::PublishTailLocked(NamespaceState& ns, Lease& lease) {
   const size_t bt = ns.block_tokens();
   const size_t written =
       *std::min_element(lease.layer_written.begin(), lease.layer_written.end());
-  for (size_t j = 0; j < lease.blocks.size(); ++j) {
+  // Blocks with known hashes are a prefix of `blocks` (the matched ones, then tail blocks
+  // published in order by this loop): the walk starts after them, so a decode step's append
+  // costs the same at any context length.
+  size_t j = lease.blocks.size();
+  while (j > 0 && !lease.blocks[j - 1].hash_known) --j;
+  for (; j < lease.blocks.size(); ++j) {
     Lease::Block& block = lease.blocks[j];
-    if (block.hash_known) continue;
     const size_t end = (j + 1) * bt;
     if (end > written || lease.token_ids.size() < end) return;
     const absl::Span<const int32_t> ids(lease.token_ids.data() + j * bt, bt);

@@ -145,6 +145,34 @@ TEST_F(StoreTest, TailBlockPublishedAfterAllLayersFilled) {
   EXPECT_EQ(store_->Stats().namespaces[0].tokens_stored, 12u);
 }
 
+// A decode loop appending one token per step and layer publishes each tail block, in order, once
+// every layer has filled it.
+TEST_F(StoreTest, TailBlocksPublishOneAfterAnotherTokenByToken) {
+  MakeStore(32);
+  const int bt = config_.block_tokens;
+  const std::vector<int32_t> ids = TokenIds(5 * bt, 11);
+  const SequenceKv kv = MakeSequenceKv(config_, 5 * bt, 31);
+  const std::vector<int32_t> prefix(ids.begin(), ids.begin() + 2 * bt);
+  ASSERT_TRUE(Put(prefix, kv).ok());
+  auto lease = store_->Match("main", prefix, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  const size_t pt = PerToken();
+  for (int t = 2 * bt; t < 5 * bt; ++t) {
+    for (int l = 0; l < config_.num_layers; ++l) {
+      ASSERT_TRUE(
+          store_
+              ->Append(lease->lease_id, l, {ids[t]}, 1, TokenK(kv, l, t, pt), TokenV(kv, l, t, pt))
+              .ok());
+    }
+    auto probe = store_->Match("main", ids, absl::ZeroDuration());
+    ASSERT_TRUE(probe.ok());
+    EXPECT_EQ(probe->cached_tokens, static_cast<uint32_t>((t + 1) / bt * bt)) << "token " << t;
+    ASSERT_TRUE(store_->Release(probe->lease_id).ok());
+  }
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  EXPECT_EQ(store_->Stats().namespaces[0].tokens_stored, static_cast<uint32_t>(5 * bt));
+}
+
 TEST_F(StoreTest, TailWithoutTokenIdsStaysPrivateAndIsFreedOnRelease) {
   MakeStore(16);
   const SequenceKv kv = MakeSequenceKv(config_, 4, 25);
