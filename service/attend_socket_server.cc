@@ -100,7 +100,8 @@ void AttendSocketServer::Serve(Session* session) {
   v1::AttendRequest request;
   v1::AttendResponse response;
   std::string payload;
-  absl::Status end;  // what ends the session: OK when the client closes it
+  absl::Status end;       // what ends the session: OK when the client closes it
+  bool tell_peer = true;  // false once the socket itself has failed
   for (;;) {
     const bool spin = spinning_.fetch_add(1, std::memory_order_relaxed) < options_.max_spinning;
     if (!spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
@@ -110,6 +111,7 @@ void AttendSocketServer::Serve(Session* session) {
     if (spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
     if (!frame.ok()) {
       if (!absl::IsOutOfRange(frame.status())) end = frame.status();
+      tell_peer = !absl::IsUnavailable(end);
       break;
     }
     const absl::Time begin = absl::Now();
@@ -127,11 +129,14 @@ void AttendSocketServer::Serve(Session* session) {
     }
     end = conn.WriteMessage(FrameType::kResponse, response, absl::Now() + options_.idle_timeout);
     metrics_.step.Finished(static_cast<grpc::StatusCode>(end.code()), absl::Now() - begin);
-    if (!end.ok()) break;
+    if (!end.ok()) {
+      tell_peer = false;
+      break;
+    }
     metrics_.session.Sent(attend_socket::kHeaderBytes + response.ByteSizeLong());
   }
   // The peer is told why, unless the socket itself failed.
-  if (!end.ok() && !absl::IsUnavailable(end)) {
+  if (!end.ok() && tell_peer) {
     conn.WriteStatus(end, absl::Now() + absl::Seconds(1)).IgnoreError();
   }
   // The peer sees the close now; the descriptor itself is closed when the session is reaped, so
