@@ -213,7 +213,16 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   EXPECT_EQ(attended->context_tokens(0), 32u);
   EXPECT_TRUE((*session)->Finish().ok());
 
-  const std::string scrape = HttpGetMetrics(server.metrics_port());
+  // The AttendSocket session is counted once its thread has seen the close, after its step.
+  const std::string session_line =
+      "kvpool_rpc_duration_seconds_count{method=\"AttendSocket\",code=\"OK\"} 1\n";
+  std::string scrape;
+  for (int i = 0; i < 100; ++i) {
+    scrape = HttpGetMetrics(server.metrics_port());
+    if (scrape.find(session_line) != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(50));
+  }
+  EXPECT_NE(scrape.find(session_line), std::string::npos);
   EXPECT_EQ(scrape.rfind("HTTP/1.1 200", 0), 0u) << scrape;
   EXPECT_NE(scrape.find("text/plain; version=0.0.4"), std::string::npos);
   EXPECT_NE(scrape.find("kvpool_rpc_duration_seconds_count{method=\"Put\",code=\"OK\"} 1\n"),
