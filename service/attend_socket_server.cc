@@ -135,6 +135,8 @@ void AttendSocketServer::Serve(Session* session) {
     }
     metrics_.session.Sent(attend_socket::kHeaderBytes + response.ByteSizeLong());
   }
+  // Counted first: a client that has the status or sees the close also sees the session counted.
+  metrics_.session.Finished(static_cast<grpc::StatusCode>(end.code()), absl::Now() - start);
   // The peer is told why, unless the socket itself failed.
   if (!end.ok() && tell_peer) {
     conn.WriteStatus(end, absl::Now() + absl::Seconds(1)).IgnoreError();
@@ -142,7 +144,6 @@ void AttendSocketServer::Serve(Session* session) {
   // The peer sees the close now; the descriptor itself is closed when the session is reaped, so
   // that Shutdown never acts on a number the kernel has handed out again.
   conn.Shutdown();
-  metrics_.session.Finished(static_cast<grpc::StatusCode>(end.code()), absl::Now() - start);
   session->done.store(true, std::memory_order_release);
 }
 
