@@ -18,6 +18,8 @@ ABSL_FLAG(double, seconds, 5.0, "bench put: duration");
 ABSL_FLAG(int32_t, batch, 8, "bench attend: sequences per Attend RPC");
 ABSL_FLAG(int32_t, context, 1024, "bench attend: cached tokens per sequence");
 ABSL_FLAG(int32_t, iters, 200, "bench attend: timed RPCs (after 10 warm-up RPCs)");
+ABSL_FLAG(bool, append, false,
+          "bench attend: every item of every call also appends a new token's K/V (a decode step)");
 ABSL_FLAG(bool, stream, false,
           "bench attend: one AttendStream step per call instead of unary Attend");
 
@@ -141,6 +143,9 @@ int RunBenchAttend() {
   const int q_heads = spec.num_kv_heads() * absl::GetFlag(FLAGS_q_heads_per_kv_head);
   const std::vector<uint16_t> q =
       testing::ToHalf(testing::MakeNormal(size_t{1} * q_heads * spec.head_dim(), seed));
+  const bool append = absl::GetFlag(FLAGS_append);
+  const std::vector<uint16_t> new_kv = testing::ToHalf(
+      testing::MakeNormal(size_t{1} * spec.num_kv_heads() * spec.head_dim(), seed + 1));
   const bool stream = absl::GetFlag(FLAGS_stream);
   std::unique_ptr<client::AttendSession> session;
   if (stream && status.ok()) {
@@ -162,6 +167,10 @@ int RunBenchAttend() {
       item->set_lease_id(lease);
       item->set_q(q.data(), q.size() * sizeof(uint16_t));
       item->set_new_token_id(-1);
+      if (append) {
+        item->set_new_k(new_kv.data(), new_kv.size() * sizeof(uint16_t));
+        item->set_new_v(new_kv.data(), new_kv.size() * sizeof(uint16_t));
+      }
     }
     const absl::Time start = absl::Now();
     absl::StatusOr<v1::AttendResponse> r = session ? session->Step(req) : c->Attend(req, Call());
@@ -180,13 +189,14 @@ int RunBenchAttend() {
     return 1;
   }
   std::printf(
-      "bench attend: batch %d x %u context tokens, %d q heads, %d %s: p50 %.0f us, "
+      "bench attend: batch %d x %u context tokens, %d q heads, %d %s%s: p50 %.0f us, "
       "p99 %.0f us\n",
       batch, attended, q_heads, iters,
       !stream                                ? "unary RPCs"
       : c->options().attend_socket_port != 0 ? "AttendSocket steps"
                                              : "AttendStream steps",
-      Percentile(latency_us, 0.5), Percentile(latency_us, 0.99));
+      append ? " with a new token each" : "", Percentile(latency_us, 0.5),
+      Percentile(latency_us, 0.99));
   return 0;
 }
 
