@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# AttendStream (gRPC) against the AttendSocket on one CUDA server, on the GPU machine: for batch
+# 1 x 32K, 1 x 16, 32 x 4K and 32 x 16, `kvpool bench attend --stream` over each transport in turn,
+# twice, with the server's mean step time. Extra arguments go to every bench run (e.g. --append for
+# decode steps that append a token per item). Binaries packed by tests/gpu/package_for_device.sh.
+#   tests/bench/attend_transports.sh [bench flags]   (writes attend_transports.txt under $OUT)
+set -uo pipefail
+out=${OUT:-out}
+tmp=$(mktemp -d)
+mkdir -p "$out"
+[[ -d carry ]] || tar -xJf carry.tar.xz
+export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+bin=$PWD/carry/bin
+grpc=$out/attend_transports.txt
+status=0
+source tests/bench/grpc_bench_lib.sh
+start_server
+for shape in "1 32768" "1 16" "32 4096" "32 16"; do
+  read -r batch context <<< "$shape"
+  for round in 1 2; do
+    timed_attend AttendStream.step "AttendStream steps" --batch=$batch --context=$context \
+      --iters=300 --stream "$@"
+    timed_attend AttendSocket.step "AttendSocket steps" --batch=$batch --context=$context \
+      --iters=300 --stream --attend_socket_port=50052 "$@"
+  done
+done
+stop_server
+cat "$tmp/server.log"
+exit $status
