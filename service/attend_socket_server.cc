@@ -133,7 +133,8 @@ void AttendSocketServer::Serve(Session* session) {
       tell_peer = false;
       break;
     }
-    metrics_.session.Sent(attend_socket::kHeaderBytes + response.ByteSizeLong());
+    // The size WriteMessage computed, not walked again.
+    metrics_.session.Sent(attend_socket::kHeaderBytes + response.GetCachedSize());
   }
   // Counted first: a client that has the status or sees the close also sees the session counted.
   metrics_.session.Finished(static_cast<grpc::StatusCode>(end.code()), absl::Now() - start);
