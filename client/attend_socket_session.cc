@@ -1,5 +1,7 @@
 #include "client/attend_socket_session.h"
 
+#include <cstring>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
@@ -7,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "absl/time/clock.h"
+#include "kvpool/v1/attend_region.h"
 #include "kvpool/v1/attend_socket.h"
 
 namespace kvpool::client {
@@ -71,6 +74,127 @@ class SocketAttendSession final : public AttendSession {
   absl::Status final_status_;
 };
 
+// An AttendSocket session over a Unix socket with a shared-memory region
+// (kvpool/v1/attend_region.h): each Step copies the request's bulk bytes into the region and
+// sends the rest; the response's `out` is copied back from the region.
+class RegionAttendSession final : public AttendSession {
+ public:
+  RegionAttendSession(std::unique_ptr<FrameConnection> conn,
+                      std::unique_ptr<attend_socket::SharedRegion> region, absl::Time deadline,
+                      absl::Duration spin, uint32_t max_response_bytes)
+      : conn_(std::move(conn)),
+        region_(std::move(region)),
+        deadline_(deadline),
+        spin_(spin),
+        max_response_bytes_(max_response_bytes) {}
+
+  absl::StatusOr<v1::AttendResponse> Step(const v1::AttendRequest& request) override {
+    if (finished_) {
+      return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
+    }
+    absl::StatusOr<size_t> out_bytes = Stage(request);
+    if (!out_bytes.ok()) {
+      End(out_bytes.status());
+      return final_status_;
+    }
+    const absl::Status written = conn_->WriteMessage(FrameType::kRegionRequest, sent_, deadline_);
+    absl::StatusOr<FrameConnection::Frame> frame =
+        conn_->Read(&payload_, max_response_bytes_, written.ok() ? deadline_ : absl::Now(),
+                    written.ok() ? spin_ : absl::ZeroDuration());
+    v1::AttendResponse response;
+    if (!frame.ok()) {
+      End(absl::IsOutOfRange(frame.status())
+              ? absl::UnavailableError("AttendSocket closed by the server")
+              : (written.ok() ? frame.status() : written));
+    } else if (frame->type == FrameType::kStatus) {
+      End(attend_socket::StatusFromFrame(frame->code, payload_));
+    } else if (frame->type != FrameType::kResponse || !response.ParseFromString(payload_)) {
+      End(absl::InternalError("AttendSocket: the server's answer is not an AttendResponse"));
+    } else {
+      response.set_out(reinterpret_cast<const char*>(region_->data() + layout_.out), *out_bytes);
+      return response;
+    }
+    return final_status_;
+  }
+
+  absl::Status Finish() override {
+    if (!finished_) End(absl::OkStatus());
+    return final_status_;
+  }
+
+ private:
+  // Copies `request`'s q, new_k and new_v into the region, sets layout_ and sent_ (the request
+  // without them), and returns the output's size; INVALID_ARGUMENT for items of unequal sizes
+  // or a step the region cannot hold.
+  absl::StatusOr<size_t> Stage(const v1::AttendRequest& request) {
+    const int n = request.items_size();
+    if (n == 0) return absl::InvalidArgumentError("Attend needs at least one item");
+    const size_t q_bytes = request.items(0).q().size();
+    size_t kv_bytes = 0;
+    int appending = 0;
+    for (const v1::AttendItem& item : request.items()) {
+      if (item.q().size() != q_bytes || item.new_k().size() != item.new_v().size() ||
+          (!item.new_k().empty() && kv_bytes != 0 && item.new_k().size() != kv_bytes)) {
+        return absl::InvalidArgumentError(
+            "AttendSocket region steps need equal q sizes and equal new_k / new_v sizes");
+      }
+      if (!item.new_k().empty()) {
+        kv_bytes = item.new_k().size();
+        ++appending;
+      }
+    }
+    const size_t out_item_bytes =
+        q_bytes / 2 * (request.output_dtype() == v1::OUTPUT_DTYPE_FP32 ? 4 : 2);
+    const std::optional<attend_socket::RegionStepLayout> layout =
+        attend_socket::LayoutRegionStep(n, appending, q_bytes, kv_bytes, out_item_bytes);
+    if (!layout.has_value() || layout->end > region_->size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("AttendSocket step of ", n, " items does not fit the ", region_->size(),
+                       "-byte region (ClientOptions::attend_region_bytes)"));
+    }
+    layout_ = *layout;
+    sent_.Clear();
+    sent_.set_layer(request.layer());
+    sent_.set_num_q_heads(request.num_q_heads());
+    sent_.set_sm_scale(request.sm_scale());
+    sent_.set_output_dtype(request.output_dtype());
+    sent_.set_return_lse(request.return_lse());
+    uint8_t* const base = region_->data();
+    size_t appended = 0;
+    for (int i = 0; i < n; ++i) {
+      const v1::AttendItem& in = request.items(i);
+      std::memcpy(base + layout_.q + i * q_bytes, in.q().data(), q_bytes);
+      v1::AttendItem* item = sent_.add_items();
+      item->set_lease_id(in.lease_id());
+      item->set_new_token_id(in.new_token_id());
+      if (in.new_k().empty()) continue;
+      std::memcpy(base + layout_.new_k + appended * kv_bytes, in.new_k().data(), kv_bytes);
+      std::memcpy(base + layout_.new_v + appended * kv_bytes, in.new_v().data(), kv_bytes);
+      item->set_append_in_region(true);
+      ++appended;
+    }
+    return n * out_item_bytes;
+  }
+
+  void End(absl::Status status) {
+    finished_ = true;
+    final_status_ = std::move(status);
+    conn_.reset();
+    region_.reset();
+  }
+
+  std::unique_ptr<FrameConnection> conn_;
+  std::unique_ptr<attend_socket::SharedRegion> region_;
+  const absl::Time deadline_;
+  const absl::Duration spin_;
+  const uint32_t max_response_bytes_;
+  attend_socket::RegionStepLayout layout_;
+  v1::AttendRequest sent_;
+  std::string payload_;
+  bool finished_ = false;
+  absl::Status final_status_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::string> AttendSocketAddress(const std::string& target, int port) {
@@ -95,6 +219,33 @@ absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendSocketSession(
   absl::StatusOr<std::unique_ptr<FrameConnection>> conn = attend_socket::Connect(address, deadline);
   if (!conn.ok()) return conn.status();
   return std::make_unique<SocketAttendSession>(*std::move(conn), deadline, spin,
+                                               max_response_bytes);
+}
+
+absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendRegionSession(
+    const std::string& path, uint64_t region_bytes, absl::Time deadline, absl::Duration spin,
+    uint32_t max_response_bytes) {
+  absl::StatusOr<std::unique_ptr<FrameConnection>> conn =
+      attend_socket::Connect(absl::StrCat("unix:", path), deadline);
+  if (!conn.ok()) return conn.status();
+  const std::string size = attend_socket::EncodeRegionSize(region_bytes);
+  if (absl::Status s = (*conn)->WriteBytes(FrameType::kAttach, size, -1, deadline); !s.ok()) {
+    return s;
+  }
+  std::string payload;
+  absl::StatusOr<FrameConnection::Frame> frame =
+      (*conn)->Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
+  if (!frame.ok()) return frame.status();
+  if (frame->type == FrameType::kStatus) {
+    return attend_socket::StatusFromFrame(frame->code, payload);
+  }
+  if (frame->type != FrameType::kRegion || payload != size) {
+    return absl::InternalError("AttendSocket: the server's answer to an attach is not its region");
+  }
+  absl::StatusOr<std::unique_ptr<attend_socket::SharedRegion>> region =
+      attend_socket::SharedRegion::Map((*conn)->TakeReceivedFd(), region_bytes);
+  if (!region.ok()) return region.status();
+  return std::make_unique<RegionAttendSession>(*std::move(conn), *std::move(region), deadline, spin,
                                                max_response_bytes);
 }
 

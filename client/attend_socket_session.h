@@ -1,6 +1,8 @@
-// An AttendSession over the AttendSocket format (proto/kvpool/v1/attend_socket.h): the steps of
-// a decode loop over a plain TCP connection to the server's --attend_socket_port, no gRPC. Used
-// by KvPoolClient::OpenAttendStream when ClientOptions::attend_socket_port is set.
+// AttendSessions over the AttendSocket format (proto/kvpool/v1/attend_socket.h): the steps of a
+// decode loop over a plain TCP connection to the server's --attend_socket_port, or over its Unix
+// socket (--attend_unix_socket) with a shared-memory region, no gRPC. Used by
+// KvPoolClient::OpenAttendStream when ClientOptions::attend_unix_socket or attend_socket_port is
+// set.
 #ifndef KVPOOL_CLIENT_ATTEND_SOCKET_SESSION_H_
 #define KVPOOL_CLIENT_ATTEND_SOCKET_SESSION_H_
 
@@ -22,6 +24,16 @@ absl::StatusOr<std::string> AttendSocketAddress(const std::string& target, int p
 // its response without sleeping for `spin`, then blocks; responses over `max_response_bytes` fail
 // the session with RESOURCE_EXHAUSTED.
 absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendSocketSession(const std::string& address,
+                                                                       absl::Time deadline,
+                                                                       absl::Duration spin,
+                                                                       uint32_t max_response_bytes);
+
+// Connects to the Unix socket at `path` and attaches a shared-memory region of `region_bytes`
+// (kvpool/v1/attend_region.h): each Step copies the request's q, new_k and new_v into it and the
+// output out of it, and sends only the rest over the socket. A step the region cannot hold fails
+// the session with INVALID_ARGUMENT. Otherwise as OpenAttendSocketSession.
+absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendRegionSession(const std::string& path,
+                                                                       uint64_t region_bytes,
                                                                        absl::Time deadline,
                                                                        absl::Duration spin,
                                                                        uint32_t max_response_bytes);

@@ -192,9 +192,10 @@ int RunBenchAttend() {
       "bench attend: batch %d x %u context tokens, %d q heads, %d %s%s: p50 %.0f us, "
       "p99 %.0f us\n",
       batch, attended, q_heads, iters,
-      !stream                                ? "unary RPCs"
-      : c->options().attend_socket_port != 0 ? "AttendSocket steps"
-                                             : "AttendStream steps",
+      !stream                                    ? "unary RPCs"
+      : !c->options().attend_unix_socket.empty() ? "AttendSocket region steps"
+      : c->options().attend_socket_port != 0     ? "AttendSocket steps"
+                                                 : "AttendStream steps",
       append ? " with a new token each" : "", Percentile(latency_us, 0.5),
       Percentile(latency_us, 0.99));
   return 0;

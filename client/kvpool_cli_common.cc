@@ -21,6 +21,11 @@ ABSL_FLAG(int64_t, attend_spin_us, 500,
 ABSL_FLAG(int32_t, attend_socket_port, 0,
           "run AttendStream sessions over the server's AttendSocket on this port of the "
           "--target host instead of gRPC (0 = gRPC)");
+ABSL_FLAG(std::string, attend_unix_socket, "",
+          "run AttendStream sessions over the server's Unix socket at this path (its "
+          "--attend_unix_socket; same host) in a shared-memory region instead of gRPC");
+ABSL_FLAG(uint64_t, attend_region_bytes, uint64_t{16} << 20,
+          "size of the shared-memory region of --attend_unix_socket sessions");
 ABSL_FLAG(bool, wait_for_ready, true,
           "calls wait (up to --deadline_ms) for the server to accept a connection instead of "
           "failing at the first connect error");
@@ -40,6 +45,8 @@ client::ClientOptions Options(int channel_index, size_t max_chunk_bytes) {
   options.wait_for_ready = absl::GetFlag(FLAGS_wait_for_ready);
   options.attend_spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_spin_us));
   options.attend_socket_port = absl::GetFlag(FLAGS_attend_socket_port);
+  options.attend_unix_socket = absl::GetFlag(FLAGS_attend_unix_socket);
+  options.attend_region_bytes = absl::GetFlag(FLAGS_attend_region_bytes);
   if (max_chunk_bytes > 0) options.max_chunk_bytes = max_chunk_bytes;
   return options;
 }

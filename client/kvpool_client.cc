@@ -307,6 +307,11 @@ class GrpcKvPoolClient final : public KvPoolClient {
 
   absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendStream(
       const CallOptions& call) override {
+    if (!options_.attend_unix_socket.empty()) {
+      return OpenAttendRegionSession(options_.attend_unix_socket, options_.attend_region_bytes,
+                                     Deadline(call), options_.attend_spin,
+                                     static_cast<uint32_t>(options_.max_message_bytes));
+    }
     if (options_.attend_socket_port != 0) {
       if (options_.credentials != nullptr) {
         return absl::FailedPreconditionError(

@@ -43,6 +43,12 @@ struct ClientOptions {
   // on the host of the client's "host:port" target (the server's --attend_socket_port) and runs
   // the steps over the AttendSocket format, without gRPC (no TLS: refused with credentials).
   int attend_socket_port = 0;
+  // Not empty: OpenAttendStream connects to the server's Unix socket at this path (its
+  // --attend_unix_socket; the client must run on the server's host) and runs the steps in a
+  // shared-memory region of attend_region_bytes, which must hold a step's q, new K/V and output
+  // (the server's --attend_region_max_bytes bounds it). Takes precedence over attend_socket_port.
+  std::string attend_unix_socket;
+  uint64_t attend_region_bytes = uint64_t{16} << 20;
   // Channel credentials; null = insecure.
   std::shared_ptr<grpc::ChannelCredentials> credentials;
 };

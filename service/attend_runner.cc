@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -20,6 +21,18 @@ absl::Status AttendRunner::ResolveGeometry(uint64_t lease_id) {
 }
 
 absl::Status AttendRunner::Run(const v1::AttendRequest& request, v1::AttendResponse* response) {
+  return Step(request, nullptr, response);
+}
+
+absl::Status AttendRunner::RunInRegion(const v1::AttendRequest& request,
+                                       const attend_socket::SharedRegion& region,
+                                       v1::AttendResponse* response) {
+  return Step(request, &region, response);
+}
+
+absl::Status AttendRunner::Step(const v1::AttendRequest& request,
+                                const attend_socket::SharedRegion* region,
+                                v1::AttendResponse* response) {
   response->Clear();
   const int n = request.items_size();
   if (n == 0) return absl::InvalidArgumentError("Attend needs at least one item");
@@ -32,10 +45,56 @@ absl::Status AttendRunner::Run(const v1::AttendRequest& request, v1::AttendRespo
   if (absl::Status s = ResolveGeometry(request.items(0).lease_id()); !s.ok()) return s;
   const size_t q_values = static_cast<size_t>(request.num_q_heads()) * head_dim_;
   const size_t kv_bytes = static_cast<size_t>(num_kv_heads_) * head_dim_ * 2;
+  const bool fp32 = out_dtype == v1::OUTPUT_DTYPE_FP32;
+  const size_t out_item_bytes = q_values * (fp32 ? sizeof(float) : sizeof(uint16_t));
+
+  // Region requests: where the step's arrays sit, checked against the region's size.
+  attend_socket::RegionStepLayout layout;
+  if (region != nullptr) {
+    int appending = 0;
+    for (const v1::AttendItem& in : request.items()) {
+      if (!in.q().empty() || !in.new_k().empty() || !in.new_v().empty()) {
+        return absl::InvalidArgumentError(
+            "a region request carries q, new_k and new_v in the region, not in the message");
+      }
+      appending += in.append_in_region() ? 1 : 0;
+    }
+    const std::optional<attend_socket::RegionStepLayout> l =
+        attend_socket::LayoutRegionStep(n, appending, q_values * 2, kv_bytes, out_item_bytes);
+    if (!l.has_value() || l->end > region->size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the step's arrays (", n, " items, ", appending, " appending) need ",
+                       l.has_value() ? absl::StrCat(l->end) : "more than 2^64", " bytes of the ",
+                       region->size(), "-byte region"));
+    }
+    layout = *l;
+  }
 
   items_.resize(n);
+  int appended = 0;
   for (int i = 0; i < n; ++i) {
     const v1::AttendItem& in = request.items(i);
+    KvStore::AttendItem& item = items_[i];
+    item.lease_id = in.lease_id();
+    item.new_token_id = in.new_token_id();
+    if (region != nullptr) {
+      item.q = reinterpret_cast<const uint16_t*>(region->data() + layout.q) + i * q_values;
+      const size_t kv_offset = static_cast<size_t>(appended) * kv_bytes;
+      item.new_k =
+          in.append_in_region()
+              ? reinterpret_cast<const uint16_t*>(region->data() + layout.new_k + kv_offset)
+              : nullptr;
+      item.new_v =
+          in.append_in_region()
+              ? reinterpret_cast<const uint16_t*>(region->data() + layout.new_v + kv_offset)
+              : nullptr;
+      appended += in.append_in_region() ? 1 : 0;
+      continue;
+    }
+    if (in.append_in_region()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("item ", i, ": append_in_region is for AttendSocket region requests"));
+    }
     if (in.q().size() != q_values * 2) {
       return absl::InvalidArgumentError(absl::StrCat("item ", i, ": q has ", in.q().size(),
                                                      " bytes; ", request.num_q_heads(), " heads x ",
@@ -50,26 +109,27 @@ absl::Status AttendRunner::Run(const v1::AttendRequest& request, v1::AttendRespo
           "item ", i, ": new_k/new_v have ", in.new_k().size(), "/", in.new_v().size(), " bytes; ",
           num_kv_heads_, " heads x ", head_dim_, " dims fp16 need ", kv_bytes));
     }
-    KvStore::AttendItem& item = items_[i];
-    item.lease_id = in.lease_id();
     item.q = reinterpret_cast<const uint16_t*>(in.q().data());
     item.new_k = has_k ? reinterpret_cast<const uint16_t*>(in.new_k().data()) : nullptr;
     item.new_v = has_k ? reinterpret_cast<const uint16_t*>(in.new_v().data()) : nullptr;
-    item.new_token_id = in.new_token_id();
   }
 
-  const size_t out_values = q_values * n;
-  const bool fp32 = out_dtype == v1::OUTPUT_DTYPE_FP32;
-  std::string* out = response->mutable_out();
-  out->resize(out_values * (fp32 ? sizeof(float) : sizeof(uint16_t)));
-  if (reinterpret_cast<uintptr_t>(out->data()) % alignof(float) != 0) {
+  void* out_data;
+  if (region != nullptr) {
+    out_data = region->data() + layout.out;
+  } else {
+    std::string* out = response->mutable_out();
+    out->resize(out_item_bytes * n);
+    out_data = out->data();
+  }
+  if (reinterpret_cast<uintptr_t>(out_data) % alignof(float) != 0) {
     return absl::InternalError("response buffer is not aligned for its values");
   }
   KvStore::AttendOutputs outputs;
   if (fp32) {
-    outputs.out = reinterpret_cast<float*>(out->data());
+    outputs.out = static_cast<float*>(out_data);
   } else {
-    outputs.out_fp16 = reinterpret_cast<uint16_t*>(out->data());
+    outputs.out_fp16 = static_cast<uint16_t*>(out_data);
   }
   if (request.return_lse()) {
     response->mutable_lse()->Resize(static_cast<int>(request.num_q_heads()) * n, 0.0f);

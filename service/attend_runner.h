@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kvpool/v1/attend_region.h"
 #include "kvpool/v1/kvpool.pb.h"
 #include "service/store/kv_store.h"
 
@@ -21,8 +22,14 @@ class AttendRunner {
   // Runs `request` and fills `response` (cleared first; its fields' capacity is reused): the
   // store writes the output, in the requested dtype, straight into the response's fields.
   absl::Status Run(const v1::AttendRequest& request, v1::AttendResponse* response);
+  // Runs an AttendSocket region request (kvpool/v1/attend_region.h): q, new_k and new_v are read
+  // from `region`, and the output is written there, not into the response.
+  absl::Status RunInRegion(const v1::AttendRequest& request,
+                           const attend_socket::SharedRegion& region, v1::AttendResponse* response);
 
  private:
+  absl::Status Step(const v1::AttendRequest& request, const attend_socket::SharedRegion* region,
+                    v1::AttendResponse* response);
   // Geometry of the namespace of the last first-item lease seen, so that a stream describes
   // its lease once rather than every step.
   absl::Status ResolveGeometry(uint64_t lease_id);

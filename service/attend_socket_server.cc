@@ -4,10 +4,14 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <optional>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "kvpool/v1/attend_region.h"
 #include "service/attend_runner.h"
 
 namespace kvpool {
@@ -15,22 +19,55 @@ namespace kvpool {
 using attend_socket::FrameConnection;
 using attend_socket::FrameType;
 
+class AttendSocketServer::PinnedRegion {
+ public:
+  PinnedRegion(std::unique_ptr<attend_socket::SharedRegion> region, ComputeBackend* backend,
+               std::atomic<uint64_t>* counted)
+      : region_(std::move(region)), backend_(backend), counted_(counted) {}
+  ~PinnedRegion() {
+    backend_->UnregisterHostMemory(region_->data());
+    counted_->fetch_sub(region_->size(), std::memory_order_relaxed);
+  }
+  const attend_socket::SharedRegion& region() const { return *region_; }
+
+ private:
+  const std::unique_ptr<attend_socket::SharedRegion> region_;
+  ComputeBackend* const backend_;
+  std::atomic<uint64_t>* const counted_;
+};
+
 absl::StatusOr<std::unique_ptr<AttendSocketServer>> AttendSocketServer::Start(
-    KvStore* store, RpcMetrics* metrics, const AttendSocketOptions& options) {
+    KvStore* store, ComputeBackend* backend, RpcMetrics* metrics,
+    const AttendSocketOptions& options) {
   if (options.max_connections < 1) {
     return absl::InvalidArgumentError("AttendSocket max_connections must be at least 1");
   }
-  std::unique_ptr<AttendSocketServer> s(new AttendSocketServer(store, metrics, options));
-  absl::StatusOr<int> fd = attend_socket::Listen(options.address, &s->port_);
-  if (!fd.ok()) return fd.status();
-  s->listen_fd_ = *fd;
-  s->acceptor_ = std::thread([raw = s.get()] { raw->Accept(); });
+  if (options.address.empty() && options.unix_path.empty()) {
+    return absl::InvalidArgumentError("AttendSocket needs a TCP address or a Unix path");
+  }
+  std::unique_ptr<AttendSocketServer> s(new AttendSocketServer(store, backend, metrics, options));
+  const std::string addresses[2] = {
+      options.address, options.unix_path.empty() ? "" : absl::StrCat("unix:", options.unix_path)};
+  for (int i = 0; i < 2; ++i) {
+    if (addresses[i].empty()) continue;
+    int port = 0;
+    absl::StatusOr<int> fd = attend_socket::Listen(addresses[i], &port);
+    if (!fd.ok()) return fd.status();  // the destructor closes a listener already open
+    s->listen_fds_[i] = *fd;
+    if (i == 0) s->port_ = port;
+  }
+  for (int i = 0; i < 2; ++i) {
+    if (s->listen_fds_[i] >= 0) {
+      s->acceptors_[i] = std::thread([raw = s.get(), fd = s->listen_fds_[i]] { raw->Accept(fd); });
+    }
+  }
   return s;
 }
 
-AttendSocketServer::AttendSocketServer(KvStore* store, RpcMetrics* metrics,
+AttendSocketServer::AttendSocketServer(KvStore* store, ComputeBackend* backend, RpcMetrics* metrics,
                                        const AttendSocketOptions& options)
     : store_(store),
+      backend_(backend),
       metrics_{metrics->ForMethod("AttendSocket"), metrics->ForMethod("AttendSocket.step")},
       options_(options) {}
 
@@ -43,18 +80,22 @@ void AttendSocketServer::Shutdown() {
     stopping_ = true;
     for (Session& s : sessions_) s.conn->Shutdown();
   }
-  // Wakes the acceptor's accept(2), which then returns an error.
-  shutdown(listen_fd_, SHUT_RDWR);
-  acceptor_.join();
-  close(listen_fd_);
+  // Wakes each acceptor's accept(2), which then returns an error.
+  for (int i = 0; i < 2; ++i) {
+    if (listen_fds_[i] < 0) continue;
+    shutdown(listen_fds_[i], SHUT_RDWR);
+    if (acceptors_[i].joinable()) acceptors_[i].join();
+    close(listen_fds_[i]);
+  }
+  if (listen_fds_[1] >= 0) unlink(options_.unix_path.c_str());
   absl::MutexLock l(&mu_);
   for (Session& s : sessions_) s.thread.join();
   sessions_.clear();
 }
 
-void AttendSocketServer::Accept() {
+void AttendSocketServer::Accept(int listen_fd) {
   for (;;) {
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    const int fd = accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
     // Out of descriptors or memory: retrying at once would spin.
     if (fd < 0 && (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)) {
       absl::SleepFor(absl::Milliseconds(10));
@@ -82,6 +123,46 @@ void AttendSocketServer::Accept() {
   }
 }
 
+absl::StatusOr<std::unique_ptr<AttendSocketServer::PinnedRegion>> AttendSocketServer::Attach(
+    FrameConnection& conn, const std::string& payload) {
+  if (!conn.is_unix()) {
+    return absl::FailedPreconditionError(
+        "AttendSocket: shared-memory regions are attached over the Unix socket only");
+  }
+  const std::optional<uint64_t> bytes = attend_socket::DecodeRegionSize(payload);
+  if (!bytes.has_value() || *bytes == 0) {
+    return absl::InvalidArgumentError("AttendSocket: an attach frame carries a size above 0");
+  }
+  if (*bytes > options_.max_region_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("AttendSocket region of ", *bytes, " bytes over the limit of ",
+                     options_.max_region_bytes, " (--attend_region_max_bytes)"));
+  }
+  const uint64_t before = regions_bytes_.fetch_add(*bytes, std::memory_order_relaxed);
+  if (before + *bytes > options_.total_region_bytes) {
+    regions_bytes_.fetch_sub(*bytes, std::memory_order_relaxed);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "AttendSocket regions would take ", before + *bytes, " bytes, over the limit of ",
+        options_.total_region_bytes, " (--attend_region_total_bytes)"));
+  }
+  absl::StatusOr<std::unique_ptr<attend_socket::SharedRegion>> region =
+      attend_socket::SharedRegion::Create(*bytes);
+  absl::Status pinned =
+      region.ok() ? backend_->RegisterHostMemory((*region)->data(), *bytes) : region.status();
+  if (!pinned.ok()) {
+    regions_bytes_.fetch_sub(*bytes, std::memory_order_relaxed);
+    return pinned;
+  }
+  const int fd = (*region)->fd();
+  auto attached = std::make_unique<PinnedRegion>(*std::move(region), backend_, &regions_bytes_);
+  if (absl::Status s =
+          conn.WriteBytes(FrameType::kRegion, payload, fd, absl::Now() + options_.idle_timeout);
+      !s.ok()) {
+    return s;
+  }
+  return attached;
+}
+
 void AttendSocketServer::ReapLocked() {
   for (auto it = sessions_.begin(); it != sessions_.end();) {
     if (it->done.load(std::memory_order_acquire)) {
@@ -100,6 +181,7 @@ void AttendSocketServer::Serve(Session* session) {
   v1::AttendRequest request;
   v1::AttendResponse response;
   std::string payload;
+  std::unique_ptr<PinnedRegion> region;  // once attached
   absl::Status end;       // what ends the session: OK when the client closes it
   bool tell_peer = true;  // false once the socket itself has failed
   for (;;) {
@@ -116,10 +198,27 @@ void AttendSocketServer::Serve(Session* session) {
     }
     const absl::Time begin = absl::Now();
     metrics_.session.Received(attend_socket::kHeaderBytes + payload.size());
-    if (frame->type != FrameType::kRequest) {
-      end = absl::InvalidArgumentError("AttendSocket: a client sends request frames only");
+    if (frame->type == FrameType::kAttach) {
+      if (region != nullptr) {
+        end = absl::FailedPreconditionError("AttendSocket: the session has a region already");
+        break;
+      }
+      absl::StatusOr<std::unique_ptr<PinnedRegion>> attached = Attach(conn, payload);
+      if (!attached.ok()) {
+        end = attached.status();
+        break;
+      }
+      region = *std::move(attached);
+      continue;
+    }
+    if (frame->type != FrameType::kRequest && frame->type != FrameType::kRegionRequest) {
+      end = absl::InvalidArgumentError("AttendSocket: a client sends request or attach frames");
+    } else if (frame->type == FrameType::kRegionRequest && region == nullptr) {
+      end = absl::FailedPreconditionError("AttendSocket: a region request before an attach");
     } else if (!request.ParseFromString(payload)) {
       end = absl::InvalidArgumentError("AttendSocket: the request is not an AttendRequest");
+    } else if (frame->type == FrameType::kRegionRequest) {
+      end = runner.RunInRegion(request, region->region(), &response);
     } else {
       end = runner.Run(request, &response);
     }

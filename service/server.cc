@@ -71,9 +71,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", options.grpc_address));
   }
   s->attend_streams_->Start();
-  if (!options.attend_socket.address.empty()) {
-    absl::StatusOr<std::unique_ptr<AttendSocketServer>> socket =
-        AttendSocketServer::Start(s->store_.get(), s->rpc_metrics_.get(), options.attend_socket);
+  if (!options.attend_socket.address.empty() || !options.attend_socket.unix_path.empty()) {
+    absl::StatusOr<std::unique_ptr<AttendSocketServer>> socket = AttendSocketServer::Start(
+        s->store_.get(), s->backend_.get(), s->rpc_metrics_.get(), options.attend_socket);
     if (!socket.ok()) {
       s->Shutdown(absl::ZeroDuration());
       return socket.status();

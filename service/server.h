@@ -48,7 +48,8 @@ struct ServerOptions {
   std::vector<NamespaceConfig> namespaces;
   ServiceOptions service;
   AttendStreamOptions attend_stream;
-  // Attend over a plain TCP socket (kvpool-server: --attend_socket_port); off by default here.
+  // Attend over a plain TCP socket (kvpool-server: --attend_socket_port) or a Unix one
+  // (--attend_unix_socket); both off by default here.
   AttendSocketOptions attend_socket;
   // The CUDA backend's device, on which KvPoolTransport opens NCCL channels; -1 = no
   // KvPoolTransport. Ignored (no KvPoolTransport) for a non-CUDA backend or a build without NCCL.

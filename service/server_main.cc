@@ -53,6 +53,14 @@ ABSL_FLAG(int, attend_socket_max_spinning, 4,
 ABSL_FLAG(int64_t, attend_socket_idle_timeout_ms, 600000,
           "an AttendSocket session with no request (or an unsendable response) this long is "
           "closed");
+ABSL_FLAG(std::string, attend_unix_socket, "",
+          "AttendSocket on a Unix socket at this path as well (empty = off): sessions of clients "
+          "on this host may attach a shared-memory region that holds each step's q, new K/V and "
+          "output, pinned for direct device copies");
+ABSL_FLAG(uint64_t, attend_region_max_bytes, uint64_t{64} << 20,
+          "largest shared-memory region an AttendSocket session may attach");
+ABSL_FLAG(uint64_t, attend_region_total_bytes, uint64_t{1} << 30,
+          "pinned host memory all AttendSocket sessions' regions may take together");
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 10000, "time in-flight RPCs get to finish on shutdown");
 ABSL_FLAG(int64_t, lease_sweep_ms, 1000, "period of the expired-lease sweep (0 = off)");
@@ -117,6 +125,9 @@ int Run() {
   const int attend_socket_port = absl::GetFlag(FLAGS_attend_socket_port);
   options.attend_socket.address =
       attend_socket_port < 0 ? "" : absl::StrCat("0.0.0.0:", attend_socket_port);
+  options.attend_socket.unix_path = absl::GetFlag(FLAGS_attend_unix_socket);
+  options.attend_socket.max_region_bytes = absl::GetFlag(FLAGS_attend_region_max_bytes);
+  options.attend_socket.total_region_bytes = absl::GetFlag(FLAGS_attend_region_total_bytes);
   options.attend_socket.max_connections = absl::GetFlag(FLAGS_attend_socket_max_connections);
   options.attend_socket.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_socket_spin_us));
   options.attend_socket.max_spinning = absl::GetFlag(FLAGS_attend_socket_max_spinning);

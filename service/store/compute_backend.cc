@@ -35,4 +35,10 @@ absl::Status ComputeBackend::CheckFiniteArena(const uint16_t* /*x*/, size_t /*n*
   return NoTransferPath(*this, "CheckFiniteArena");
 }
 
+absl::Status ComputeBackend::RegisterHostMemory(void* /*data*/, size_t /*bytes*/) {
+  return absl::OkStatus();
+}
+
+void ComputeBackend::UnregisterHostMemory(void* /*data*/) {}
+
 }  // namespace kvpool

@@ -52,6 +52,13 @@ class ComputeBackend {
   // Waits for all work queued so far.
   [[nodiscard]] virtual absl::Status Synchronize() = 0;
 
+  // Pins host memory [data, data + bytes) for direct device copies until UnregisterHostMemory:
+  // PagedDecodeAttention then copies a q or out that lies inside it without a staging copy. The
+  // default (a backend over host memory) does nothing.
+  [[nodiscard]] virtual absl::Status RegisterHostMemory(void* data, size_t bytes);
+  // Undoes RegisterHostMemory(data, ...); no call using the memory may be running.
+  virtual void UnregisterHostMemory(void* data);
+
   // ---- Transfer paths (NCCL data plane): inputs and outputs in ARENA memory ---------------------
   // Staging buffers for these are arenas too (AllocateArena). The defaults return UNIMPLEMENTED;
   // a backend that serves NCCL transfers overrides all four. All are synchronous: they return

@@ -22,6 +22,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -318,34 +319,46 @@ class CudaBackend final : public ComputeBackend {
     }
     const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_q_heads;
     const size_t q_bytes = rows * l.head_dim * sizeof(uint16_t);
+    // q and out inside pinned (registered) host memory skip the staging copies.
+    const bool q_pinned = Registered(p.q, rows * l.head_dim * sizeof(uint16_t));
     const size_t table_bytes =
         static_cast<size_t>(p.num_seqs) * p.max_blocks_per_seq * sizeof(int32_t);
     const size_t lens_bytes = static_cast<size_t>(p.num_seqs) * sizeof(int32_t);
     const size_t out_bytes =
         rows * l.head_dim * (p.out_fp16 != nullptr ? sizeof(uint16_t) : sizeof(float));
     const size_t lse_bytes = p.lse != nullptr ? rows * sizeof(float) : 0;
+    void* const out_host = p.out_fp16 != nullptr ? static_cast<void*>(p.out_fp16) : p.out;
+    const bool out_pinned = Registered(out_host, out_bytes);
     const size_t workspace_bytes = cuda::AttentionWorkspaceBytes(
         l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
     StagingLayout layout;
-    const size_t q_off = layout.Add(q_bytes);
     const size_t table_off = layout.Add(table_bytes);
     const size_t lens_off = layout.Add(lens_bytes);
     // The new tokens travel in the same upload and run first on the same stream.
     std::optional<AppendStaging> staging;
     if (append != nullptr && append->num_tokens > 0) staging.emplace(*append, layout);
-    const size_t inputs_bytes = layout.size();
-    const size_t out_off = layout.Add(out_bytes);
+    // The q staged with the other inputs unless pinned (then a copy of its own, at the end).
+    const size_t q_off = layout.Add(q_bytes);
+    const size_t inputs_bytes = q_pinned ? q_off : layout.size();
+    // The output staged only when out is not pinned; lse always (it is small).
+    const size_t out_off = layout.Add(out_pinned ? 0 : out_bytes);
     const size_t lse_off = layout.Add(lse_bytes);
     const size_t outputs_bytes = layout.size() - out_off;
     const size_t ws_off = layout.Add(workspace_bytes);
+    // A pinned out's device side, copied straight to out.
+    const size_t out_device_off = out_pinned ? layout.Add(out_bytes) : out_off;
 
     return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
-      std::memcpy(slot.host + q_off, p.q, q_bytes);
       std::memcpy(slot.host + table_off, p.block_tables, table_bytes);
       std::memcpy(slot.host + lens_off, p.seq_lens, lens_bytes);
       if (staging) staging->Fill(slot.host);
+      if (!q_pinned) std::memcpy(slot.host + q_off, p.q, q_bytes);
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, inputs_bytes,
                                                   cudaMemcpyHostToDevice, lane.stream));
+      if (q_pinned) {
+        KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device + q_off, p.q, q_bytes,
+                                                    cudaMemcpyHostToDevice, lane.stream));
+      }
       if (staging) {
         if (absl::Status s =
                 KernelResult(cuda::QuantizeAppend(staging->DeviceParams(slot.device), lane.stream),
@@ -359,9 +372,9 @@ class CudaBackend final : public ComputeBackend {
       d.block_tables = reinterpret_cast<const int32_t*>(slot.device + table_off);
       d.seq_lens = reinterpret_cast<const int32_t*>(slot.device + lens_off);
       if (p.out_fp16 != nullptr) {
-        d.out_fp16 = reinterpret_cast<uint16_t*>(slot.device + out_off);
+        d.out_fp16 = reinterpret_cast<uint16_t*>(slot.device + out_device_off);
       } else {
-        d.out = reinterpret_cast<float*>(slot.device + out_off);
+        d.out = reinterpret_cast<float*>(slot.device + out_device_off);
       }
       d.lse = p.lse != nullptr ? reinterpret_cast<float*>(slot.device + lse_off) : nullptr;
       d.workspace = workspace_bytes > 0 ? slot.device + ws_off : nullptr;
@@ -371,15 +384,44 @@ class CudaBackend final : public ComputeBackend {
           !s.ok()) {
         return s;
       }
-      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + out_off, slot.device + out_off,
-                                                  outputs_bytes, cudaMemcpyDeviceToHost,
-                                                  lane.stream));
+      if (out_pinned) {
+        KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(out_host, slot.device + out_device_off,
+                                                    out_bytes, cudaMemcpyDeviceToHost,
+                                                    lane.stream));
+      }
+      if (outputs_bytes > 0) {
+        KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + out_off, slot.device + out_off,
+                                                    outputs_bytes, cudaMemcpyDeviceToHost,
+                                                    lane.stream));
+      }
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
-      std::memcpy(p.out_fp16 != nullptr ? static_cast<void*>(p.out_fp16) : p.out,
-                  slot.host + out_off, out_bytes);
+      if (!out_pinned) std::memcpy(out_host, slot.host + out_off, out_bytes);
       if (p.lse != nullptr) std::memcpy(p.lse, slot.host + lse_off, lse_bytes);
       return absl::OkStatus();
     });
+  }
+
+  absl::Status RegisterHostMemory(void* data, size_t bytes) override {
+    if (data == nullptr || bytes == 0) {
+      return absl::InvalidArgumentError("RegisterHostMemory: empty range");
+    }
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
+    KVPOOL_RETURN_IF_CUDA_ERROR(cudaHostRegister(data, bytes, cudaHostRegisterDefault));
+    absl::MutexLock l(&registered_mu_);
+    registered_.push_back({static_cast<const uint8_t*>(data), bytes});
+    return absl::OkStatus();
+  }
+
+  void UnregisterHostMemory(void* data) override {
+    {
+      absl::MutexLock l(&registered_mu_);
+      auto it = std::find_if(registered_.begin(), registered_.end(),
+                             [data](const ArenaRun& r) { return r.src == data; });
+      if (it == registered_.end()) return;
+      registered_.erase(it);
+    }
+    cudaSetDevice(device_);
+    if (cudaHostUnregister(data) != cudaSuccess) cudaGetLastError();
   }
 
   absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {
@@ -565,7 +607,18 @@ class CudaBackend final : public ComputeBackend {
     return s;
   }
 
+  // Whether [data, data + bytes) lies inside one RegisterHostMemory range.
+  bool Registered(const void* data, size_t bytes) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    absl::MutexLock l(&registered_mu_);
+    return std::any_of(registered_.begin(), registered_.end(), [&](const ArenaRun& r) {
+      return p >= r.src && bytes <= r.bytes && static_cast<size_t>(p - r.src) <= r.bytes - bytes;
+    });
+  }
+
   const int device_;
+  absl::Mutex registered_mu_;
+  std::vector<ArenaRun> registered_ ABSL_GUARDED_BY(registered_mu_);  // host ranges
   Lane lanes_[kNumLanes];
   std::atomic<uint32_t> next_lane_{0};
   ArenaRegistry arenas_;

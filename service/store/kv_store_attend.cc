@@ -34,6 +34,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   std::vector<int32_t> positions;
   std::vector<int32_t> seq_lens(items.size());
   std::vector<int32_t> block_tables;
+  // The new tokens' K and V, copied before they are checked: the check then covers what the
+  // kernel reads even when the caller's buffers change meanwhile (shared memory).
+  std::vector<uint16_t> new_k, new_v;
   int max_blocks = 0;
   {
     absl::MutexLock l(&mu_);
@@ -79,8 +82,16 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
             absl::StrFormat("item %d: new_k and new_v must come together", i));
       }
       if (item.new_k != nullptr) {
-        if (absl::Status s = CheckFinite(item.new_k, kv_elems, "new_k"); !s.ok()) return s;
-        if (absl::Status s = CheckFinite(item.new_v, kv_elems, "new_v"); !s.ok()) return s;
+        new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
+        new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
+        if (absl::Status s = CheckFinite(new_k.data() + new_k.size() - kv_elems, kv_elems, "new_k");
+            !s.ok()) {
+          return s;
+        }
+        if (absl::Status s = CheckFinite(new_v.data() + new_v.size() - kv_elems, kv_elems, "new_v");
+            !s.ok()) {
+          return s;
+        }
         plans.push_back(
             AppendPlan{leases[i].get(), 1, absl::Span<const int32_t>(&item.new_token_id, 1)});
       } else if (leases[i]->layer_tokens[layer] == 0) {
@@ -114,15 +125,6 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
 
   const NamespaceConfig& config = ns->info.config;
   const BlockPool& pool = *ns->pool;
-  const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
-  std::vector<uint16_t> new_k, new_v;
-  new_k.reserve(plans.size() * kv_elems);
-  new_v.reserve(plans.size() * kv_elems);
-  for (const AttendItem& item : items) {
-    if (item.new_k == nullptr) continue;
-    new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
-    new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
-  }
   QuantizeAppendParams p;
   p.layout = pool.layout(layer);
   p.k = new_k.data();
@@ -133,15 +135,23 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   p.pages = pool.layer_base(layer);
   p.sink_pages = pool.sink_base(layer);
   p.num_blocks = pool.num_blocks();
-  std::vector<uint16_t> q;
+  // q goes to the backend in place when the items' rows are already back to back (an AttendSocket
+  // region), else gathered.
   const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
-  q.reserve(items.size() * q_elems);
-  for (const AttendItem& item : items) q.insert(q.end(), item.q, item.q + q_elems);
+  bool q_contiguous = true;
+  for (size_t i = 1; i < items.size() && q_contiguous; ++i) {
+    q_contiguous = items[i].q == items[0].q + i * q_elems;
+  }
+  std::vector<uint16_t> q;
+  if (!q_contiguous) {
+    q.reserve(items.size() * q_elems);
+    for (const AttendItem& item : items) q.insert(q.end(), item.q, item.q + q_elems);
+  }
   PagedDecodeAttentionParams a;
   a.layout = pool.layout(layer);
   a.pages = pool.layer_base(layer);
   a.sink_pages = pool.sink_base(layer);
-  a.q = q.data();
+  a.q = q_contiguous ? items[0].q : q.data();
   a.num_seqs = static_cast<int>(items.size());
   a.num_q_heads = static_cast<int>(num_q_heads);
   a.block_tables = block_tables.data();

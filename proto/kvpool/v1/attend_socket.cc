@@ -6,6 +6,8 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +16,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 
@@ -105,15 +108,75 @@ absl::StatusOr<addrinfo*> Resolve(const std::string& address, bool passive) {
   return list;
 }
 
+constexpr absl::string_view kUnixScheme = "unix:";
+
+// The sockaddr of "unix:PATH".
+absl::StatusOr<sockaddr_un> UnixAddress(absl::string_view address) {
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  const absl::string_view path = address.substr(kUnixScheme.size());
+  if (path.empty() || path.size() >= sizeof(a.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat("AttendSocket Unix path must have 1 to ",
+                                                   sizeof(a.sun_path) - 1, " characters: \"",
+                                                   address, "\""));
+  }
+  std::memcpy(a.sun_path, path.data(), path.size());
+  return a;
+}
+
+// recv(2) that keeps a descriptor passed with the bytes (SCM_RIGHTS) in `*received`, closing
+// any it held and any beyond the first of a message.
+ssize_t RecvKeepingFd(int fd, uint8_t* dst, size_t n, int* received) {
+  iovec iov{dst, n};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control;
+  msg.msg_controllen = sizeof(control);
+  const ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+  if (r <= 0) return r;
+  for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int passed;
+      std::memcpy(&passed, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+      if (i == 0) {
+        if (*received >= 0) close(*received);
+        *received = passed;
+      } else {
+        close(passed);
+      }
+    }
+  }
+  return r;
+}
+
 }  // namespace
 
 FrameConnection::FrameConnection(int fd) : fd_(fd) {
   fcntl(fd_, F_SETFL, fcntl(fd_, F_GETFL) | O_NONBLOCK);
-  const int one = 1;
-  setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  sockaddr_storage local{};
+  socklen_t len = sizeof(local);
+  is_unix_ = getsockname(fd_, reinterpret_cast<sockaddr*>(&local), &len) == 0 &&
+             local.ss_family == AF_UNIX;
+  if (!is_unix_) {
+    const int one = 1;
+    setsockopt(fd_, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
 }
 
-FrameConnection::~FrameConnection() { close(fd_); }
+FrameConnection::~FrameConnection() {
+  if (received_fd_ >= 0) close(received_fd_);
+  close(fd_);
+}
+
+int FrameConnection::TakeReceivedFd() {
+  const int fd = received_fd_;
+  received_fd_ = -1;
+  return fd;
+}
 
 void FrameConnection::Shutdown() { shutdown(fd_, SHUT_RDWR); }
 
@@ -129,7 +192,8 @@ absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payloa
   auto fill = [&](uint8_t* dst, size_t n) -> absl::Status {
     size_t got = 0;
     while (got < n) {
-      const ssize_t r = recv(fd_, dst + got, n - got, MSG_DONTWAIT);
+      const ssize_t r = is_unix_ ? RecvKeepingFd(fd_, dst + got, n - got, &received_fd_)
+                                 : recv(fd_, dst + got, n - got, MSG_DONTWAIT);
       if (r > 0) {
         got += static_cast<size_t>(r);
         total += static_cast<size_t>(r);
@@ -154,7 +218,7 @@ absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payloa
   const uint32_t length = GetU32(header + 8);
   if (GetU32(header) != kMagic || GetU32(header + 12) != 0 ||
       type < static_cast<uint16_t>(FrameType::kRequest) ||
-      type > static_cast<uint16_t>(FrameType::kStatus) ||
+      type > static_cast<uint16_t>(FrameType::kRegionRequest) ||
       (type == static_cast<uint16_t>(FrameType::kStatus)) != (code != 0)) {
     return absl::InvalidArgumentError("AttendSocket: not a frame header (magic, type or code)");
   }
@@ -194,10 +258,38 @@ absl::Status FrameConnection::WriteStatus(const absl::Status& status, absl::Time
   return WriteFrame(deadline);
 }
 
-absl::Status FrameConnection::WriteFrame(absl::Time deadline) {
+absl::Status FrameConnection::WriteBytes(FrameType type, absl::string_view payload, int pass_fd,
+                                         absl::Time deadline) {
+  if (pass_fd >= 0 && !is_unix_) {
+    return absl::FailedPreconditionError("AttendSocket passes descriptors over Unix sockets only");
+  }
+  StartFrame(&out_, type, 0, payload.size());
+  std::memcpy(out_.data() + kHeaderBytes, payload.data(), payload.size());
+  return WriteFrame(deadline, pass_fd);
+}
+
+absl::Status FrameConnection::WriteFrame(absl::Time deadline, int pass_fd) {
   size_t sent = 0;
   while (sent < out_.size()) {
-    const ssize_t r = send(fd_, out_.data() + sent, out_.size() - sent, MSG_NOSIGNAL);
+    ssize_t r;
+    if (pass_fd >= 0) {  // with the frame's first bytes
+      iovec iov{out_.data() + sent, out_.size() - sent};
+      alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))] = {};
+      msghdr msg{};
+      msg.msg_iov = &iov;
+      msg.msg_iovlen = 1;
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof(control);
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(c), &pass_fd, sizeof(int));
+      r = sendmsg(fd_, &msg, MSG_NOSIGNAL);
+      if (r >= 0) pass_fd = -1;
+    } else {
+      r = send(fd_, out_.data() + sent, out_.size() - sent, MSG_NOSIGNAL);
+    }
     if (r >= 0) {
       sent += static_cast<size_t>(r);
       continue;
@@ -216,6 +308,23 @@ absl::Status StatusFromFrame(int code, absl::string_view message) {
 }
 
 absl::StatusOr<int> Listen(const std::string& address, int* port) {
+  if (absl::StartsWith(address, kUnixScheme)) {
+    absl::StatusOr<sockaddr_un> a = UnixAddress(address);
+    if (!a.ok()) return a.status();
+    struct stat st;
+    if (lstat(a->sun_path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(a->sun_path);
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return SocketError("socket");
+    if (bind(fd, reinterpret_cast<const sockaddr*>(&*a), sizeof(*a)) != 0 ||
+        listen(fd, SOMAXCONN) != 0) {
+      const absl::Status error = absl::UnavailableError(
+          absl::StrCat("AttendSocket cannot listen on ", address, ": ", std::strerror(errno)));
+      close(fd);
+      return error;
+    }
+    *port = 0;
+    return fd;
+  }
   absl::StatusOr<addrinfo*> list = Resolve(address, /*passive=*/true);
   if (!list.ok()) return list.status();
   absl::Status last =
@@ -248,6 +357,19 @@ absl::StatusOr<int> Listen(const std::string& address, int* port) {
 
 absl::StatusOr<std::unique_ptr<FrameConnection>> Connect(const std::string& address,
                                                          absl::Time deadline) {
+  if (absl::StartsWith(address, kUnixScheme)) {
+    absl::StatusOr<sockaddr_un> a = UnixAddress(address);
+    if (!a.ok()) return a.status();
+    const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return SocketError("socket");
+    auto conn = std::make_unique<FrameConnection>(fd);
+    // A Unix connect completes or fails at once (EAGAIN: the backlog is full).
+    if (connect(fd, reinterpret_cast<const sockaddr*>(&*a), sizeof(*a)) != 0) {
+      return absl::UnavailableError(
+          absl::StrCat("AttendSocket cannot connect to ", address, ": ", std::strerror(errno)));
+    }
+    return conn;
+  }
   absl::StatusOr<addrinfo*> list = Resolve(address, /*passive=*/false);
   if (!list.ok()) return list.status();
   absl::Status last =

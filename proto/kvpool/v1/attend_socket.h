@@ -1,17 +1,20 @@
-// The AttendSocket wire format: AttendStream's messages (kvpool.proto) over a plain TCP
-// connection, for decode loops that cannot afford gRPC's hand-offs between threads on every
+// The AttendSocket wire format: AttendStream's messages (kvpool.proto) over a plain TCP or Unix
+// stream socket, for decode loops that cannot afford gRPC's hand-offs between threads on every
 // message. Server and client share this one implementation so both ends agree byte for byte.
 //
 // A connection carries frames, each a 16-byte header then `length` payload bytes:
 //   bytes 0-3    magic "KVA1"
-//   bytes 4-5    type, little-endian: 1 request (a serialized AttendRequest), 2 response (a
-//                serialized AttendResponse), 3 status (a UTF-8 message)
+//   bytes 4-5    type, little-endian (FrameType): 1 request (a serialized AttendRequest),
+//                2 response (a serialized AttendResponse), 3 status (a UTF-8 message),
+//                4 attach, 5 region, 6 region request (attend_region.h)
 //   bytes 6-7    status frames: the gRPC status code (never 0); 0 otherwise
 //   bytes 8-11   payload length, little-endian
 //   bytes 12-15  zero
 // The client sends a request and reads its response before the next request, in order, like an
 // AttendStream step. The server answers a failed step, a bad frame or a refused connection with a
 // status frame and closes the connection; the client closing the connection ends the session.
+// Over a Unix socket a client may also attach a shared-memory region and run region requests,
+// whose bulk bytes stay in the region (attend_region.h).
 #ifndef KVPOOL_PROTO_KVPOOL_V1_ATTEND_SOCKET_H_
 #define KVPOOL_PROTO_KVPOOL_V1_ATTEND_SOCKET_H_
 
@@ -28,11 +31,19 @@
 
 namespace kvpool::attend_socket {
 
-enum class FrameType : uint16_t { kRequest = 1, kResponse = 2, kStatus = 3 };
+enum class FrameType : uint16_t {
+  kRequest = 1,
+  kResponse = 2,
+  kStatus = 3,
+  kAttach = 4,         // client: an 8-byte little-endian region size (attend_region.h)
+  kRegion = 5,         // server: the region's size as in kAttach, its memfd passed with the frame
+  kRegionRequest = 6,  // client: an AttendRequest whose bulk bytes are in the region
+};
 inline constexpr size_t kHeaderBytes = 16;
 
-// One connected TCP socket (non-blocking, TCP_NODELAY), closed on destruction. Reads and writes
-// whole frames; Shutdown may be called from another thread to end a blocked Read or Write.
+// One connected TCP (non-blocking, TCP_NODELAY) or Unix stream socket, closed on destruction.
+// Reads and writes whole frames; Shutdown may be called from another thread to end a blocked Read
+// or Write.
 class FrameConnection {
  public:
   // Takes ownership of `fd`.
@@ -51,29 +62,42 @@ class FrameConnection {
   // UNAVAILABLE when it closed inside one or the socket failed, DEADLINE_EXCEEDED,
   // INVALID_ARGUMENT for a header that is not this format's, RESOURCE_EXHAUSTED for a payload
   // over `max_payload` (nothing of it is read).
+  // A descriptor passed with the frame (Unix sockets) is kept for TakeReceivedFd.
   absl::StatusOr<Frame> Read(std::string* payload, uint32_t max_payload, absl::Time deadline,
                              absl::Duration spin);
-  // Writes `message` as a frame of `type` (kRequest or kResponse).
+  // Writes `message` as a frame of `type` (kRequest, kResponse or kRegionRequest).
   absl::Status WriteMessage(FrameType type, const google::protobuf::MessageLite& message,
                             absl::Time deadline);
+  // Writes a frame of `type` with `payload`; `pass_fd` >= 0 (Unix sockets only) travels with it
+  // as SCM_RIGHTS (the caller keeps its own descriptor).
+  absl::Status WriteBytes(FrameType type, absl::string_view payload, int pass_fd,
+                          absl::Time deadline);
+  // The last descriptor a Read received (the caller owns it), or -1.
+  int TakeReceivedFd();
+  // Whether the socket is a Unix one (the peer runs on this host).
+  bool is_unix() const { return is_unix_; }
   // Writes a status frame carrying `status` (not OK).
   absl::Status WriteStatus(const absl::Status& status, absl::Time deadline);
   // shutdown(2) on both directions: a Read or Write in another thread returns at once.
   void Shutdown();
 
  private:
-  absl::Status WriteFrame(absl::Time deadline);  // sends out_
-  std::string out_;                              // the frame being written
+  absl::Status WriteFrame(absl::Time deadline, int pass_fd = -1);  // sends out_
+  std::string out_;                                                // the frame being written
   const int fd_;
+  bool is_unix_ = false;
+  int received_fd_ = -1;
 };
 
 // The status a status frame carries.
 absl::Status StatusFromFrame(int code, absl::string_view message);
 
-// Listens on "HOST:PORT" (port 0 picks a free one; HOST may be "[::]" or "0.0.0.0"): a blocking
-// listening socket, whose port is stored in `*port`.
+// Listens on "HOST:PORT" (port 0 picks a free one; HOST may be "[::]" or "0.0.0.0") or on
+// "unix:PATH" (a stale socket file at PATH is replaced): a blocking listening socket, whose port
+// is stored in `*port` (0 for a Unix socket).
 absl::StatusOr<int> Listen(const std::string& address, int* port);
-// Connects to "HOST:PORT" before `deadline`; the FrameConnection of the connected socket.
+// Connects to "HOST:PORT" or "unix:PATH" before `deadline`; the FrameConnection of the connected
+// socket.
 absl::StatusOr<std::unique_ptr<FrameConnection>> Connect(const std::string& address,
                                                          absl::Time deadline);
 
