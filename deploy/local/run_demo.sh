@@ -2,21 +2,23 @@
 # The README's run command. Installs dependencies, builds kvpool-server and kvpool into build/,
 # starts kvpool-server --backend=auto in the background, waits until its gRPC port answers, runs
 # `kvpool demo` against it (extra arguments go to the demo; its decode steps go over the
-# AttendSocket), stops the server with SIGTERM and exits with the demo's status. KVPOOL_PORT /
-# KVPOOL_METRICS_PORT / KVPOOL_ATTEND_SOCKET_PORT override the ports.
+# AttendSocket's Unix socket, in a shared-memory region), stops the server with SIGTERM and exits
+# with the demo's status. KVPOOL_PORT / KVPOOL_METRICS_PORT / KVPOOL_ATTEND_SOCKET_PORT override
+# the ports, KVPOOL_ATTEND_UNIX_SOCKET the Unix socket's path.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${KVPOOL_BUILD_DIR:-$root/build}
 port=${KVPOOL_PORT:-50051}
 metrics_port=${KVPOOL_METRICS_PORT:-9464}
 attend_socket_port=${KVPOOL_ATTEND_SOCKET_PORT:-50052}
+attend_unix_socket=${KVPOOL_ATTEND_UNIX_SOCKET:-${TMPDIR:-/tmp}/kvpool-attend-$$.sock}
 
 "$root/deploy/local/install_deps.sh"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build "$build" --target kvpool-server kvpool -j"$(nproc)"
 
 "$build/kvpool-server" --backend=auto --port="$port" --metrics_port="$metrics_port" \
-  --attend_socket_port="$attend_socket_port" &
+  --attend_socket_port="$attend_socket_port" --attend_unix_socket="$attend_unix_socket" &
 server=$!
 stop_server() {
   kill -TERM "$server" 2>/dev/null || true
@@ -33,7 +35,7 @@ until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
 done
 
 status=0
-"$build/kvpool" --target="127.0.0.1:$port" --attend_socket_port="$attend_socket_port" demo "$@" \
+"$build/kvpool" --target="127.0.0.1:$port" --attend_unix_socket="$attend_unix_socket" demo "$@" \
   || status=$?
 trap - EXIT
 stop_server

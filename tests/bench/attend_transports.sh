@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# AttendStream (gRPC) against the AttendSocket on one CUDA server, on the GPU machine: for batch
-# 1 x 32K, 1 x 16, 32 x 4K and 32 x 16, `kvpool bench attend --stream` over each transport in turn,
-# twice, with the server's mean step time. Extra arguments go to every bench run (e.g. --append for
+# AttendStream (gRPC) against the AttendSocket over TCP and over its Unix socket with a
+# shared-memory region, on one CUDA server on the GPU machine: for batch 1 x 32K, 1 x 16, 32 x 4K
+# and 32 x 16, `kvpool bench attend --stream` over each transport in turn, twice, with the server's
+# mean step time. Extra arguments go to every bench run (e.g. --append for
 # decode steps that append a token per item). Binaries packed by tests/gpu/package_for_device.sh.
 #   tests/bench/attend_transports.sh [bench flags]   (writes attend_transports.txt under $OUT)
 set -uo pipefail
@@ -14,7 +15,7 @@ bin=$PWD/carry/bin
 grpc=$out/attend_transports.txt
 status=0
 source tests/bench/grpc_bench_lib.sh
-start_server
+start_server --attend_unix_socket="$tmp/attend.sock"
 for shape in "1 32768" "1 16" "32 4096" "32 16"; do
   read -r batch context <<< "$shape"
   for round in 1 2; do
@@ -22,6 +23,8 @@ for shape in "1 32768" "1 16" "32 4096" "32 16"; do
       --iters=300 --stream "$@"
     timed_attend AttendSocket.step "AttendSocket steps" --batch=$batch --context=$context \
       --iters=300 --stream --attend_socket_port=50052 "$@"
+    timed_attend AttendSocket.step "AttendSocket region steps" --batch=$batch --context=$context \
+      --iters=300 --stream --attend_unix_socket="$tmp/attend.sock" "$@"
   done
 done
 stop_server

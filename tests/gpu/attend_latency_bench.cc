@@ -6,8 +6,12 @@
 //           backend's staging copies, the kernels and the synchronization;
 //   append  the same with a new token's K/V per item, appended (fused quantize) before attention:
 //           a decode step;
+//   pinned  the store call as an AttendSocket region step makes it: q back to back and the output
+//           in host memory registered with the backend (ComputeBackend::RegisterHostMemory), so
+//           the backend copies them straight to and from the device;
 //   backend ComputeBackend::PagedDecodeAttention of the CUDA backend on host q, block tables and
 //           lengths of the same shape over a synthetic arena: staging copies, kernels, copy back;
+//           "backend pinned" the same with q and out in registered host memory;
 //   kernel  cuda::PagedDecodeAttention alone on device-resident inputs of that arena (CUDA
 //           events, L2 as warm as in a decode loop).
 // The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
@@ -18,6 +22,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,7 +78,7 @@ Times TimeWall(int iters, F&& call) {
 }
 
 struct ArenaTimes {
-  Times backend, kernel;
+  Times backend, backend_pinned, kernel;
 };
 
 // The backend call and the bare kernel of `shape` over a synthetic arena: constant INT4 pages
@@ -118,6 +123,23 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
     if (!s.ok()) std::fprintf(stderr, "backend: %s\n", s.ToString().c_str());
     return s.ok();
   });
+  // The same call with q and out in one registered buffer (an AttendSocket region's case).
+  const size_t q_elems = q.size();
+  std::vector<uint16_t> region(2 * q_elems);
+  std::copy(q.begin(), q.end(), region.begin());
+  if (absl::Status s = backend->RegisterHostMemory(region.data(), region.size() * 2); !s.ok()) {
+    std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
+    std::exit(1);
+  }
+  PagedDecodeAttentionParams pinned_host = host;
+  pinned_host.q = region.data();
+  pinned_host.out_fp16 = region.data() + q_elems;
+  const Times pinned_times = TimeWall(iters, [&] {
+    const absl::Status s = backend->PagedDecodeAttention(pinned_host, nullptr);
+    if (!s.ok()) std::fprintf(stderr, "backend pinned: %s\n", s.ToString().c_str());
+    return s.ok();
+  });
+  backend->UnregisterHostMemory(region.data());
   // A non-blocking stream like the backend's lanes: the launches overlap as they do there.
   cudaStream_t stream;
   KVPOOL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -140,7 +162,7 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);
-  return {backend_times, Percentiles(std::move(us))};
+  return {backend_times, pinned_times, Percentiles(std::move(us))};
 }
 
 int Main(int argc, char** argv) {
@@ -172,8 +194,9 @@ int Main(int argc, char** argv) {
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
       "  \"cases\": [\n",
       absl::GetFlag(FLAGS_commit), iters);
-  std::printf("%-12s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99", "store p50/99",
-              "append p50/99", "backend p50/99", "kernel p50");
+  std::printf("%-12s %14s %14s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99",
+              "store p50/99", "append p50/99", "pinned p50/99", "backend p50/99", "b.pinned p50/99",
+              "kernel p50");
   int seq = 0;
   for (const Shape& shape : kShapes) {
     std::vector<uint64_t> leases;
@@ -233,18 +256,42 @@ int Main(int argc, char** argv) {
       if (!s.ok()) std::fprintf(stderr, "append: %s\n", s.ToString().c_str());
       return s.ok();
     });
+    const size_t q_elems = static_cast<size_t>(kQHeads) * kHeadDim;
+    std::vector<uint16_t> region(2 * shape.batch * q_elems);  // q rows, then the output
+    for (int b = 0; b < shape.batch; ++b) {
+      std::memcpy(region.data() + b * q_elems, q.data(), q_elems * 2);
+    }
+    if (absl::Status s = (*backend)->RegisterHostMemory(region.data(), region.size() * 2);
+        !s.ok()) {
+      std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
+      return 1;
+    }
+    std::vector<KvStore::AttendItem> region_items = items;
+    for (int b = 0; b < shape.batch; ++b) region_items[b].q = region.data() + b * q_elems;
+    const KvStore::AttendOutputs region_outputs{nullptr, region.data() + shape.batch * q_elems,
+                                                nullptr, attended.data()};
+    const Times pinned = TimeWall(iters, [&] {
+      const absl::Status s = (*store)->Attend(0, kQHeads, 0.0f, region_items, region_outputs);
+      if (!s.ok()) std::fprintf(stderr, "pinned: %s\n", s.ToString().c_str());
+      return s.ok();
+    });
+    (*backend)->UnregisterHostMemory(region.data());
     const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
-    std::printf("%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %8.1f us\n",
-                shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us,
-                app.p50_us, app.p99_us, arena.backend.p50_us, arena.backend.p99_us,
-                arena.kernel.p50_us);
+    std::printf(
+        "%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f "
+        "%6.0f / %5.0f %8.1f us\n",
+        shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
+        app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
+        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.kernel.p50_us);
     json += absl::StrFormat(
         "    {\"batch\": %d, \"context\": %d, \"runner_p50_us\": %.1f, \"runner_p99_us\": %.1f, "
         "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"append_p50_us\": %.1f, "
-        "\"append_p99_us\": %.1f, \"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, "
-        "\"kernel_p50_us\": %.1f}%s\n",
+        "\"append_p99_us\": %.1f, \"pinned_p50_us\": %.1f, \"pinned_p99_us\": %.1f, "
+        "\"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, \"backend_pinned_p50_us\": %.1f, "
+        "\"backend_pinned_p99_us\": %.1f, \"kernel_p50_us\": %.1f}%s\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
-        app.p99_us, arena.backend.p50_us, arena.backend.p99_us, arena.kernel.p50_us,
+        app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
+        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.kernel.p50_us,
         &shape == &kShapes[std::size(kShapes) - 1] ? "" : ",");
     for (uint64_t lease : leases) (*store)->Release(lease).IgnoreError();
   }

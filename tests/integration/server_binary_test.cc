@@ -163,8 +163,10 @@ std::string HttpGetMetrics(int port) {
 
 TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   ServerProcess server;
+  const std::string unix_socket = absl::StrCat("/tmp/kvpool-binary-test-", getpid(), ".sock");
   ASSERT_TRUE(server.Start({"--port=0", "--metrics_port=0", "--attend_socket_port=0",
-                            "--backend=cpu", "--pool_bytes=67108864", "--shutdown_grace_ms=2000"}))
+                            "--attend_unix_socket=" + unix_socket, "--backend=cpu",
+                            "--pool_bytes=67108864", "--shutdown_grace_ms=2000"}))
       << server.log();
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server.port()),
                                      grpc::InsecureChannelCredentials());
@@ -196,7 +198,7 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   for (const auto& r : msgs) k_bytes += r.k().size();
   EXPECT_EQ(k_bytes, 2u * 32 * pt * 2);
 
-  // One decode step over the AttendSocket.
+  // One decode step over the AttendSocket, and the same over its Unix socket in a region.
   absl::StatusOr<std::unique_ptr<client::AttendSession>> session = client::OpenAttendSocketSession(
       absl::StrCat("127.0.0.1:", server.attend_socket_port()), absl::Now() + absl::Seconds(30),
       absl::ZeroDuration(), 1 << 20);
@@ -212,10 +214,18 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   ASSERT_TRUE(attended.ok()) << attended.status();
   EXPECT_EQ(attended->context_tokens(0), 32u);
   EXPECT_TRUE((*session)->Finish().ok());
+  absl::StatusOr<std::unique_ptr<client::AttendSession>> region = client::OpenAttendRegionSession(
+      unix_socket, 1 << 20, absl::Now() + absl::Seconds(30), absl::ZeroDuration(), 1 << 20);
+  ASSERT_TRUE(region.ok()) << region.status();
+  absl::StatusOr<v1::AttendResponse> in_region = (*region)->Step(attend);
+  ASSERT_TRUE(in_region.ok()) << in_region.status();
+  EXPECT_EQ(in_region->out(), attended->out());
+  EXPECT_TRUE((*region)->Finish().ok());
 
-  // The AttendSocket session is counted once its thread has seen the close, after its step.
+  // The AttendSocket sessions are counted once their threads have seen the close, after their
+  // steps.
   const std::string session_line =
-      "kvpool_rpc_duration_seconds_count{method=\"AttendSocket\",code=\"OK\"} 1\n";
+      "kvpool_rpc_duration_seconds_count{method=\"AttendSocket\",code=\"OK\"} 2\n";
   std::string scrape;
   for (int i = 0; i < 100; ++i) {
     scrape = HttpGetMetrics(server.metrics_port());
@@ -229,13 +239,14 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
             std::string::npos);
   EXPECT_NE(scrape.find("kvpool_tokens_stored{namespace=\"default\"} 32\n"), std::string::npos);
   EXPECT_NE(scrape.find(
-                "kvpool_rpc_duration_seconds_count{method=\"AttendSocket.step\",code=\"OK\"} 1\n"),
+                "kvpool_rpc_duration_seconds_count{method=\"AttendSocket.step\",code=\"OK\"} 2\n"),
             std::string::npos);
   EXPECT_NE(scrape.find("kvpool_build_info{version=\"0.1.0\",backend=\"cpu\"} 1\n"),
             std::string::npos);
 
   EXPECT_EQ(server.Terminate(), 0) << server.log();
   EXPECT_NE(server.log().find("stopped"), std::string::npos) << server.log();
+  EXPECT_NE(access(unix_socket.c_str(), F_OK), 0) << "the Unix socket file is left behind";
 }
 
 }  // namespace
