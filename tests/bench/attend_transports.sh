@@ -15,7 +15,7 @@ bin=$PWD/carry/bin
 grpc=$out/attend_transports.txt
 status=0
 source tests/bench/grpc_bench_lib.sh
-start_server --attend_unix_socket="$tmp/attend.sock"
+start_server
 for shape in "1 32768" "1 16" "32 4096" "32 16"; do
   read -r batch context <<< "$shape"
   for round in 1 2; do

@@ -64,9 +64,12 @@ for shape in "1 32768" "32 4096" "1 16" "32 16"; do
     --stream
   timed_attend AttendSocket.step "AttendSocket steps" --batch=$batch --context=$context --iters=300 \
     --stream --attend_socket_port=50052
+  timed_attend AttendSocket.step "AttendSocket region steps" --batch=$batch --context=$context \
+    --iters=300 --stream --attend_unix_socket="$tmp/attend.sock"
 done
 # The demo's progress line (stderr, redrawn with \r) stays out of the results; its errors do not.
-timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 demo 2> "$tmp/demo.err" | tee -a "$grpc" \
+timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 --attend_unix_socket="$tmp/attend.sock" demo \
+  2> "$tmp/demo.err" | tee -a "$grpc" \
   || status=1
 tr '\r' '\n' < "$tmp/demo.err" | grep -v '^\[demo\]' | grep . | tee -a "$grpc"
 curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_ratio|quantization_rel)' \

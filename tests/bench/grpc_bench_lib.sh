@@ -2,10 +2,11 @@
 # attend_spin.sh. The caller sets $bin (carry/bin), $tmp (scratch), $grpc (the results file) and
 # $status (0), and keeps $server (the server's pid) for stop_server.
 
-start_server() {  # extra kvpool-server flags; sets $server
+start_server() {  # extra kvpool-server flags; sets $server (AttendSocket: TCP 50052, $tmp/attend.sock)
   # 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
   "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 --attend_socket_port=50052 \
-    --max_put_stream_bytes=17179869184 "$@" >> "$tmp/server.log" 2>&1 &
+    --attend_unix_socket="$tmp/attend.sock" --max_put_stream_bytes=17179869184 "$@" \
+    >> "$tmp/server.log" 2>&1 &
   server=$!
   for _ in $(seq 100); do (exec 3<>/dev/tcp/127.0.0.1/50051) 2>/dev/null && break; sleep 0.1; done
 }

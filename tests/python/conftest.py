@@ -33,14 +33,21 @@ def attend_socket_port() -> int:
 
 
 @pytest.fixture(scope="session")
-def server(attend_socket_port):
+def attend_unix_socket(tmp_path_factory) -> str:
+    """The server's AttendSocket Unix socket path."""
+    return str(tmp_path_factory.mktemp("kvpool") / "attend.sock")
+
+
+@pytest.fixture(scope="session")
+def server(attend_socket_port, attend_unix_socket):
     """Address of a kvpool-server (KVPOOL_SERVER_BIN, default build/kvpool-server)."""
     binary = os.environ.get("KVPOOL_SERVER_BIN", str(REPO / "build" / "kvpool-server"))
     if not os.access(binary, os.X_OK):
         pytest.fail(f"kvpool-server not found at {binary}; build it or set KVPOOL_SERVER_BIN")
     port = _free_port()
     proc = subprocess.Popen([binary, f"--port={port}", f"--metrics_port={_free_port()}",
-                             f"--attend_socket_port={attend_socket_port}", "--backend=cpu",
+                             f"--attend_socket_port={attend_socket_port}",
+                             f"--attend_unix_socket={attend_unix_socket}", "--backend=cpu",
                              f"--pool_bytes={256 << 20}"])
     target = f"127.0.0.1:{port}"
     try:

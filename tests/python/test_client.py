@@ -105,9 +105,19 @@ def socket_client(server, attend_socket_port, client):
         yield c
 
 
-@pytest.mark.parametrize("transport", ["grpc", "socket"])
-def test_attend_stream_appends_one_token_per_step(client, socket_client, transport):
-    decoder = socket_client if transport == "socket" else client
+@pytest.fixture(scope="module")
+def region_client(server, attend_unix_socket, client):
+    """A Client whose attend_stream() sessions use the AttendSocket's Unix socket and a
+    shared-memory region."""
+    with Client(server, timeout=30, attend_unix_socket=attend_unix_socket,
+                attend_region_bytes=1 << 20) as c:
+        yield c
+
+
+@pytest.mark.parametrize("transport", ["grpc", "socket", "region"])
+def test_attend_stream_appends_one_token_per_step(client, socket_client, region_client,
+                                                   transport):
+    decoder = {"grpc": client, "socket": socket_client, "region": region_client}[transport]
     ids, k, v, _ = put_sequence(client, 32, seed=41)
     extra_k, extra_v = outlier_kv(3, seed=42)
     m = client.match(ids, namespace="pytest")
@@ -148,6 +158,23 @@ def test_attend_socket_bad_step_raises_its_status_and_ends_the_session(socket_cl
             Client("unix:/tmp/kvpool.sock", attend_socket_port=1)
     finally:
         socket_client.release(m.lease_id)
+
+
+def test_region_step_too_large_for_the_region_raises_invalid_argument(server,
+                                                                     attend_unix_socket, client):
+    ids, _, _, _ = put_sequence(client, 32, seed=47)
+    m = client.match(ids, namespace="pytest")
+    q = np.ones((2 * HEADS, DIM), np.float16)
+    try:
+        with Client(server, timeout=30, attend_unix_socket=attend_unix_socket,
+                    attend_region_bytes=4096) as small:
+            with small.attend_stream() as stream:
+                assert stream.step(0, [AttendItem(m.lease_id, q)]).context_tokens == [32]
+                with pytest.raises(AttendSocketError) as e:
+                    stream.step(0, [AttendItem(m.lease_id, q)] * 8)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        client.release(m.lease_id)
 
 
 def test_stats_report_the_namespace_and_its_compression(client):

@@ -1,14 +1,18 @@
-"""AttendStream's decode steps over the server's AttendSocket (--attend_socket_port): the same
-AttendRequest / AttendResponse messages in length-prefixed frames over plain TCP, without gRPC.
-The wire format is documented in proto/kvpool/v1/attend_socket.h. No TLS.
+"""AttendStream's decode steps over the server's AttendSocket: the same AttendRequest /
+AttendResponse messages in length-prefixed frames over plain TCP (--attend_socket_port), without
+gRPC, or over its Unix socket (--attend_unix_socket) with the bulk bytes in a shared-memory region
+the server passes to the client. The wire format is documented in proto/kvpool/v1/attend_socket.h
+and attend_region.h. No TLS.
 """
 
 from __future__ import annotations
 
+import mmap
+import os
 import socket
 import struct
 import time
-from typing import Optional
+from typing import Optional, Union
 
 import grpc
 
@@ -16,7 +20,9 @@ from .v1 import kvpool_pb2 as pb
 
 _MAGIC = 0x3141564B  # "KVA1" as a little-endian word
 _HEADER = struct.Struct("<IHHII")  # magic, type, status code, payload length, zero
-_REQUEST, _RESPONSE, _STATUS = 1, 2, 3
+_REQUEST, _RESPONSE, _STATUS, _ATTACH, _REGION, _REGION_REQUEST = 1, 2, 3, 4, 5, 6
+_SIZE = struct.Struct("<Q")  # the payload of attach and region frames
+_ALIGN = 64  # region arrays start on cache lines (RegionStepLayout)
 _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -46,21 +52,37 @@ def socket_address(target: str, port: int):
     return host.strip("[]"), port
 
 
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
 class AttendSocketSession:
     """One AttendSocket connection for a decode loop: request(req) sends an AttendRequest and
-    returns its AttendResponse. After an error the session is closed and raises that error
-    again. `timeout` (seconds, None = none) bounds the whole session."""
+    returns its AttendResponse. `address` is (host, port) for TCP or a Unix socket path; over a
+    Unix socket with `region_bytes` > 0 the session attaches a shared-memory region of that size
+    and each request's q, new_k, new_v and the output travel through it. After an error the
+    session is closed and raises that error again. `timeout` (seconds, None = none) bounds the
+    whole session."""
 
-    def __init__(self, address, timeout: Optional[float], max_message_bytes: int):
+    def __init__(self, address: Union[tuple, str], timeout: Optional[float],
+                 max_message_bytes: int, region_bytes: int = 0):
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._max = max_message_bytes
         self._error: Optional[AttendSocketError] = None
+        self._region: Optional[mmap.mmap] = None
         try:
-            self._sock = socket.create_connection(address, timeout=self._left())
+            if isinstance(address, str):
+                self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self._sock.settimeout(self._left())
+                self._sock.connect(address)
+            else:
+                self._sock = socket.create_connection(address, timeout=self._left())
+                self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError as e:
             raise AttendSocketError(grpc.StatusCode.UNAVAILABLE,
                                     f"AttendSocket cannot connect to {address}: {e}") from e
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if region_bytes > 0:
+            self._attach(region_bytes)
 
     def _left(self) -> Optional[float]:
         if self._deadline is None:
@@ -70,9 +92,10 @@ class AttendSocketSession:
             raise AttendSocketError(grpc.StatusCode.DEADLINE_EXCEEDED, "AttendSocket deadline")
         return left
 
-    def _read(self, n: int) -> bytes:
+    def _read(self, n: int, prefix: bytes = b"") -> bytes:
         buf = bytearray(n)
-        view, got = memoryview(buf), 0
+        buf[:len(prefix)] = prefix
+        view, got = memoryview(buf), len(prefix)
         while got < n:
             self._sock.settimeout(self._left())
             r = self._sock.recv_into(view[got:])
@@ -82,21 +105,93 @@ class AttendSocketSession:
             got += r
         return bytes(buf)
 
+    def _attach(self, size: int):
+        """Asks for a region and maps the memfd the server passes with its answer."""
+        try:
+            self._sock.settimeout(self._left())
+            self._sock.sendall(_HEADER.pack(_MAGIC, _ATTACH, 0, _SIZE.size, 0) + _SIZE.pack(size))
+            first, fds, _, _ = socket.recv_fds(self._sock, _HEADER.size, 1)
+            try:
+                if not first:
+                    raise AttendSocketError(grpc.StatusCode.UNAVAILABLE,
+                                            "AttendSocket closed by the server")
+                magic, kind, code, length, zero = _HEADER.unpack(self._read(_HEADER.size, first))
+                if magic != _MAGIC or zero != 0 or length > self._max:
+                    raise AttendSocketError(grpc.StatusCode.INTERNAL,
+                                            "AttendSocket: the server's answer is not a frame")
+                body = self._read(length)
+                if kind == _STATUS:
+                    raise AttendSocketError(_CODES.get(code, grpc.StatusCode.UNKNOWN),
+                                            body.decode("utf-8", "replace"))
+                if kind != _REGION or body != _SIZE.pack(size) or len(fds) != 1 \
+                        or os.fstat(fds[0]).st_size != size:
+                    raise AttendSocketError(grpc.StatusCode.INTERNAL,
+                                            "AttendSocket: the answer to an attach is not a region")
+                self._region = mmap.mmap(fds[0], size)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except AttendSocketError as e:
+            self._fail(e)
+        except OSError as e:
+            self._fail(AttendSocketError(grpc.StatusCode.UNAVAILABLE, f"AttendSocket: {e}"))
+
     def _fail(self, error: AttendSocketError):
         self._error = error
         self.close()
         raise error
+
+    def _stage(self, req: "pb.AttendRequest"):
+        """Copies req's bulk bytes into the region; the request to send and the output's
+        (offset, size)."""
+        items = req.items
+        q_bytes = len(items[0].q) if items else 0
+        kv = [it for it in items if it.new_k]
+        kv_bytes = len(kv[0].new_k) if kv else 0
+        if any(len(it.q) != q_bytes or len(it.new_k) != len(it.new_v) or
+               (it.new_k and len(it.new_k) != kv_bytes) for it in items):
+            raise AttendSocketError(grpc.StatusCode.INVALID_ARGUMENT, "AttendSocket region steps "
+                                    "need equal q sizes and equal new_k / new_v sizes")
+        out_item = q_bytes // 2 * (4 if req.output_dtype == pb.OUTPUT_DTYPE_FP32 else 2)
+        new_k = _align(len(items) * q_bytes)
+        new_v = _align(new_k + len(kv) * kv_bytes)
+        out = _align(new_v + len(kv) * kv_bytes)
+        if not items or out + len(items) * out_item > len(self._region):
+            raise AttendSocketError(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"AttendSocket step of {len(items)} items does not fit the "
+                                    f"{len(self._region)}-byte region (attend_region_bytes)")
+        sent = pb.AttendRequest(layer=req.layer, num_q_heads=req.num_q_heads,
+                                sm_scale=req.sm_scale, output_dtype=req.output_dtype,
+                                return_lse=req.return_lse)
+        appended = 0
+        for i, it in enumerate(items):
+            self._region[i * q_bytes:(i + 1) * q_bytes] = it.q
+            item = sent.items.add(lease_id=it.lease_id, new_token_id=it.new_token_id)
+            if it.new_k:
+                at = appended * kv_bytes
+                self._region[new_k + at:new_k + at + kv_bytes] = it.new_k
+                self._region[new_v + at:new_v + at + kv_bytes] = it.new_v
+                item.append_in_region = True
+                appended += 1
+        return sent, out, len(items) * out_item
 
     def request(self, req: "pb.AttendRequest") -> "pb.AttendResponse":
         if self._error is not None:
             raise self._error
         if self._sock is None:
             raise AttendSocketError(grpc.StatusCode.FAILED_PRECONDITION, "session finished")
+        kind_sent = _REQUEST
+        if self._region is not None:
+            try:
+                req, out_at, out_size = self._stage(req)
+            except AttendSocketError as e:
+                self._fail(e)
+            kind_sent = _REGION_REQUEST
         payload = req.SerializeToString()
         sent = True
         try:
             self._sock.settimeout(self._left())
-            self._sock.sendall(_HEADER.pack(_MAGIC, _REQUEST, 0, len(payload), 0) + payload)
+            self._sock.sendall(_HEADER.pack(_MAGIC, kind_sent, 0, len(payload), 0) + payload)
         except OSError:
             sent = False  # the server may have closed after a status frame: read it
         try:
@@ -116,9 +211,15 @@ class AttendSocketSession:
         if kind == _STATUS:
             self._fail(AttendSocketError(_CODES.get(code, grpc.StatusCode.UNKNOWN),
                                          body.decode("utf-8", "replace")))
-        return pb.AttendResponse.FromString(body)
+        resp = pb.AttendResponse.FromString(body)
+        if self._region is not None:
+            resp.out = self._region[out_at:out_at + out_size]
+        return resp
 
     def close(self):
+        if self._region is not None:
+            self._region.close()
+            self._region = None
         if self._sock is not None:
             self._sock.close()
             self._sock = None

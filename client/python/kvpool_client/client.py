@@ -89,7 +89,8 @@ def _attend_result(resp, items: Sequence[AttendItem], return_lse) -> AttendResul
 class AttendStream:
     """A decode loop's session, kept open: step() sends one request and returns its response.
     An AttendStream RPC, or an AttendSocket connection when the Client has an
-    attend_socket_port. Use as a context manager, or call close()."""
+    attend_unix_socket (with a shared-memory region) or an attend_socket_port. Use as a context
+    manager, or call close()."""
 
     _END = object()
 
@@ -131,7 +132,8 @@ class Client:
     stream; every method also takes its own `timeout`."""
 
     def __init__(self, target: str, timeout: float = 60.0, max_message_bytes: int = 64 << 20,
-                 max_chunk_bytes: int = 4 << 20, attend_socket_port: int = 0):
+                 max_chunk_bytes: int = 4 << 20, attend_socket_port: int = 0,
+                 attend_unix_socket: str = "", attend_region_bytes: int = 16 << 20):
         self._channel = grpc.insecure_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -144,6 +146,10 @@ class Client:
         # host (its --attend_socket_port) instead of gRPC; 0 = gRPC.
         self._attend_socket = socket_address(target, attend_socket_port) \
             if attend_socket_port else None
+        # Or over its Unix socket (--attend_unix_socket; this host only), with each step's q,
+        # new K/V and output in a shared-memory region of attend_region_bytes. Takes precedence.
+        self._attend_unix_socket = attend_unix_socket
+        self._attend_region_bytes = attend_region_bytes
 
     def close(self):
         self._channel.close()
@@ -267,6 +273,10 @@ class Client:
         return _attend_result(resp, items, return_lse)
 
     def attend_stream(self, timeout=None) -> AttendStream:
+        if self._attend_unix_socket:
+            return AttendStream(None, None, AttendSocketSession(
+                self._attend_unix_socket, self._t(timeout), self._max_message_bytes,
+                self._attend_region_bytes))
         if self._attend_socket is not None:
             return AttendStream(None, None, AttendSocketSession(
                 self._attend_socket, self._t(timeout), self._max_message_bytes))
