@@ -89,14 +89,18 @@ def attend_latency():
           f"(`tests/gpu/attend_latency_bench.cc`, attend_latency_h200.json, commit {d['commit']}, "
           f"NVIDIA H200):\n")
     print("| batch x context | AttendRunner | KvStore::Attend | decode step (with append) "
-          "| CUDA backend call | bare kernels (p50) |")
-    print("|---|---|---|---|---|---|")
+          "| KvStore::Attend, q and out pinned | CUDA backend call | same, q and out pinned "
+          "| bare kernels (p50) |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def pair(c, key):
+        return f"{c[key + '_p50_us']:.0f} / {c[key + '_p99_us']:.0f}" if key + "_p50_us" in c \
+            else "-"
     for c in d["cases"]:
         ctx = f"{c['context'] // 1024}K" if c["context"] >= 1024 else str(c["context"])
-        print(f"| {c['batch']} x {ctx} | {c['runner_p50_us']:.0f} / {c['runner_p99_us']:.0f} | "
-              f"{c['store_p50_us']:.0f} / {c['store_p99_us']:.0f} | "
-              f"{c['append_p50_us']:.0f} / {c['append_p99_us']:.0f} | "
-              f"{c['backend_p50_us']:.0f} / {c['backend_p99_us']:.0f} | {c['kernel_p50_us']:.0f} |")
+        print(f"| {c['batch']} x {ctx} | {pair(c, 'runner')} | {pair(c, 'store')} | "
+              f"{pair(c, 'append')} | {pair(c, 'pinned')} | {pair(c, 'backend')} | "
+              f"{pair(c, 'backend_pinned')} | {c['kernel_p50_us']:.0f} |")
     print()
 
 
