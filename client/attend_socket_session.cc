@@ -18,68 +18,12 @@ namespace {
 using attend_socket::FrameConnection;
 using attend_socket::FrameType;
 
+// An AttendSocket session. Without a region each Step sends the request as it is; with one
+// (kvpool/v1/attend_region.h) it copies the request's bulk bytes into the region, sends the rest,
+// and copies the response's output back out of the region.
 class SocketAttendSession final : public AttendSession {
  public:
-  SocketAttendSession(std::unique_ptr<FrameConnection> conn, absl::Time deadline,
-                      absl::Duration spin, uint32_t max_response_bytes)
-      : conn_(std::move(conn)),
-        deadline_(deadline),
-        spin_(spin),
-        max_response_bytes_(max_response_bytes) {}
-
-  absl::StatusOr<v1::AttendResponse> Step(const v1::AttendRequest& request) override {
-    if (finished_) {
-      return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
-    }
-    // A server that refused or ended the session has sent a status frame before closing: it is
-    // read even when the write fails.
-    const absl::Status written = conn_->WriteMessage(FrameType::kRequest, request, deadline_);
-    absl::StatusOr<FrameConnection::Frame> frame =
-        conn_->Read(&payload_, max_response_bytes_, written.ok() ? deadline_ : absl::Now(),
-                    written.ok() ? spin_ : absl::ZeroDuration());
-    v1::AttendResponse response;
-    if (!frame.ok()) {
-      End(absl::IsOutOfRange(frame.status())
-              ? absl::UnavailableError("AttendSocket closed by the server")
-              : (written.ok() ? frame.status() : written));
-    } else if (frame->type == FrameType::kStatus) {
-      End(attend_socket::StatusFromFrame(frame->code, payload_));
-    } else if (frame->type != FrameType::kResponse || !response.ParseFromString(payload_)) {
-      End(absl::InternalError("AttendSocket: the server's answer is not an AttendResponse"));
-    } else {
-      return response;
-    }
-    return final_status_;
-  }
-
-  absl::Status Finish() override {
-    if (!finished_) End(absl::OkStatus());
-    return final_status_;
-  }
-
- private:
-  // Finishes the session with `status` and closes the connection.
-  void End(absl::Status status) {
-    finished_ = true;
-    final_status_ = std::move(status);
-    conn_.reset();
-  }
-
-  std::unique_ptr<FrameConnection> conn_;
-  const absl::Time deadline_;
-  const absl::Duration spin_;
-  const uint32_t max_response_bytes_;
-  std::string payload_;
-  bool finished_ = false;
-  absl::Status final_status_;
-};
-
-// An AttendSocket session over a Unix socket with a shared-memory region
-// (kvpool/v1/attend_region.h): each Step copies the request's bulk bytes into the region and
-// sends the rest; the response's `out` is copied back from the region.
-class RegionAttendSession final : public AttendSession {
- public:
-  RegionAttendSession(std::unique_ptr<FrameConnection> conn,
+  SocketAttendSession(std::unique_ptr<FrameConnection> conn,
                       std::unique_ptr<attend_socket::SharedRegion> region, absl::Time deadline,
                       absl::Duration spin, uint32_t max_response_bytes)
       : conn_(std::move(conn)),
@@ -92,12 +36,20 @@ class RegionAttendSession final : public AttendSession {
     if (finished_) {
       return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
     }
-    absl::StatusOr<size_t> out_bytes = Stage(request);
-    if (!out_bytes.ok()) {
-      End(out_bytes.status());
-      return final_status_;
+    size_t out_bytes = 0;
+    if (region_ != nullptr) {
+      absl::StatusOr<size_t> staged = Stage(request);
+      if (!staged.ok()) {
+        End(staged.status());
+        return final_status_;
+      }
+      out_bytes = *staged;
     }
-    const absl::Status written = conn_->WriteMessage(FrameType::kRegionRequest, sent_, deadline_);
+    // A server that refused or ended the session has sent a status frame before closing: it is
+    // read even when the write fails.
+    const absl::Status written =
+        region_ != nullptr ? conn_->WriteMessage(FrameType::kRegionRequest, sent_, deadline_)
+                           : conn_->WriteMessage(FrameType::kRequest, request, deadline_);
     absl::StatusOr<FrameConnection::Frame> frame =
         conn_->Read(&payload_, max_response_bytes_, written.ok() ? deadline_ : absl::Now(),
                     written.ok() ? spin_ : absl::ZeroDuration());
@@ -111,7 +63,9 @@ class RegionAttendSession final : public AttendSession {
     } else if (frame->type != FrameType::kResponse || !response.ParseFromString(payload_)) {
       End(absl::InternalError("AttendSocket: the server's answer is not an AttendResponse"));
     } else {
-      response.set_out(reinterpret_cast<const char*>(region_->data() + layout_.out), *out_bytes);
+      if (region_ != nullptr) {
+        response.set_out(reinterpret_cast<const char*>(region_->data() + layout_.out), out_bytes);
+      }
       return response;
     }
     return final_status_;
@@ -176,6 +130,7 @@ class RegionAttendSession final : public AttendSession {
     return n * out_item_bytes;
   }
 
+  // Finishes the session with `status` and closes the connection.
   void End(absl::Status status) {
     finished_ = true;
     final_status_ = std::move(status);
@@ -184,12 +139,12 @@ class RegionAttendSession final : public AttendSession {
   }
 
   std::unique_ptr<FrameConnection> conn_;
-  std::unique_ptr<attend_socket::SharedRegion> region_;
+  std::unique_ptr<attend_socket::SharedRegion> region_;  // null: plain requests
   const absl::Time deadline_;
   const absl::Duration spin_;
   const uint32_t max_response_bytes_;
-  attend_socket::RegionStepLayout layout_;
-  v1::AttendRequest sent_;
+  attend_socket::RegionStepLayout layout_;  // of the last region step
+  v1::AttendRequest sent_;                  // the last region step's request as sent
   std::string payload_;
   bool finished_ = false;
   absl::Status final_status_;
@@ -218,7 +173,7 @@ absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendSocketSession(
     uint32_t max_response_bytes) {
   absl::StatusOr<std::unique_ptr<FrameConnection>> conn = attend_socket::Connect(address, deadline);
   if (!conn.ok()) return conn.status();
-  return std::make_unique<SocketAttendSession>(*std::move(conn), deadline, spin,
+  return std::make_unique<SocketAttendSession>(*std::move(conn), nullptr, deadline, spin,
                                                max_response_bytes);
 }
 
@@ -228,24 +183,10 @@ absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendRegionSession(
   absl::StatusOr<std::unique_ptr<FrameConnection>> conn =
       attend_socket::Connect(absl::StrCat("unix:", path), deadline);
   if (!conn.ok()) return conn.status();
-  const std::string size = attend_socket::EncodeRegionSize(region_bytes);
-  if (absl::Status s = (*conn)->WriteBytes(FrameType::kAttach, size, -1, deadline); !s.ok()) {
-    return s;
-  }
-  std::string payload;
-  absl::StatusOr<FrameConnection::Frame> frame =
-      (*conn)->Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
-  if (!frame.ok()) return frame.status();
-  if (frame->type == FrameType::kStatus) {
-    return attend_socket::StatusFromFrame(frame->code, payload);
-  }
-  if (frame->type != FrameType::kRegion || payload != size) {
-    return absl::InternalError("AttendSocket: the server's answer to an attach is not its region");
-  }
   absl::StatusOr<std::unique_ptr<attend_socket::SharedRegion>> region =
-      attend_socket::SharedRegion::Map((*conn)->TakeReceivedFd(), region_bytes);
+      attend_socket::AttachRegion(**conn, region_bytes, deadline);
   if (!region.ok()) return region.status();
-  return std::make_unique<RegionAttendSession>(*std::move(conn), *std::move(region), deadline, spin,
+  return std::make_unique<SocketAttendSession>(*std::move(conn), *std::move(region), deadline, spin,
                                                max_response_bytes);
 }
 

@@ -66,20 +66,8 @@ absl::StatusOr<RawRegion> AttachRaw(const std::string& address, uint64_t bytes) 
   const absl::Time deadline = absl::Now() + absl::Seconds(10);
   absl::StatusOr<std::unique_ptr<FrameConnection>> conn = attend_socket::Connect(address, deadline);
   if (!conn.ok()) return conn.status();
-  const std::string size = attend_socket::EncodeRegionSize(bytes);
-  if (absl::Status s = (*conn)->WriteBytes(FrameType::kAttach, size, -1, deadline); !s.ok()) {
-    return s;
-  }
-  std::string payload;
-  absl::StatusOr<FrameConnection::Frame> frame =
-      (*conn)->Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
-  if (!frame.ok()) return frame.status();
-  if (frame->type == FrameType::kStatus) {
-    return attend_socket::StatusFromFrame(frame->code, payload);
-  }
-  EXPECT_EQ(frame->type, FrameType::kRegion);
   absl::StatusOr<std::unique_ptr<attend_socket::SharedRegion>> region =
-      attend_socket::SharedRegion::Map((*conn)->TakeReceivedFd(), bytes);
+      attend_socket::AttachRegion(**conn, bytes, deadline);
   if (!region.ok()) return region.status();
   return RawRegion{*std::move(conn), *std::move(region)};
 }

@@ -29,6 +29,15 @@ absl::Status Errno(const char* what) {
       absl::StrCat("AttendSocket region ", what, ": ", std::strerror(errno)));
 }
 
+// Maps `bytes` of `fd` shared and read-write; closes `fd` when it fails.
+absl::StatusOr<uint8_t*> MapShared(int fd, uint64_t bytes) {
+  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (data != MAP_FAILED) return static_cast<uint8_t*>(data);
+  const absl::Status s = Errno("mmap");
+  close(fd);
+  return s;
+}
+
 }  // namespace
 
 std::optional<RegionStepLayout> LayoutRegionStep(uint64_t items, uint64_t appending,
@@ -70,13 +79,9 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(uint64_t byte
     close(fd);
     return s;
   }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (data == MAP_FAILED) {
-    const absl::Status s = Errno("mmap");
-    close(fd);
-    return s;
-  }
-  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, static_cast<uint8_t*>(data), bytes));
+  absl::StatusOr<uint8_t*> data = MapShared(fd, bytes);
+  if (!data.ok()) return data.status();
+  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, *data, bytes));
 }
 
 absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Map(int fd, uint64_t bytes) {
@@ -88,18 +93,29 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Map(int fd, uint64_t
     close(fd);
     return absl::InternalError("AttendSocket region is not a sealed memfd of the announced size");
   }
-  void* data = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  if (data == MAP_FAILED) {
-    const absl::Status s = Errno("mmap");
-    close(fd);
-    return s;
-  }
-  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, static_cast<uint8_t*>(data), bytes));
+  absl::StatusOr<uint8_t*> data = MapShared(fd, bytes);
+  if (!data.ok()) return data.status();
+  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, *data, bytes));
 }
 
 SharedRegion::~SharedRegion() {
   munmap(data_, size_);
   close(fd_);
+}
+
+absl::StatusOr<std::unique_ptr<SharedRegion>> AttachRegion(FrameConnection& conn, uint64_t bytes,
+                                                           absl::Time deadline) {
+  const std::string size = EncodeRegionSize(bytes);
+  if (absl::Status s = conn.WriteBytes(FrameType::kAttach, size, -1, deadline); !s.ok()) return s;
+  std::string payload;
+  absl::StatusOr<FrameConnection::Frame> frame =
+      conn.Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
+  if (!frame.ok()) return frame.status();
+  if (frame->type == FrameType::kStatus) return StatusFromFrame(frame->code, payload);
+  if (frame->type != FrameType::kRegion || payload != size) {
+    return absl::InternalError("AttendSocket: the server's answer to an attach is not its region");
+  }
+  return SharedRegion::Map(conn.TakeReceivedFd(), bytes);
 }
 
 }  // namespace kvpool::attend_socket

@@ -18,6 +18,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvpool/v1/attend_socket.h"
 
 namespace kvpool::attend_socket {
 
@@ -62,6 +64,11 @@ class SharedRegion {
   uint8_t* const data_;
   const uint64_t size_;
 };
+
+// Client: sends an attach frame for `bytes` on `conn` (a Unix socket) and maps the region of
+// the answer; the status of a status frame answer.
+absl::StatusOr<std::unique_ptr<SharedRegion>> AttachRegion(FrameConnection& conn, uint64_t bytes,
+                                                           absl::Time deadline);
 
 }  // namespace kvpool::attend_socket
 
