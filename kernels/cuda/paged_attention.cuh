@@ -19,7 +19,6 @@
 
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -51,21 +50,6 @@ struct LaneVector {
   static constexpr int kLanes = kHeadDim / 8;
   static constexpr int kVecs = kAttnThreads / kLanes;
 };
-
-// Allows kKernel kBytes of dynamic shared memory on the current device. The attribute is set once
-// per device (a bit per device ordinal below 64, set only after success), not on every launch.
-template <auto kKernel, int kBytes>
-cudaError_t AllowDynamicSharedMemory() {
-  static std::atomic<uint64_t> done{0};
-  int device = 0;
-  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
-  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;
-  if ((done.load(std::memory_order_acquire) & bit) != 0) return cudaSuccess;
-  const cudaError_t e =
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes);
-  if (e == cudaSuccess) done.fetch_or(bit, std::memory_order_release);
-  return e;
-}
 
 // Register budget of the tensor-core split kernel (CTAs per SM the compiler must fit, and the
 // occupancy PlanAttentionSplits assumes): 4 (16 warps) where the accumulators fit in 128

@@ -24,13 +24,6 @@ __device__ __forceinline__ uint32_t PackHalf2(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) |
          (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
-// Copies 16 bytes when `valid`, else writes 16 zero bytes and reads nothing: branch-free, so the
-// source addresses of a tile's copies are computed once, not under each copy's predicate.
-__device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(valid ? 16 : 0));
-}
 // (x & mask) | bits in one LOP3 (written as two when both constants are immediates).
 __device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bits) {
   uint32_t r;

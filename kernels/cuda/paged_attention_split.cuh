@@ -32,19 +32,6 @@
 namespace kvpool::cuda {
 namespace attention_internal {
 
-// 16-byte copies of pages into shared memory, with the L2 told to fetch the whole 128-byte line:
-// measured on the H200 (results/experiments_2026-11-29.md, "Seventh session"), 1-3.5% faster on
-// every format and shape than without the hint, and faster than a 256-byte one.
-__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int kPending>
-__device__ __forceinline__ void CpAsyncWait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
-}
-
 // The code values of channels [8 chunk, 8 chunk + 8) of one page row in shared memory: integer
 // codes for INT4/INT8 (exact, through the 2^23 float trick), decoded e4m3 for FP8, the values for
 // FP16.

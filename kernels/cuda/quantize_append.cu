@@ -331,19 +331,45 @@ struct ItemPos {
   int head;
 };
 
-// Loads the lane's raw fp16 words of row `item` of `src` (K or V; WordByte's order; zeros past
-// the end).
+// The ring: per warp and slot, the K rows then the V rows of the warp's items of one round,
+// 2 KB each (32 lanes x 64 bytes, the items of consecutive lane groups being consecutive rows).
+// Copies are coalesced: lane L copies 16-byte units 32 i + L. A lane then reads its own 4 words
+// of each row from the units Unit() names, swizzled (unit j lives at j ^ ((j >> 3) & 3)) so that
+// the 8 lanes of a quarter-warp hit 8 different bank groups.
+constexpr int kRingSlots = 3;       // the round being encoded and the two in flight
+constexpr int kWarpRowUnits = 128;  // 16-byte units of a warp's K (or V) rows
+constexpr size_t kRingBytes =
+    static_cast<size_t>(kRingSlots) * (kThreads / 32) * 2 * kWarpRowUnits * sizeof(uint4);
+
+__device__ __forceinline__ int Swizzle(int j) { return j ^ ((j >> 3) & 3); }
+
+// The unit of lane `lane`'s word w within its warp's rows (WordByte's order).
 template <int kHeadDim, bool kContiguous>
-__device__ __forceinline__ void LoadRow(const QuantizeArgs& a, const uint16_t* src, uint32_t item,
-                                        int chunk, uint4 (&w)[4]) {
+__device__ __forceinline__ int Unit(int lane, int w) {
+  constexpr int kLanes = kHeadDim / kChannels;
+  const int group = lane / kLanes, chunk = lane % kLanes;
+  return group * (kHeadDim / 8) + WordByte<kHeadDim, kContiguous>(chunk, w) / 16;
+}
+
+// Starts the copies of the warp's K and V rows of the round whose first item is `first` (zeros
+// past the end) into ring slot `slot` of warp `warp`, as one cp.async group per lane.
+template <int kHeadDim>
+__device__ __forceinline__ void IssueRound(const QuantizeArgs& a, uint32_t first, uint4* ring,
+                                           int warp, int slot) {
+  const int lane = threadIdx.x % 32;
+  uint4* k_dst = ring + (static_cast<size_t>(slot) * (kThreads / 32) + warp) * 2 * kWarpRowUnits;
+  uint4* v_dst = k_dst + kWarpRowUnits;
+  const size_t base = static_cast<size_t>(first) * kHeadDim;  // in fp16 values
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = make_uint4(0, 0, 0, 0);
-  if (item >= a.num_items) return;
-  const size_t row = static_cast<size_t>(item) * kHeadDim;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    w[i] = LoadStreaming16(src + row + WordByte<kHeadDim, kContiguous>(chunk, i) / 2);
+  for (int i = 0; i < kWarpRowUnits / 32; ++i) {
+    const int j = 32 * i + lane;
+    const uint32_t item = first + static_cast<uint32_t>(j / (kHeadDim / 8));
+    const bool valid = item < a.num_items;
+    const size_t at = valid ? base + static_cast<size_t>(j) * 8 : 0;
+    CpAsync16OrZero(k_dst + Swizzle(j), a.k + at, valid);
+    CpAsync16OrZero(v_dst + Swizzle(j), a.v + at, valid);
   }
+  CpAsyncCommit();
 }
 
 // The slot of `pos`; -1 (no write) past the end or outside the arena.
@@ -354,14 +380,18 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
 }
 
 // Each group of kHeadDim/32 consecutive lanes handles kItemsPerLaneGroup (token, KV head) items
-// (item g + u * lane_groups_in_grid), one after the other: the next item's K loads are issued
-// before the current item is processed, its V loads before the current V. Each lane owns 32
-// channels of K and V of an item: four 16-byte loads each, sign flip on the raw fp16 words,
-// rotation by tensor cores and butterflies in registers (no shuffles), quantize, packed stores.
-// Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads.
-// 2 blocks per SM (<= 128 registers, no spills): measured on the H200 against 1
-// block (no spills) and 3 or 4 blocks (80 / 64 registers, heavy spills), both far slower
-// (tests/bench/results/experiments_2026-11-29.md).
+// (item g + u * lane_groups_in_grid), one after the other, in rounds: a warp's items of a round
+// are consecutive rows, which it copies into its ring slot (IssueRound) two rounds ahead of the
+// one it encodes, so that loads stay in flight through the rotation's arithmetic without holding
+// registers. Each lane owns 32 channels of K and V of an item: four 16-byte words each from the
+// ring, sign flip on the raw fp16 words, rotation by tensor cores and butterflies in registers
+// (no shuffles), quantize, packed stores.
+// Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads,
+// kRingBytes (96 KB) of dynamic shared memory each. 2 blocks per SM (<= 128 registers, no
+// spills). Measured on the H200 (tests/bench/results/experiments_2026-11-29.md): against loads
+// into registers one item ahead, every unrotated and INT8 / FP8 case 7-14% faster, rotated INT4
+// unchanged; 3 blocks per SM with a 2-slot ring (80 registers) spilled and was slower, and so
+// were 8 items per lane group.
 template <KvDtype kDtype, int kHeadDim, int kRot>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
   constexpr int kLanes = kHeadDim / kChannels;
@@ -397,9 +427,16 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const int step_heads = static_cast<int>(lane_groups - step_tokens * heads);
   ItemPos pos{lane_group, lane_group / heads, 0};
   pos.head = static_cast<int>(lane_group - pos.token * heads);
-  uint4 cur_k[4], cur_v[4], next_k[4], next_v[4];
-  LoadRow<kHeadDim, !kFp16>(a, a.k, pos.item, chunk, cur_k);
-  LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, cur_v);
+  extern __shared__ uint4 ring[];
+  const int warp = static_cast<int>(threadIdx.x / 32);
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  // The warp's first item of round u: that of its lane 0.
+  const uint32_t warp_first = lane_group - static_cast<uint32_t>(lane / kLanes);
+  // Rounds u + 1 .. u + kRingSlots - 1 are in flight while round u is encoded.
+#pragma unroll
+  for (int u = 0; u < kRingSlots - 1; ++u) {
+    IssueRound<kHeadDim>(a, warp_first + u * lane_groups, ring, warp, u);
+  }
   int64_t slot = LoadSlot(a, pos);
 #pragma unroll 1
   for (int u = 0; u < kItemsPerLaneGroup; ++u) {
@@ -415,10 +452,26 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
       pos.head -= a.num_kv_heads;
       ++pos.token;
     }
-    // The next item's K loads now, its V loads once this item's K is encoded (fewer registers).
-    const bool more = u + 1 < kItemsPerLaneGroup;
-    if (more) LoadRow<kHeadDim, !kFp16>(a, a.k, pos.item, chunk, next_k);
-    const int64_t next_slot = more ? LoadSlot(a, pos) : -1;
+    CpAsyncWait<kRingSlots - 2>();  // this lane's copies of round u have landed
+    __syncwarp();                   // and every lane's; round u - 1's reads are all done
+    const uint4* k_rows =
+        ring + (static_cast<size_t>(u % kRingSlots) * (kThreads / 32) + warp) * 2 * kWarpRowUnits;
+    uint4 cur_k[4], cur_v[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const int unit = Swizzle(Unit<kHeadDim, !kFp16>(lane, w));
+      cur_k[w] = k_rows[unit];
+      cur_v[w] = k_rows[kWarpRowUnits + unit];
+    }
+    // The slot of round u - 1 takes round u + kRingSlots - 1 (an empty group past the lane
+    // group's rounds keeps the wait count uniform).
+    if (u + kRingSlots - 1 < kItemsPerLaneGroup) {
+      IssueRound<kHeadDim>(a, warp_first + (u + kRingSlots - 1) * lane_groups, ring, warp,
+                           (u + kRingSlots - 1) % kRingSlots);
+    } else {
+      CpAsyncCommit();
+    }
+    const int64_t next_slot = u + 1 < kItemsPerLaneGroup ? LoadSlot(a, pos) : -1;
     const bool write = slot >= 0;
     const int64_t block = slot >> a.geo.block_tokens_log2;
     const int offset = static_cast<int>(slot & ((1 << a.geo.block_tokens_log2) - 1));
@@ -438,18 +491,11 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
           *reinterpret_cast<uint4*>(v_row + WordByte<kHeadDim, false>(chunk, w)) = cur_v[w];
         }
       }
-      if (more) LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, next_v);
     } else {
       EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_k, sign_masks + chunk, hadamard_b, k_page,
                                              offset, chunk, write);
-      if (more) LoadRow<kHeadDim, !kFp16>(a, a.v, pos.item, chunk, next_v);
       EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_v, sign_masks + chunk, hadamard_b, v_page,
                                              offset, chunk, write);
-    }
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      cur_k[w] = next_k[w];
-      cur_v[w] = next_v[w];
     }
     slot = next_slot;
   }
@@ -458,8 +504,10 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
 template <KvDtype kDtype, int kHeadDim, int kRot>
 KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
   constexpr int kItemsPerBlock = kItemsPerLaneGroup * kThreads / (kHeadDim / kChannels);
-  QuantizeAppendKernel<kDtype, kHeadDim, kRot>
-      <<<static_cast<unsigned>(CeilDiv(a.num_items, kItemsPerBlock)), kThreads, 0, stream>>>(a);
+  constexpr auto kernel = QuantizeAppendKernel<kDtype, kHeadDim, kRot>;
+  KVPOOL_CUDA_RETURN_IF_ERROR((AllowDynamicSharedMemory<kernel, static_cast<int>(kRingBytes)>()));
+  kernel<<<static_cast<unsigned>(CeilDiv(a.num_items, kItemsPerBlock)), kThreads, kRingBytes,
+           stream>>>(a);
   return CheckLaunch("QuantizeAppendKernel");
 }
 
