@@ -389,9 +389,9 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
 // Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads,
 // kRingBytes (96 KB) of dynamic shared memory each. 2 blocks per SM (<= 128 registers, no
 // spills). Measured on the H200 (tests/bench/results/experiments_2026-11-29.md): against loads
-// into registers one item ahead, every unrotated and INT8 / FP8 case 7-14% faster, rotated INT4
-// unchanged; 3 blocks per SM with a 2-slot ring (80 registers) spilled and was slower, and so
-// were 8 items per lane group.
+// into registers one item ahead, unrotated and INT8 / FP8 cases 5-14% faster, rotated INT4 1-5%
+// (bound by its instructions now); 3 blocks per SM with a 2-slot ring (80 registers) spilled and
+// was slower, and so were 8 items per lane group.
 template <KvDtype kDtype, int kHeadDim, int kRot>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
   constexpr int kLanes = kHeadDim / kChannels;
