@@ -66,6 +66,8 @@ class AttendSocketServer {
   AttendSocketServer& operator=(const AttendSocketServer&) = delete;
 
   int port() const { return port_; }  // of the TCP listener; 0 without one
+  // Bytes of the regions attached now, over all sessions (pinned host memory).
+  uint64_t region_bytes() const { return regions_bytes_.load(std::memory_order_relaxed); }
 
   // Stops accepting, ends every session (a step in progress finishes first; its response is not
   // sent) and joins their threads. Idempotent; thread-safe.

@@ -79,6 +79,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
       return socket.status();
     }
     s->attend_socket_ = *std::move(socket);
+    const AttendSocketServer* attend_socket = s->attend_socket_.get();
+    metrics::Gauge& region_bytes =
+        s->registry_
+            .AddGauge("kvpool_attend_region_bytes",
+                      "Pinned host memory of the AttendSocket's shared-memory regions.", {})
+            .WithLabels({});
+    s->registry_.AddCollector([attend_socket, &region_bytes] {
+      region_bytes.Set(static_cast<double>(attend_socket->region_bytes()));
+    });
   }
   s->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
 

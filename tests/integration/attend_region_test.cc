@@ -148,6 +148,9 @@ TEST(AttendRegion, AttachesOutsideTheRulesAreRefused) {
   {
     absl::StatusOr<RawRegion> first = AttachRaw(unix_address, 1 << 20);
     ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_NE(r.f.server->server->registry()->Serialize().find(
+                  "kvpool_attend_region_bytes 1048576\n"),
+              std::string::npos);
     // The total is taken: another session's attach is refused.
     EXPECT_EQ(AttachRaw(unix_address, 4096).status().code(), absl::StatusCode::kResourceExhausted);
     // A second attach in the same session ends it.
@@ -171,6 +174,14 @@ TEST(AttendRegion, AttachesOutsideTheRulesAreRefused) {
     if (!attached.ok()) absl::SleepFor(absl::Milliseconds(2));
   }
   EXPECT_TRUE(attached.ok()) << attached;
+  // That region goes with its session too, once the session's thread has seen the close.
+  bool released = false;
+  for (int i = 0; i < 500 && !released; ++i) {
+    released = r.f.server->server->registry()->Serialize().find(
+                   "kvpool_attend_region_bytes 0\n") != std::string::npos;
+    if (!released) absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_TRUE(released);
   // A region request without a region.
   absl::StatusOr<std::unique_ptr<FrameConnection>> bare =
       attend_socket::Connect(unix_address, absl::Now() + absl::Seconds(10));
