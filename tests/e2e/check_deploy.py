@@ -55,6 +55,7 @@ CONTRACT_METRICS = {
     "kvpool_rpc_duration_seconds", "kvpool_active_leases", "kvpool_bytes_per_token",
     "kvpool_fp16_bytes_per_token", "kvpool_compression_ratio",
     "kvpool_quantization_relative_error", "kvpool_device_memory_bytes", "kvpool_build_info",
+    "kvpool_attend_region_bytes",
 }
 HISTOGRAMS = {"kvpool_rpc_duration_seconds"}
 SERIES_RE = re.compile(r"(?<![\w:])(kvpool[_:][A-Za-z0-9_:]*)")
