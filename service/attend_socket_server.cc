@@ -191,6 +191,8 @@ void AttendSocketServer::Serve(Session* session) {
         conn.Read(&payload, options_.max_frame_bytes, absl::Now() + options_.idle_timeout,
                   spin ? options_.spin : absl::ZeroDuration());
     if (spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
+    // Clients have no descriptors to pass: one sent along is closed at once.
+    if (const int passed = conn.TakeReceivedFd(); passed >= 0) close(passed);
     if (!frame.ok()) {
       if (!absl::IsOutOfRange(frame.status())) end = frame.status();
       tell_peer = !absl::IsUnavailable(end);

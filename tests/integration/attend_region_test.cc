@@ -7,7 +7,10 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+#include <csignal>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -148,9 +151,9 @@ TEST(AttendRegion, AttachesOutsideTheRulesAreRefused) {
   {
     absl::StatusOr<RawRegion> first = AttachRaw(unix_address, 1 << 20);
     ASSERT_TRUE(first.ok()) << first.status();
-    EXPECT_NE(r.f.server->server->registry()->Serialize().find(
-                  "kvpool_attend_region_bytes 1048576\n"),
-              std::string::npos);
+    EXPECT_NE(
+        r.f.server->server->registry()->Serialize().find("kvpool_attend_region_bytes 1048576\n"),
+        std::string::npos);
     // The total is taken: another session's attach is refused.
     EXPECT_EQ(AttachRaw(unix_address, 4096).status().code(), absl::StatusCode::kResourceExhausted);
     // A second attach in the same session ends it.
@@ -177,8 +180,8 @@ TEST(AttendRegion, AttachesOutsideTheRulesAreRefused) {
   // That region goes with its session too, once the session's thread has seen the close.
   bool released = false;
   for (int i = 0; i < 500 && !released; ++i) {
-    released = r.f.server->server->registry()->Serialize().find(
-                   "kvpool_attend_region_bytes 0\n") != std::string::npos;
+    released = r.f.server->server->registry()->Serialize().find("kvpool_attend_region_bytes 0\n") !=
+               std::string::npos;
     if (!released) absl::SleepFor(absl::Milliseconds(2));
   }
   EXPECT_TRUE(released);
@@ -256,6 +259,95 @@ TEST(AttendRegion, BadRegionStepsChangeNothing) {
       r.f.client->Attend(AttendRequestFor(r.f, r.f.leases[0], 5));
   ASSERT_TRUE(after.ok()) << after.status();
   EXPECT_EQ(after->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens));
+}
+
+// A socket file left behind by a server that died is replaced; a file that is not a socket is
+// left alone and the listen fails; a path too long for a Unix address is refused.
+TEST(AttendRegion, StaleSocketFilesAreReplacedAndOtherFilesAreNot) {
+  int port = 0;
+  const std::string stale = SocketPath();
+  absl::StatusOr<int> first = attend_socket::Listen("unix:" + stale, &port);
+  ASSERT_TRUE(first.ok()) << first.status();
+  close(*first);  // its file stays
+  ASSERT_EQ(access(stale.c_str(), F_OK), 0);
+  absl::StatusOr<int> again = attend_socket::Listen("unix:" + stale, &port);
+  EXPECT_TRUE(again.ok()) << again.status();
+  if (again.ok()) close(*again);
+  unlink(stale.c_str());
+
+  const std::string regular = SocketPath();
+  FILE* file = std::fopen(regular.c_str(), "w");
+  ASSERT_NE(file, nullptr);
+  std::fputs("not a socket", file);
+  std::fclose(file);
+  EXPECT_EQ(attend_socket::Listen("unix:" + regular, &port).status().code(),
+            absl::StatusCode::kUnavailable);
+  EXPECT_EQ(access(regular.c_str(), F_OK), 0);
+  unlink(regular.c_str());
+
+  EXPECT_EQ(attend_socket::Listen("unix:/tmp/" + std::string(200, 'a'), &port).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// On the Unix socket: a bad header gets its status and ends only that session; a descriptor a
+// client passes along with a request is not kept, and the step runs; a client that attaches and
+// leaves gives its region back.
+TEST(AttendRegion, UnixSessionsSurviveBadFramesPassedDescriptorsAndAbruptClients) {
+  RegionFixture r = StartRegion(/*sequences=*/1);
+  ASSERT_NE(r.f.server, nullptr);
+  const std::string unix_address = "unix:" + r.path;
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  {
+    absl::StatusOr<std::unique_ptr<FrameConnection>> conn =
+        attend_socket::Connect(unix_address, deadline);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    // A status frame sent by a client: not a request or attach frame.
+    ASSERT_TRUE((*conn)->WriteStatus(absl::InternalError("from a client"), deadline).ok());
+    std::string payload;
+    absl::StatusOr<FrameConnection::Frame> frame =
+        (*conn)->Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    EXPECT_EQ(frame->type, FrameType::kStatus);
+    EXPECT_EQ(attend_socket::StatusFromFrame(frame->code, payload).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  {
+    absl::StatusOr<std::unique_ptr<FrameConnection>> conn =
+        attend_socket::Connect(unix_address, deadline);
+    ASSERT_TRUE(conn.ok()) << conn.status();
+    int pipe_fds[2];
+    ASSERT_EQ(pipe(pipe_fds), 0);
+    std::string request;
+    ASSERT_TRUE(AttendRequestFor(r.f, r.f.leases[0], 1).SerializeToString(&request));
+    ASSERT_TRUE((*conn)->WriteBytes(FrameType::kRequest, request, pipe_fds[0], deadline).ok());
+    close(pipe_fds[0]);
+    std::string payload;
+    absl::StatusOr<FrameConnection::Frame> frame =
+        (*conn)->Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
+    ASSERT_TRUE(frame.ok()) << frame.status();
+    EXPECT_EQ(frame->type, FrameType::kResponse);
+    // The server closed its copy of the pipe's read end: the write end sees no reader.
+    std::signal(SIGPIPE, SIG_IGN);
+    bool closed = false;
+    for (int i = 0; i < 500 && !closed; ++i) {
+      closed = write(pipe_fds[1], "x", 1) < 0 && errno == EPIPE;
+      if (!closed) absl::SleepFor(absl::Milliseconds(2));
+    }
+    EXPECT_TRUE(closed);
+    close(pipe_fds[1]);
+  }
+  // Attached, then gone without a word.
+  ASSERT_TRUE(AttachRaw(unix_address, 64 << 10).ok());
+  bool released = false;
+  for (int i = 0; i < 500 && !released; ++i) {
+    released = r.f.server->server->registry()->Serialize().find("kvpool_attend_region_bytes 0\n") !=
+               std::string::npos;
+    if (!released) absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_TRUE(released);
+  auto session = r.region_client->OpenAttendStream();
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_TRUE((*session)->Step(AttendRequestFor(r.f, r.f.leases[0], 2)).ok());
 }
 
 TEST(AttendRegion, LayoutPlacesArraysOnCacheLinesAndRefusesOverflow) {
