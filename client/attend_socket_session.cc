@@ -21,35 +21,58 @@ using attend_socket::FrameType;
 // An AttendSocket session. Without a region each Step sends the request as it is; with one
 // (kvpool/v1/attend_region.h) it copies the request's bulk bytes into the region, sends the rest,
 // and copies the response's output back out of the region.
-class SocketAttendSession final : public AttendSession {
+class SocketAttendSession final : public AttendSession, public InPlaceAttendSession {
  public:
   SocketAttendSession(std::unique_ptr<FrameConnection> conn,
                       std::unique_ptr<attend_socket::SharedRegion> region, absl::Time deadline,
                       absl::Duration spin, uint32_t max_response_bytes)
       : conn_(std::move(conn)),
         region_(std::move(region)),
+        region_data_(region_ != nullptr ? region_->data() : nullptr),
+        region_bytes_(region_ != nullptr ? region_->size() : 0),
         deadline_(deadline),
         spin_(spin),
         max_response_bytes_(max_response_bytes) {}
 
   absl::StatusOr<v1::AttendResponse> Step(const v1::AttendRequest& request) override {
-    if (finished_) {
-      return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
+    if (region_ == nullptr) return Exchange(FrameType::kRequest, request);
+    if (finished_) return Finished();
+    absl::StatusOr<size_t> out_bytes = Stage(request);
+    if (!out_bytes.ok()) {
+      End(out_bytes.status());
+      return final_status_;
     }
-    size_t out_bytes = 0;
-    if (region_ != nullptr) {
-      absl::StatusOr<size_t> staged = Stage(request);
-      if (!staged.ok()) {
-        End(staged.status());
-        return final_status_;
-      }
-      out_bytes = *staged;
+    absl::StatusOr<v1::AttendResponse> response = Exchange(FrameType::kRegionRequest, sent_);
+    if (response.ok()) {
+      response->set_out(reinterpret_cast<const char*>(region_->data() + layout_.out), *out_bytes);
     }
+    return response;
+  }
+
+  uint8_t* region() const override { return region_data_; }
+  uint64_t region_bytes() const override { return region_bytes_; }
+
+  absl::StatusOr<v1::AttendResponse> StepInPlace(const v1::AttendRequest& request) override {
+    return Exchange(FrameType::kRegionRequest, request);  // only region sessions are in place
+  }
+
+  absl::Status Finish() override {
+    if (!finished_) End(absl::OkStatus());
+    return final_status_;
+  }
+
+ private:
+  absl::Status Finished() const {
+    return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
+  }
+
+  // Sends `message` as a frame of `type` and reads the response.
+  absl::StatusOr<v1::AttendResponse> Exchange(FrameType type,
+                                              const google::protobuf::MessageLite& message) {
+    if (finished_) return Finished();
     // A server that refused or ended the session has sent a status frame before closing: it is
     // read even when the write fails.
-    const absl::Status written =
-        region_ != nullptr ? conn_->WriteMessage(FrameType::kRegionRequest, sent_, deadline_)
-                           : conn_->WriteMessage(FrameType::kRequest, request, deadline_);
+    const absl::Status written = conn_->WriteMessage(type, message, deadline_);
     absl::StatusOr<FrameConnection::Frame> frame =
         conn_->Read(&payload_, max_response_bytes_, written.ok() ? deadline_ : absl::Now(),
                     written.ok() ? spin_ : absl::ZeroDuration());
@@ -63,20 +86,11 @@ class SocketAttendSession final : public AttendSession {
     } else if (frame->type != FrameType::kResponse || !response.ParseFromString(payload_)) {
       End(absl::InternalError("AttendSocket: the server's answer is not an AttendResponse"));
     } else {
-      if (region_ != nullptr) {
-        response.set_out(reinterpret_cast<const char*>(region_->data() + layout_.out), out_bytes);
-      }
       return response;
     }
     return final_status_;
   }
 
-  absl::Status Finish() override {
-    if (!finished_) End(absl::OkStatus());
-    return final_status_;
-  }
-
- private:
   // Copies `request`'s q, new_k and new_v into the region, sets layout_ and sent_ (the request
   // without them), and returns the output's size; INVALID_ARGUMENT for items of unequal sizes
   // or a step the region cannot hold.
@@ -134,12 +148,13 @@ class SocketAttendSession final : public AttendSession {
   void End(absl::Status status) {
     finished_ = true;
     final_status_ = std::move(status);
-    conn_.reset();
-    region_.reset();
+    conn_.reset();  // the region stays mapped: an in-place caller may still hold its address
   }
 
   std::unique_ptr<FrameConnection> conn_;
   std::unique_ptr<attend_socket::SharedRegion> region_;  // null: plain requests
+  uint8_t* const region_data_;  // the region's mapping, which lives as long as the session
+  const uint64_t region_bytes_;
   const absl::Time deadline_;
   const absl::Duration spin_;
   const uint32_t max_response_bytes_;
@@ -177,9 +192,14 @@ absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendSocketSession(
                                                max_response_bytes);
 }
 
-absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendRegionSession(
-    const std::string& path, uint64_t region_bytes, absl::Time deadline, absl::Duration spin,
-    uint32_t max_response_bytes) {
+namespace {
+
+// A session over the Unix socket at `path` with a region of `region_bytes` attached.
+absl::StatusOr<std::unique_ptr<SocketAttendSession>> OpenRegion(const std::string& path,
+                                                                uint64_t region_bytes,
+                                                                absl::Time deadline,
+                                                                absl::Duration spin,
+                                                                uint32_t max_response_bytes) {
   absl::StatusOr<std::unique_ptr<FrameConnection>> conn =
       attend_socket::Connect(absl::StrCat("unix:", path), deadline);
   if (!conn.ok()) return conn.status();
@@ -188,6 +208,26 @@ absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendRegionSession(
   if (!region.ok()) return region.status();
   return std::make_unique<SocketAttendSession>(*std::move(conn), *std::move(region), deadline, spin,
                                                max_response_bytes);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendRegionSession(
+    const std::string& path, uint64_t region_bytes, absl::Time deadline, absl::Duration spin,
+    uint32_t max_response_bytes) {
+  absl::StatusOr<std::unique_ptr<SocketAttendSession>> session =
+      OpenRegion(path, region_bytes, deadline, spin, max_response_bytes);
+  if (!session.ok()) return session.status();
+  return std::unique_ptr<AttendSession>(*std::move(session));
+}
+
+absl::StatusOr<std::unique_ptr<InPlaceAttendSession>> OpenInPlaceAttendSession(
+    const std::string& path, uint64_t region_bytes, absl::Time deadline, absl::Duration spin,
+    uint32_t max_response_bytes) {
+  absl::StatusOr<std::unique_ptr<SocketAttendSession>> session =
+      OpenRegion(path, region_bytes, deadline, spin, max_response_bytes);
+  if (!session.ok()) return session.status();
+  return std::unique_ptr<InPlaceAttendSession>(*std::move(session));
 }
 
 }  // namespace kvpool::client

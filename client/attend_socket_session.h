@@ -38,6 +38,29 @@ absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttendRegionSession(const std
                                                                        absl::Duration spin,
                                                                        uint32_t max_response_bytes);
 
+// An AttendSocket region session whose caller writes each step's arrays into the region itself
+// and reads the output there, at the offsets attend_socket::LayoutRegionStep gives
+// (kvpool/v1/attend_region.h): e.g. by DMA from and to its own GPU after registering region()
+// with its CUDA context. The session copies nothing.
+class InPlaceAttendSession {
+ public:
+  virtual ~InPlaceAttendSession() = default;
+  virtual uint8_t* region() const = 0;
+  virtual uint64_t region_bytes() const = 0;
+  // Runs a step whose items carry no q, new_k or new_v (append_in_region marks an append), their
+  // bytes being in the region already; the output is in the region when it returns (the
+  // response's `out` is empty). After an error the session is finished, as for
+  // AttendSession::Step.
+  virtual absl::StatusOr<v1::AttendResponse> StepInPlace(const v1::AttendRequest& request) = 0;
+  // Closes the session and returns its final status.
+  virtual absl::Status Finish() = 0;
+};
+
+// OpenAttendRegionSession for callers that fill and read the region themselves.
+absl::StatusOr<std::unique_ptr<InPlaceAttendSession>> OpenInPlaceAttendSession(
+    const std::string& path, uint64_t region_bytes, absl::Time deadline, absl::Duration spin,
+    uint32_t max_response_bytes);
+
 }  // namespace kvpool::client
 
 #endif  // KVPOOL_CLIENT_ATTEND_SOCKET_SESSION_H_

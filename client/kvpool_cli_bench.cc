@@ -4,12 +4,16 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <optional>
 #include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/time/clock.h"
+#include "client/attend_socket_session.h"
 #include "client/kvpool_cli.h"
+#include "kvpool/v1/attend_region.h"
 #include "tests/common/kv_test_data.h"
 
 ABSL_FLAG(int32_t, streams, 4, "bench put: parallel Put streams, one channel each");
@@ -22,6 +26,10 @@ ABSL_FLAG(bool, append, false,
           "bench attend: every item of every call also appends a new token's K/V (a decode step)");
 ABSL_FLAG(bool, stream, false,
           "bench attend: one AttendStream step per call instead of unary Attend");
+ABSL_FLAG(bool, in_place, false,
+          "bench attend with --attend_unix_socket: each step's q (and new K/V) is written into the "
+          "shared-memory region before the timed step, which sends only the rest and leaves the "
+          "output there (what a decode worker that fills the region itself sees)");
 
 namespace kvpool::cli {
 namespace {
@@ -147,8 +155,25 @@ int RunBenchAttend() {
   const std::vector<uint16_t> new_kv = testing::ToHalf(
       testing::MakeNormal(size_t{1} * spec.num_kv_heads() * spec.head_dim(), seed + 1));
   const bool stream = absl::GetFlag(FLAGS_stream);
+  const bool in_place = absl::GetFlag(FLAGS_in_place);
+  if (in_place && c->options().attend_unix_socket.empty()) {
+    std::fprintf(stderr, "bench attend: --in_place needs --attend_unix_socket\n");
+    return 2;
+  }
   std::unique_ptr<client::AttendSession> session;
-  if (stream && status.ok()) {
+  std::unique_ptr<client::InPlaceAttendSession> in_place_session;
+  if (in_place && status.ok()) {
+    absl::StatusOr<std::unique_ptr<client::InPlaceAttendSession>> opened =
+        client::OpenInPlaceAttendSession(
+            c->options().attend_unix_socket, c->options().attend_region_bytes,
+            absl::Now() + c->options().default_deadline, c->options().attend_spin,
+            static_cast<uint32_t>(c->options().max_message_bytes));
+    if (opened.ok()) {
+      in_place_session = std::move(*opened);
+    } else {
+      status = opened.status();
+    }
+  } else if (stream && status.ok()) {
     absl::StatusOr<std::unique_ptr<client::AttendSession>> opened = c->OpenAttendStream(Call());
     if (opened.ok()) {
       session = std::move(*opened);
@@ -172,8 +197,32 @@ int RunBenchAttend() {
         item->set_new_v(new_kv.data(), new_kv.size() * sizeof(uint16_t));
       }
     }
+    if (in_place_session) {  // the arrays go into the region before the clock starts
+      const size_t q_bytes = q.size() * sizeof(uint16_t);
+      const size_t kv_bytes = new_kv.size() * sizeof(uint16_t);
+      const std::optional<attend_socket::RegionStepLayout> layout = attend_socket::LayoutRegionStep(
+          leases.size(), append ? leases.size() : 0, q_bytes, kv_bytes, q_bytes);  // fp16 output
+      if (!layout.has_value() || layout->end > in_place_session->region_bytes()) {
+        status = absl::InvalidArgumentError("the step does not fit --attend_region_bytes");
+        break;
+      }
+      uint8_t* region = in_place_session->region();
+      for (int b = 0; b < req.items_size(); ++b) {
+        v1::AttendItem* item = req.mutable_items(b);
+        std::memcpy(region + layout->q + b * q_bytes, item->q().data(), q_bytes);
+        item->clear_q();
+        if (!append) continue;
+        std::memcpy(region + layout->new_k + b * kv_bytes, item->new_k().data(), kv_bytes);
+        std::memcpy(region + layout->new_v + b * kv_bytes, item->new_v().data(), kv_bytes);
+        item->clear_new_k();
+        item->clear_new_v();
+        item->set_append_in_region(true);
+      }
+    }
     const absl::Time start = absl::Now();
-    absl::StatusOr<v1::AttendResponse> r = session ? session->Step(req) : c->Attend(req, Call());
+    absl::StatusOr<v1::AttendResponse> r = in_place_session ? in_place_session->StepInPlace(req)
+                                           : session        ? session->Step(req)
+                                                            : c->Attend(req, Call());
     const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
     if (!r.ok()) {
       status = r.status();
@@ -183,6 +232,7 @@ int RunBenchAttend() {
     if (r->context_tokens_size() > 0) attended = r->context_tokens(0);
   }
   if (session) session->Finish().IgnoreError();
+  if (in_place_session) in_place_session->Finish().IgnoreError();
   for (uint64_t lease : leases) c->Release(lease, Call()).IgnoreError();
   if (!status.ok()) {
     std::fprintf(stderr, "bench attend: %s\n", status.ToString().c_str());
@@ -192,7 +242,8 @@ int RunBenchAttend() {
       "bench attend: batch %d x %u context tokens, %d q heads, %d %s%s: p50 %.0f us, "
       "p99 %.0f us\n",
       batch, attended, q_heads, iters,
-      !stream                                    ? "unary RPCs"
+      in_place                                   ? "AttendSocket in-place region steps"
+      : !stream                                  ? "unary RPCs"
       : !c->options().attend_unix_socket.empty() ? "AttendSocket region steps"
       : c->options().attend_socket_port != 0     ? "AttendSocket steps"
                                                  : "AttendStream steps",

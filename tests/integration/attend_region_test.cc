@@ -261,6 +261,40 @@ TEST(AttendRegion, BadRegionStepsChangeNothing) {
   EXPECT_EQ(after->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens));
 }
 
+// A caller that writes q into the region itself and reads the output there gets the unary
+// Attend's answers.
+TEST(AttendRegion, InPlaceStepsMatchUnaryAttend) {
+  RegionFixture r = StartRegion(/*sequences=*/2);
+  ASSERT_NE(r.f.server, nullptr);
+  absl::StatusOr<std::unique_ptr<client::InPlaceAttendSession>> session =
+      client::OpenInPlaceAttendSession(r.path, 256 << 10, absl::Now() + absl::Seconds(30),
+                                       absl::ZeroDuration(), 1 << 20);
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_EQ((*session)->region_bytes(), 256u << 10);
+  for (int step = 0; step < 4; ++step) {
+    v1::AttendRequest request = AttendRequestFor(r.f, r.f.leases[0], 30 + step);
+    request.add_items()->CopyFrom(AttendRequestFor(r.f, r.f.leases[1], 40 + step).items(0));
+    absl::StatusOr<v1::AttendResponse> want = r.f.client->Attend(request);
+    ASSERT_TRUE(want.ok()) << want.status();
+    const size_t q_bytes = request.items(0).q().size();
+    const std::optional<attend_socket::RegionStepLayout> layout =
+        attend_socket::LayoutRegionStep(2, 0, q_bytes, 0, 2 * q_bytes);  // fp32 output
+    ASSERT_TRUE(layout.has_value());
+    uint8_t* region = (*session)->region();
+    for (int i = 0; i < 2; ++i) {
+      std::memcpy(region + layout->q + i * q_bytes, request.items(i).q().data(), q_bytes);
+      request.mutable_items(i)->clear_q();
+    }
+    absl::StatusOr<v1::AttendResponse> got = (*session)->StepInPlace(request);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(got->out().empty());
+    EXPECT_EQ(std::memcmp(region + layout->out, want->out().data(), want->out().size()), 0)
+        << "step " << step;
+    EXPECT_EQ(got->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens));
+  }
+  EXPECT_TRUE((*session)->Finish().ok());
+}
+
 // A socket file left behind by a server that died is replaced; a file that is not a socket is
 // left alone and the listen fails; a path too long for a Unix address is refused.
 TEST(AttendRegion, StaleSocketFilesAreReplacedAndOtherFilesAreNot) {
