@@ -66,6 +66,8 @@ for shape in "1 32768" "32 4096" "1 16" "32 16"; do
     --stream --attend_socket_port=50052
   timed_attend AttendSocket.step "AttendSocket region steps" --batch=$batch --context=$context \
     --iters=300 --stream --attend_unix_socket="$tmp/attend.sock"
+  timed_attend AttendSocket.step "AttendSocket in-place region steps" --batch=$batch \
+    --context=$context --iters=300 --stream --attend_unix_socket="$tmp/attend.sock" --in_place
 done
 # The demo's progress line (stderr, redrawn with \r) stays out of the results; its errors do not.
 timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 --attend_unix_socket="$tmp/attend.sock" demo \
