@@ -295,19 +295,22 @@ TEST(AttendRegion, InPlaceStepsMatchUnaryAttend) {
   EXPECT_TRUE((*session)->Finish().ok());
 }
 
-// A socket file left behind by a server that died is replaced; a file that is not a socket is
-// left alone and the listen fails; a path too long for a Unix address is refused.
+// A socket file left behind by a server that died is replaced, one a live server listens on is
+// not; a file that is not a socket is left alone and the listen fails; a path too long for a Unix
+// address is refused.
 TEST(AttendRegion, StaleSocketFilesAreReplacedAndOtherFilesAreNot) {
   int port = 0;
-  const std::string stale = SocketPath();
-  absl::StatusOr<int> first = attend_socket::Listen("unix:" + stale, &port);
+  const std::string path = SocketPath();
+  absl::StatusOr<int> first = attend_socket::Listen("unix:" + path, &port);
   ASSERT_TRUE(first.ok()) << first.status();
-  close(*first);  // its file stays
-  ASSERT_EQ(access(stale.c_str(), F_OK), 0);
-  absl::StatusOr<int> again = attend_socket::Listen("unix:" + stale, &port);
+  EXPECT_EQ(attend_socket::Listen("unix:" + path, &port).status().code(),
+            absl::StatusCode::kUnavailable);  // the first one still listens
+  close(*first);                              // its file stays, stale
+  ASSERT_EQ(access(path.c_str(), F_OK), 0);
+  absl::StatusOr<int> again = attend_socket::Listen("unix:" + path, &port);
   EXPECT_TRUE(again.ok()) << again.status();
   if (again.ok()) close(*again);
-  unlink(stale.c_str());
+  unlink(path.c_str());
 
   const std::string regular = SocketPath();
   FILE* file = std::fopen(regular.c_str(), "w");

@@ -311,8 +311,20 @@ absl::StatusOr<int> Listen(const std::string& address, int* port) {
   if (absl::StartsWith(address, kUnixScheme)) {
     absl::StatusOr<sockaddr_un> a = UnixAddress(address);
     if (!a.ok()) return a.status();
+    // A socket file nobody listens on (its server died) is replaced; one that takes connections
+    // belongs to a live server and is left alone.
     struct stat st;
-    if (lstat(a->sun_path, &st) == 0 && S_ISSOCK(st.st_mode)) unlink(a->sun_path);
+    if (lstat(a->sun_path, &st) == 0 && S_ISSOCK(st.st_mode)) {
+      const int probe = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      if (probe < 0) return SocketError("socket");
+      const bool live = connect(probe, reinterpret_cast<const sockaddr*>(&*a), sizeof(*a)) == 0;
+      close(probe);
+      if (live) {
+        return absl::UnavailableError(
+            absl::StrCat("AttendSocket cannot listen on ", address, ": a server listens there"));
+      }
+      unlink(a->sun_path);
+    }
     const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return SocketError("socket");
     if (bind(fd, reinterpret_cast<const sockaddr*>(&*a), sizeof(*a)) != 0 ||

@@ -93,8 +93,9 @@ class FrameConnection {
 absl::Status StatusFromFrame(int code, absl::string_view message);
 
 // Listens on "HOST:PORT" (port 0 picks a free one; HOST may be "[::]" or "0.0.0.0") or on
-// "unix:PATH" (a stale socket file at PATH is replaced): a blocking listening socket, whose port
-// is stored in `*port` (0 for a Unix socket).
+// "unix:PATH" (a socket file at PATH that no server listens on is replaced; UNAVAILABLE when one
+// does, or when PATH is another kind of file): a blocking listening socket, whose port is stored
+// in `*port` (0 for a Unix socket).
 absl::StatusOr<int> Listen(const std::string& address, int* port);
 // Connects to "HOST:PORT" or "unix:PATH" before `deadline`; the FrameConnection of the connected
 // socket.
