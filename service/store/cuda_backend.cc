@@ -33,11 +33,17 @@
 #include "kernels/kv_kernels.h"
 #include "service/store/arena_registry.h"
 #include "service/store/compute_backend.h"
+#include "service/store/cuda_backend_staging.h"
 
 namespace kvpool {
 
 #if defined(KVPOOL_WITH_CUDA)
 namespace {
+
+using cuda_backend_internal::AppendStaging;
+using cuda_backend_internal::StagingLayout;
+using cuda_backend_internal::ValidateDequantize;
+using cuda_backend_internal::ValidateQuantizeAppend;
 
 constexpr int kNumLanes = 4;
 constexpr size_t kMinStagingBytes = size_t{1} << 20;
@@ -61,101 +67,6 @@ absl::Status KernelResult(KernelStatus s, const char* what) {
   }
   return FromKernelStatus(s, what);
 }
-
-// Host-side checks of QuantizeAppend's arguments (slot_mapping and positions are host memory):
-// the kernels must never see an out-of-range slot.
-absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
-  const PageLayout& l = p.layout;
-  if (p.num_tokens < 0) return absl::InvalidArgumentError("QuantizeAppend: num_tokens < 0");
-  if (p.num_tokens == 0) return absl::OkStatus();
-  if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr) {
-    return absl::InvalidArgumentError("QuantizeAppend: null input");
-  }
-  const bool sinks = l.sink_tokens > 0;
-  if (sinks && p.positions == nullptr) {
-    return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
-  }
-  const int64_t num_slots = p.num_blocks * l.block_tokens;
-  for (int t = 0; t < p.num_tokens; ++t) {
-    const int64_t slot = p.slot_mapping[t];
-    if (slot < 0) continue;
-    if (slot >= num_slots || (sinks && p.positions[t] < 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("QuantizeAppend: token %d: slot %d or position out of range", t, slot));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Host-side checks of Dequantize's arguments (block_ids is host memory).
-absl::Status ValidateDequantize(const DequantizeParams& p) {
-  if (p.num_out_blocks < 0 || p.head_begin < 0 || p.head_end <= p.head_begin ||
-      p.head_end > p.layout.num_kv_heads) {
-    return absl::InvalidArgumentError("Dequantize: bad block count or head range");
-  }
-  if (p.num_out_blocks == 0) return absl::OkStatus();
-  if (p.block_ids == nullptr || p.k_out == nullptr || p.v_out == nullptr) {
-    return absl::InvalidArgumentError("Dequantize: null argument");
-  }
-  for (int i = 0; i < p.num_out_blocks; ++i) {
-    if (p.block_ids[i] < 0 || p.block_ids[i] >= p.num_blocks) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("Dequantize: block id %d out of range", p.block_ids[i]));
-    }
-  }
-  return absl::OkStatus();
-}
-
-// Offsets of consecutive 16-byte aligned regions in one staging buffer.
-class StagingLayout {
- public:
-  size_t Add(size_t bytes) {
-    const size_t offset = size_;
-    size_ += AlignUp16(bytes);
-    return offset;
-  }
-  size_t size() const { return size_; }
-
- private:
-  size_t size_ = 0;
-};
-
-// Where QuantizeAppend's host inputs (k, v, slot_mapping and, with sinks, positions) sit in a
-// staging buffer, and the kernel's params over the device copy.
-class AppendStaging {
- public:
-  AppendStaging(const QuantizeAppendParams& p, StagingLayout& layout) : p_(p) {
-    const PageLayout& l = p.layout;
-    kv_bytes_ = static_cast<size_t>(p.num_tokens) * l.num_kv_heads * l.head_dim * sizeof(uint16_t);
-    slot_bytes_ = static_cast<size_t>(p.num_tokens) * sizeof(int64_t);
-    pos_bytes_ = l.sink_tokens > 0 ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t) : 0;
-    k_off_ = layout.Add(kv_bytes_);
-    v_off_ = layout.Add(kv_bytes_);
-    slot_off_ = layout.Add(slot_bytes_);
-    pos_off_ = layout.Add(pos_bytes_);
-  }
-
-  void Fill(uint8_t* host) const {
-    std::memcpy(host + k_off_, p_.k, kv_bytes_);
-    std::memcpy(host + v_off_, p_.v, kv_bytes_);
-    std::memcpy(host + slot_off_, p_.slot_mapping, slot_bytes_);
-    if (pos_bytes_ > 0) std::memcpy(host + pos_off_, p_.positions, pos_bytes_);
-  }
-
-  QuantizeAppendParams DeviceParams(uint8_t* device) const {
-    QuantizeAppendParams d = p_;
-    d.k = reinterpret_cast<const uint16_t*>(device + k_off_);
-    d.v = reinterpret_cast<const uint16_t*>(device + v_off_);
-    d.slot_mapping = reinterpret_cast<const int64_t*>(device + slot_off_);
-    d.positions = pos_bytes_ > 0 ? reinterpret_cast<const int32_t*>(device + pos_off_) : nullptr;
-    return d;
-  }
-
- private:
-  const QuantizeAppendParams& p_;
-  size_t kv_bytes_, slot_bytes_, pos_bytes_;
-  size_t k_off_, v_off_, slot_off_, pos_off_;
-};
 
 struct StagingSlot {
   uint8_t* host = nullptr;  // pinned
