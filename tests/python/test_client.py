@@ -160,6 +160,36 @@ def test_attend_socket_bad_step_raises_its_status_and_ends_the_session(socket_cl
         socket_client.release(m.lease_id)
 
 
+def test_in_place_steps_match_unary_attend(server, attend_unix_socket, client):
+    """q written into the region by the caller, one item appending its K/V from the region too:
+    the outputs (views of the region) equal the unary Attend's over the same context."""
+    seqs = [put_sequence(client, 32, seed=61 + i) for i in range(2)]
+    leases = [client.match(ids, namespace="pytest").lease_id for ids, _, _, _ in seqs]
+    try:
+        with Client(server, timeout=30, attend_unix_socket=attend_unix_socket,
+                    attend_region_bytes=1 << 20) as c, c.attend_in_place() as s:
+            for step in range(2):
+                rng = np.random.default_rng(70 + step)
+                q = rng.standard_normal((2, 2 * HEADS, DIM)).astype(np.float16)
+                appends = [step == 1, False]
+                extra_k, extra_v = outlier_kv(1, seed=80 + step)
+                lay = s.layout(2, 2 * HEADS, DIM, appending=sum(appends), num_kv_heads=HEADS,
+                               fp32=True)
+                s.region[lay.q:lay.q + q.nbytes] = q.view(np.uint8).reshape(-1)
+                if step == 1:
+                    k, v = extra_k[0, 0].astype(np.float16), extra_v[0, 0].astype(np.float16)
+                    s.region[lay.new_k:lay.new_k + k.nbytes] = k.view(np.uint8).reshape(-1)
+                    s.region[lay.new_v:lay.new_v + v.nbytes] = v.view(np.uint8).reshape(-1)
+                res = s.step(0, leases, 2 * HEADS, DIM, lay, appends=appends,
+                             new_token_ids=[900, -1], fp32=True)
+                assert res.context_tokens == [32 + step, 32]
+                want = client.attend(0, [AttendItem(leases[0], q[0]), AttendItem(leases[1], q[1])])
+                np.testing.assert_array_equal(res.out, want.out)
+    finally:
+        for lease in leases:
+            client.release(lease)
+
+
 def test_region_step_too_large_for_the_region_raises_invalid_argument(server,
                                                                      attend_unix_socket, client):
     ids, _, _, _ = put_sequence(client, 32, seed=47)

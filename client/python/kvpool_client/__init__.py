@@ -1,7 +1,8 @@
 """kvpool_client: Python client of the kvpool KV-cache pool service."""
 
-from .attend_socket import AttendSocketError
-from .client import AttendItem, AttendResult, AttendStream, Client, GetResult
+from .attend_socket import AttendSocketError, RegionStepLayout
+from .client import (AttendItem, AttendResult, AttendStream, Client, GetResult,
+                     InPlaceAttendStream)
 
 __all__ = ["AttendItem", "AttendResult", "AttendSocketError", "AttendStream", "Client",
-           "GetResult"]
+           "GetResult", "InPlaceAttendStream", "RegionStepLayout"]

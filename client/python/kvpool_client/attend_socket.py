@@ -7,6 +7,7 @@ and attend_region.h. No TLS.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import socket
@@ -54,6 +55,29 @@ def socket_address(target: str, port: int):
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class RegionStepLayout:
+    """Byte offsets of one region step's arrays (proto/kvpool/v1/attend_region.h): q
+    [items][num_q_heads][head_dim] fp16, new_k and new_v [appending items][num_kv_heads][head_dim]
+    fp16 in item order, out [items][num_q_heads][head_dim] in the output dtype; `end` is the bytes
+    the step needs."""
+    q: int
+    new_k: int
+    new_v: int
+    out: int
+    end: int
+
+
+def region_step_layout(items: int, appending: int, q_bytes: int, kv_bytes: int,
+                       out_bytes: int) -> RegionStepLayout:
+    """The layout of `items` items of which `appending` append, with q_bytes and kv_bytes per item
+    and out_bytes of output per item."""
+    new_k = _align(items * q_bytes)
+    new_v = _align(new_k + appending * kv_bytes)
+    out = _align(new_v + appending * kv_bytes)
+    return RegionStepLayout(0, new_k, new_v, out, out + items * out_bytes)
 
 
 class AttendSocketSession:
@@ -153,10 +177,8 @@ class AttendSocketSession:
             raise AttendSocketError(grpc.StatusCode.INVALID_ARGUMENT, "AttendSocket region steps "
                                     "need equal q sizes and equal new_k / new_v sizes")
         out_item = q_bytes // 2 * (4 if req.output_dtype == pb.OUTPUT_DTYPE_FP32 else 2)
-        new_k = _align(len(items) * q_bytes)
-        new_v = _align(new_k + len(kv) * kv_bytes)
-        out = _align(new_v + len(kv) * kv_bytes)
-        if not items or out + len(items) * out_item > len(self._region):
+        layout = region_step_layout(len(items), len(kv), q_bytes, kv_bytes, out_item)
+        if not items or layout.end > len(self._region):
             raise AttendSocketError(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"AttendSocket step of {len(items)} items does not fit the "
                                     f"{len(self._region)}-byte region (attend_region_bytes)")
@@ -168,25 +190,50 @@ class AttendSocketSession:
             self._region[i * q_bytes:(i + 1) * q_bytes] = it.q
             item = sent.items.add(lease_id=it.lease_id, new_token_id=it.new_token_id)
             if it.new_k:
-                at = appended * kv_bytes
-                self._region[new_k + at:new_k + at + kv_bytes] = it.new_k
-                self._region[new_v + at:new_v + at + kv_bytes] = it.new_v
+                k_at = layout.new_k + appended * kv_bytes
+                v_at = layout.new_v + appended * kv_bytes
+                self._region[k_at:k_at + kv_bytes] = it.new_k
+                self._region[v_at:v_at + kv_bytes] = it.new_v
                 item.append_in_region = True
                 appended += 1
-        return sent, out, len(items) * out_item
+        return sent, layout.out, len(items) * out_item
+
+    @property
+    def region(self) -> Optional[mmap.mmap]:
+        """The attached region (None without one), for callers that fill it themselves."""
+        return self._region
+
+    def request_in_place(self, req: "pb.AttendRequest") -> "pb.AttendResponse":
+        """Sends `req`, whose items carry no q, new_k or new_v (append_in_region marks an
+        append), as a region request: its arrays are in the region already, at the offsets of
+        region_step_layout, and so is the output when this returns (the response's `out` is
+        empty)."""
+        if self._region is None:
+            raise AttendSocketError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "request_in_place needs a session with a region")
+        return self._exchange(_REGION_REQUEST, req)
 
     def request(self, req: "pb.AttendRequest") -> "pb.AttendResponse":
+        if self._region is None:
+            return self._exchange(_REQUEST, req)
+        self._check_open()
+        try:
+            sent, out_at, out_size = self._stage(req)
+        except AttendSocketError as e:
+            self._fail(e)
+        resp = self._exchange(_REGION_REQUEST, sent)
+        resp.out = self._region[out_at:out_at + out_size]
+        return resp
+
+    def _check_open(self):
         if self._error is not None:
             raise self._error
         if self._sock is None:
             raise AttendSocketError(grpc.StatusCode.FAILED_PRECONDITION, "session finished")
-        kind_sent = _REQUEST
-        if self._region is not None:
-            try:
-                req, out_at, out_size = self._stage(req)
-            except AttendSocketError as e:
-                self._fail(e)
-            kind_sent = _REGION_REQUEST
+
+    def _exchange(self, kind_sent: int, req: "pb.AttendRequest") -> "pb.AttendResponse":
+        """Sends `req` as a frame of `kind_sent` and reads the response frame."""
+        self._check_open()
         payload = req.SerializeToString()
         sent = True
         try:
@@ -211,14 +258,14 @@ class AttendSocketSession:
         if kind == _STATUS:
             self._fail(AttendSocketError(_CODES.get(code, grpc.StatusCode.UNKNOWN),
                                          body.decode("utf-8", "replace")))
-        resp = pb.AttendResponse.FromString(body)
-        if self._region is not None:
-            resp.out = self._region[out_at:out_at + out_size]
-        return resp
+        return pb.AttendResponse.FromString(body)
 
     def close(self):
         if self._region is not None:
-            self._region.close()
+            try:
+                self._region.close()
+            except BufferError:
+                pass  # views of it (an in-place step's output) live on: unmapped when they go
             self._region = None
         if self._sock is not None:
             self._sock.close()

@@ -14,7 +14,8 @@ import grpc
 import numpy as np
 
 try:
-    from .attend_socket import AttendSocketSession, socket_address
+    from .attend_socket import (AttendSocketSession, RegionStepLayout, region_step_layout,
+                                socket_address)
     from .v1 import kvpool_pb2 as pb
     from .v1 import kvpool_pb2_grpc as pb_grpc
 except ImportError as e:  # pragma: no cover - a checkout without generated stubs
@@ -125,6 +126,57 @@ class AttendStream:
             self.close()
         else:
             self._responses.cancel()
+
+
+class InPlaceAttendStream:
+    """A decode loop over the AttendSocket's Unix socket whose caller writes each step's q (and
+    new K/V) into the shared-memory `region` itself, at the offsets of layout(), and reads the
+    output there: the session copies nothing (e.g. copy between a GPU tensor and the region,
+    registered with CUDA for DMA). Use as a context manager, or call close()."""
+
+    def __init__(self, session: AttendSocketSession):
+        self._session = session
+        self.region = np.frombuffer(session.region, dtype=np.uint8)  # writable view
+
+    @staticmethod
+    def layout(items: int, num_q_heads: int, head_dim: int, appending: int = 0,
+               num_kv_heads: int = 0, fp32: bool = False) -> RegionStepLayout:
+        return region_step_layout(items, appending, num_q_heads * head_dim * 2,
+                                  num_kv_heads * head_dim * 2,
+                                  num_q_heads * head_dim * (4 if fp32 else 2))
+
+    def step(self, layer: int, lease_ids: Sequence[int], num_q_heads: int, head_dim: int,
+             layout: RegionStepLayout, appends: Optional[Sequence[bool]] = None,
+             new_token_ids: Optional[Sequence[int]] = None, sm_scale: float = 0.0,
+             return_lse: bool = False, fp32: bool = False) -> AttendResult:
+        """Runs the step whose arrays are in the region at `layout` (appending items, marked in
+        `appends`, have their K and V at layout.new_k / new_v in item order). The result's `out`
+        is a view of the region, overwritten by the next step (and kept mapped while it lives)."""
+        req = pb.AttendRequest(layer=layer, num_q_heads=num_q_heads, sm_scale=sm_scale,
+                               return_lse=return_lse,
+                               output_dtype=pb.OUTPUT_DTYPE_FP32 if fp32 else pb.OUTPUT_DTYPE_FP16)
+        for i, lease in enumerate(lease_ids):
+            req.items.add(lease_id=lease,
+                          new_token_id=new_token_ids[i] if new_token_ids is not None else -1,
+                          append_in_region=bool(appends[i]) if appends is not None else False)
+        resp = self._session.request_in_place(req)
+        n = len(lease_ids)
+        dtype = np.float32 if fp32 else np.float16
+        out = self.region[layout.out:layout.out + n * num_q_heads * head_dim *
+                          np.dtype(dtype).itemsize].view(dtype).reshape(n, num_q_heads, head_dim)
+        lse = np.asarray(resp.lse, dtype=np.float32).reshape(n, num_q_heads) if return_lse \
+            else None
+        return AttendResult(out=out, lse=lse, context_tokens=list(resp.context_tokens))
+
+    def close(self):
+        self.region = None
+        self._session.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 class Client:
@@ -271,6 +323,15 @@ class Client:
         resp = self._stub.Attend(_attend_request(layer, items, sm_scale, return_lse),
                                  timeout=self._t(timeout))
         return _attend_result(resp, items, return_lse)
+
+    def attend_in_place(self, timeout=None) -> InPlaceAttendStream:
+        """An InPlaceAttendStream over the server's Unix socket (the Client's attend_unix_socket)
+        with a region of attend_region_bytes."""
+        if not self._attend_unix_socket:
+            raise ValueError("attend_in_place needs the Client's attend_unix_socket")
+        return InPlaceAttendStream(AttendSocketSession(
+            self._attend_unix_socket, self._t(timeout), self._max_message_bytes,
+            self._attend_region_bytes))
 
     def attend_stream(self, timeout=None) -> AttendStream:
         if self._attend_unix_socket:
