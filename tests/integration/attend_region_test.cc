@@ -75,6 +75,19 @@ absl::StatusOr<RawRegion> AttachRaw(const std::string& address, uint64_t bytes) 
   return RawRegion{*std::move(conn), *std::move(region)};
 }
 
+// Whether the server's pinned region memory drops to 0 within a second (a session's thread
+// gives its region back once it has seen its client close).
+bool RegionsReleased(const RegionFixture& r) {
+  for (int i = 0; i < 500; ++i) {
+    if (r.f.server->server->registry()->Serialize().find("kvpool_attend_region_bytes 0\n") !=
+        std::string::npos) {
+      return true;
+    }
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  return false;
+}
+
 // Sends `request` as a frame of `type` and returns the status frame the server answers with.
 absl::Status StatusOfFrame(FrameConnection& conn, FrameType type,
                            const v1::AttendRequest& request) {
@@ -178,13 +191,7 @@ TEST(AttendRegion, AttachesOutsideTheRulesAreRefused) {
   }
   EXPECT_TRUE(attached.ok()) << attached;
   // That region goes with its session too, once the session's thread has seen the close.
-  bool released = false;
-  for (int i = 0; i < 500 && !released; ++i) {
-    released = r.f.server->server->registry()->Serialize().find("kvpool_attend_region_bytes 0\n") !=
-               std::string::npos;
-    if (!released) absl::SleepFor(absl::Milliseconds(2));
-  }
-  EXPECT_TRUE(released);
+  EXPECT_TRUE(RegionsReleased(r));
   // A region request without a region.
   absl::StatusOr<std::unique_ptr<FrameConnection>> bare =
       attend_socket::Connect(unix_address, absl::Now() + absl::Seconds(10));
@@ -375,13 +382,7 @@ TEST(AttendRegion, UnixSessionsSurviveBadFramesPassedDescriptorsAndAbruptClients
   }
   // Attached, then gone without a word.
   ASSERT_TRUE(AttachRaw(unix_address, 64 << 10).ok());
-  bool released = false;
-  for (int i = 0; i < 500 && !released; ++i) {
-    released = r.f.server->server->registry()->Serialize().find("kvpool_attend_region_bytes 0\n") !=
-               std::string::npos;
-    if (!released) absl::SleepFor(absl::Milliseconds(2));
-  }
-  EXPECT_TRUE(released);
+  EXPECT_TRUE(RegionsReleased(r));
   auto session = r.region_client->OpenAttendStream();
   ASSERT_TRUE(session.ok()) << session.status();
   EXPECT_TRUE((*session)->Step(AttendRequestFor(r.f, r.f.leases[0], 2)).ok());
