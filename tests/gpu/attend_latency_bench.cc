@@ -11,7 +11,8 @@
 //           the backend copies them straight to and from the device;
 //   backend ComputeBackend::PagedDecodeAttention of the CUDA backend on host q, block tables and
 //           lengths of the same shape over a synthetic arena: staging copies, kernels, copy back;
-//           "backend pinned" the same with q and out in registered host memory;
+//           "backend pinned" the same with q and out in registered host memory, "backend
+//           append" that with a new token per sequence appended first (fused quantize);
 //   kernel  cuda::PagedDecodeAttention alone on device-resident inputs of that arena (CUDA
 //           events, L2 as warm as in a decode loop).
 // The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
@@ -78,7 +79,7 @@ Times TimeWall(int iters, F&& call) {
 }
 
 struct ArenaTimes {
-  Times backend, backend_pinned, kernel;
+  Times backend, backend_pinned, backend_append, kernel;
 };
 
 // The backend call and the bare kernel of `shape` over a synthetic arena: constant INT4 pages
@@ -139,6 +140,30 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
     if (!s.ok()) std::fprintf(stderr, "backend pinned: %s\n", s.ToString().c_str());
     return s.ok();
   });
+  // And with a new token per sequence appended first (the last slot of each sequence, rewritten):
+  // the backend's share of a decode step's append.
+  const std::vector<uint16_t> new_kv = testing::ToHalf(
+      testing::MakeNormal(static_cast<size_t>(shape.batch) * kKvHeads * kHeadDim, 13));
+  std::vector<int64_t> slots(shape.batch);
+  for (int b = 0; b < shape.batch; ++b) {
+    const int pos = shape.context - 1;
+    slots[b] =
+        static_cast<int64_t>(tables[b * blocks_per_seq + pos / kBlockTokens]) * kBlockTokens +
+        pos % kBlockTokens;
+  }
+  QuantizeAppendParams append;
+  append.layout = layout;
+  append.k = new_kv.data();
+  append.v = new_kv.data();
+  append.slot_mapping = slots.data();
+  append.num_tokens = shape.batch;
+  append.pages = pages.get<uint8_t>();
+  append.num_blocks = num_blocks;
+  const Times append_times = TimeWall(iters, [&] {
+    const absl::Status s = backend->PagedDecodeAttention(pinned_host, &append);
+    if (!s.ok()) std::fprintf(stderr, "backend append: %s\n", s.ToString().c_str());
+    return s.ok();
+  });
   backend->UnregisterHostMemory(region.data());
   // A non-blocking stream like the backend's lanes: the launches overlap as they do there.
   cudaStream_t stream;
@@ -162,7 +187,7 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);
-  return {backend_times, pinned_times, Percentiles(std::move(us))};
+  return {backend_times, pinned_times, append_times, Percentiles(std::move(us))};
 }
 
 int Main(int argc, char** argv) {
@@ -194,9 +219,9 @@ int Main(int argc, char** argv) {
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
       "  \"cases\": [\n",
       absl::GetFlag(FLAGS_commit), iters);
-  std::printf("%-12s %14s %14s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99",
+  std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99",
               "store p50/99", "append p50/99", "pinned p50/99", "backend p50/99", "b.pinned p50/99",
-              "kernel p50");
+              "b.append p50/99", "kernel p50");
   int seq = 0;
   for (const Shape& shape : kShapes) {
     std::vector<uint64_t> leases;
@@ -279,19 +304,22 @@ int Main(int argc, char** argv) {
     const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
     std::printf(
         "%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f "
-        "%6.0f / %5.0f %8.1f us\n",
+        "%6.0f / %5.0f %6.0f / %5.0f %8.1f us\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
         app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
-        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.kernel.p50_us);
+        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
+        arena.backend_append.p99_us, arena.kernel.p50_us);
     json += absl::StrFormat(
         "    {\"batch\": %d, \"context\": %d, \"runner_p50_us\": %.1f, \"runner_p99_us\": %.1f, "
         "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"append_p50_us\": %.1f, "
         "\"append_p99_us\": %.1f, \"pinned_p50_us\": %.1f, \"pinned_p99_us\": %.1f, "
         "\"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, \"backend_pinned_p50_us\": %.1f, "
-        "\"backend_pinned_p99_us\": %.1f, \"kernel_p50_us\": %.1f}%s\n",
+        "\"backend_pinned_p99_us\": %.1f, \"backend_append_p50_us\": %.1f, "
+        "\"backend_append_p99_us\": %.1f, \"kernel_p50_us\": %.1f}%s\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
         app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
-        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.kernel.p50_us,
+        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
+        arena.backend_append.p99_us, arena.kernel.p50_us,
         &shape == &kShapes[std::size(kShapes) - 1] ? "" : ",");
     for (uint64_t lease : leases) (*store)->Release(lease).IgnoreError();
   }
