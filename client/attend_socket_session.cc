@@ -28,8 +28,6 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
                       absl::Duration spin, uint32_t max_response_bytes)
       : conn_(std::move(conn)),
         region_(std::move(region)),
-        region_data_(region_ != nullptr ? region_->data() : nullptr),
-        region_bytes_(region_ != nullptr ? region_->size() : 0),
         deadline_(deadline),
         spin_(spin),
         max_response_bytes_(max_response_bytes) {}
@@ -49,8 +47,9 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
     return response;
   }
 
-  uint8_t* region() const override { return region_data_; }
-  uint64_t region_bytes() const override { return region_bytes_; }
+  // Only region sessions are handed out as InPlaceAttendSession: region_ is set here.
+  uint8_t* region() const override { return region_->data(); }
+  uint64_t region_bytes() const override { return region_->size(); }
 
   absl::StatusOr<v1::AttendResponse> StepInPlace(const v1::AttendRequest& request) override {
     return Exchange(FrameType::kRegionRequest, request);  // only region sessions are in place
@@ -152,9 +151,9 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
   }
 
   std::unique_ptr<FrameConnection> conn_;
-  std::unique_ptr<attend_socket::SharedRegion> region_;  // null: plain requests
-  uint8_t* const region_data_;  // the region's mapping, which lives as long as the session
-  const uint64_t region_bytes_;
+  // Null: plain requests. Kept mapped until the session is destroyed, also after End: an in-place
+  // caller may still hold its address.
+  std::unique_ptr<attend_socket::SharedRegion> region_;
   const absl::Time deadline_;
   const absl::Duration spin_;
   const uint32_t max_response_bytes_;

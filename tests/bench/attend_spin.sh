@@ -6,15 +6,8 @@
 # device_suite.sh, which it would push past the machine's 10-minute limit per call.
 #   tests/bench/attend_spin.sh   (writes attend_spin.txt under $OUT, or ./out)
 set -uo pipefail
-out=${OUT:-out}
-tmp=$(mktemp -d)
-mkdir -p "$out"
-[[ -d carry ]] || tar -xJf carry.tar.xz
-export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-bin=$PWD/carry/bin
-grpc=$out/attend_spin.txt
-status=0
 source tests/bench/grpc_bench_lib.sh
+bench_setup attend_spin.txt
 
 steps() {  # label, then extra bench flags
   local label=$1 context

@@ -7,15 +7,8 @@
 # decode steps that append a token per item). Binaries packed by tests/gpu/package_for_device.sh.
 #   tests/bench/attend_transports.sh [bench flags]   (writes attend_transports.txt under $OUT)
 set -uo pipefail
-out=${OUT:-out}
-tmp=$(mktemp -d)
-mkdir -p "$out"
-[[ -d carry ]] || tar -xJf carry.tar.xz
-export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-bin=$PWD/carry/bin
-grpc=$out/attend_transports.txt
-status=0
 source tests/bench/grpc_bench_lib.sh
+bench_setup attend_transports.txt
 start_server
 for shape in "1 32768" "1 16" "32 4096" "32 16"; do
   read -r batch context <<< "$shape"

@@ -1,6 +1,18 @@
-# Shell helpers for the gRPC loopback runs on the GPU machine, sourced by device_suite.sh and
-# attend_spin.sh. The caller sets $bin (carry/bin), $tmp (scratch), $grpc (the results file) and
-# $status (0), and keeps $server (the server's pid) for stop_server.
+# Shell helpers for the gRPC loopback runs on the GPU machine, sourced by device_suite.sh,
+# attend_spin.sh and attend_transports.sh. The caller sets $bin (carry/bin), $tmp (scratch), $grpc
+# (the results file) and $status (0), or has bench_setup set them, and keeps $server (the
+# server's pid) for stop_server.
+
+bench_setup() {  # results file name: $out, $tmp, $bin, $grpc, $status; unpacks and uses carry/
+  out=${OUT:-out}
+  tmp=$(mktemp -d)
+  mkdir -p "$out"
+  [[ -d carry ]] || tar -xJf carry.tar.xz
+  export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  bin=$PWD/carry/bin
+  grpc=$out/$1
+  status=0
+}
 
 start_server() {  # extra kvpool-server flags; sets $server (AttendSocket: TCP 50052, $tmp/attend.sock)
   # 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
