@@ -60,6 +60,8 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     }
     const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
     const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+    new_k.reserve(items.size() * kv_elems);
+    new_v.reserve(items.size() * kv_elems);
     for (size_t i = 0; i < items.size(); ++i) {
       const AttendItem& item = items[i];
       if (leases[i]->namespace_index != ns->ordinal) {
