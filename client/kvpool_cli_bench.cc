@@ -182,7 +182,6 @@ int RunBenchAttend() {
     }
   }
   std::vector<double> latency_us;
-  v1::AttendResponse response;
   uint32_t attended = 0;
   for (int i = 0; i < iters + 10 && status.ok(); ++i) {
     v1::AttendRequest req;
@@ -221,18 +220,16 @@ int RunBenchAttend() {
       }
     }
     const absl::Time start = absl::Now();
-    if (session) {  // into the same message every step, as a decode loop would
-      status = session->Step(req, &response);
-    } else {
-      absl::StatusOr<v1::AttendResponse> r =
-          in_place_session ? in_place_session->StepInPlace(req) : c->Attend(req, Call());
-      status = r.status();
-      if (r.ok()) response = *std::move(r);
-    }
+    absl::StatusOr<v1::AttendResponse> r = in_place_session ? in_place_session->StepInPlace(req)
+                                           : session        ? session->Step(req)
+                                                            : c->Attend(req, Call());
     const double us = absl::ToDoubleMicroseconds(absl::Now() - start);
-    if (!status.ok()) break;
+    if (!r.ok()) {
+      status = r.status();
+      break;
+    }
     if (i >= 10) latency_us.push_back(us);
-    if (response.context_tokens_size() > 0) attended = response.context_tokens(0);
+    if (r->context_tokens_size() > 0) attended = r->context_tokens(0);
   }
   if (session) session->Finish().IgnoreError();
   if (in_place_session) in_place_session->Finish().IgnoreError();

@@ -14,7 +14,6 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "service/malloc_tuning.h"
 #include "service/server.h"
 #include "service/store/compute_backend.h"
 #include "service/store/namespace_config.h"
@@ -65,12 +64,6 @@ ABSL_FLAG(uint64_t, attend_region_total_bytes, uint64_t{1} << 30,
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 10000, "time in-flight RPCs get to finish on shutdown");
 ABSL_FLAG(int64_t, lease_sweep_ms, 1000, "period of the expired-lease sweep (0 = off)");
-ABSL_FLAG(uint64_t, malloc_mmap_threshold_bytes, kvpool::kDefaultMallocMmapThreshold,
-          "glibc M_MMAP_THRESHOLD: blocks below it come from the heap, not their own mmap "
-          "(0 = glibc's dynamic default)");
-ABSL_FLAG(uint64_t, malloc_trim_threshold_bytes, kvpool::kDefaultMallocTrimThreshold,
-          "glibc M_TRIM_THRESHOLD: free heap top kept before returning it to the kernel "
-          "(0 = glibc's dynamic default)");
 
 namespace kvpool {
 namespace {
@@ -106,12 +99,6 @@ int Run() {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  if (absl::Status s = SetMallocThresholds(absl::GetFlag(FLAGS_malloc_mmap_threshold_bytes),
-                                           absl::GetFlag(FLAGS_malloc_trim_threshold_bytes));
-      !s.ok()) {
-    std::fprintf(stderr, "kvpool-server: %s\n", s.ToString().c_str());
-    return 2;
-  }
   absl::StatusOr<std::unique_ptr<ComputeBackend>> backend =
       MakeBackend(absl::GetFlag(FLAGS_backend), absl::GetFlag(FLAGS_device));
   if (!backend.ok()) {

@@ -60,6 +60,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     }
     const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
     const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+    // Grown once: piecewise growth of 64 KiB buffers page-faulted at every decode step.
     new_k.reserve(items.size() * kv_elems);
     new_v.reserve(items.size() * kv_elems);
     for (size_t i = 0; i < items.size(); ++i) {

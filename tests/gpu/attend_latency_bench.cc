@@ -17,9 +17,6 @@
 //           events, L2 as warm as in a decode loop).
 // The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
 //
-// The process sets glibc's malloc thresholds as kvpool-server does (service/malloc_tuning.h);
-// --malloc_*_threshold_bytes=0 measures glibc's dynamic defaults instead.
-//
 // usage: attend_latency_bench [--iters=300] [--out=results.json --commit=<sha>]
 #include <cuda_runtime.h>
 
@@ -37,7 +34,6 @@
 #include "absl/time/clock.h"
 #include "kernels/kv_kernels.h"
 #include "service/attend_runner.h"
-#include "service/malloc_tuning.h"
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
@@ -47,10 +43,6 @@
 ABSL_FLAG(int, iters, 300, "timed calls per shape and path (after 20 warm-up calls)");
 ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
 ABSL_FLAG(std::string, commit, "unknown", "git commit of the build");
-ABSL_FLAG(uint64_t, malloc_mmap_threshold_bytes, kvpool::kDefaultMallocMmapThreshold,
-          "as kvpool-server's flag");
-ABSL_FLAG(uint64_t, malloc_trim_threshold_bytes, kvpool::kDefaultMallocTrimThreshold,
-          "as kvpool-server's flag");
 
 namespace kvpool {
 namespace {
@@ -201,12 +193,6 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
-  const uint64_t mmap_threshold = absl::GetFlag(FLAGS_malloc_mmap_threshold_bytes);
-  const uint64_t trim_threshold = absl::GetFlag(FLAGS_malloc_trim_threshold_bytes);
-  if (absl::Status s = SetMallocThresholds(mmap_threshold, trim_threshold); !s.ok()) {
-    std::fprintf(stderr, "%s\n", s.ToString().c_str());
-    return 1;
-  }
   auto backend = NewCudaBackend(0);
   if (!backend.ok()) {
     std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
@@ -231,9 +217,8 @@ int Main(int argc, char** argv) {
 
   std::string json = absl::StrFormat(
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
-      "  \"malloc_mmap_threshold_bytes\": %d,\n  \"malloc_trim_threshold_bytes\": %d,\n"
       "  \"cases\": [\n",
-      absl::GetFlag(FLAGS_commit), iters, mmap_threshold, trim_threshold);
+      absl::GetFlag(FLAGS_commit), iters);
   std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99",
               "store p50/99", "append p50/99", "pinned p50/99", "backend p50/99", "b.pinned p50/99",
               "b.append p50/99", "kernel p50");
