@@ -92,8 +92,13 @@ struct SplitTraits {
   __host__ __device__ static size_t StageBytes(int meta_bytes_per_token) {
     return 2 * static_cast<size_t>(kStageTokens) * (kCodeStride + meta_bytes_per_token);
   }
+  // The end's reduction: every token subset's sums [kTokenSets][kH][kHeadDim], over the freed
+  // stages and fixed floats.
+  static constexpr size_t kReduceBytes = static_cast<size_t>(kTokenSets) * kH * kHeadDim * 4;
   static size_t SharedBytes(int meta_bytes_per_token) {
-    return kAttnStages * StageBytes(meta_bytes_per_token) + kFixedFloats * sizeof(float);
+    const size_t loop =
+        kAttnStages * StageBytes(meta_bytes_per_token) + kFixedFloats * sizeof(float);
+    return loop > kReduceBytes ? loop : kReduceBytes;
   }
 };
 
@@ -344,26 +349,35 @@ __global__ void __launch_bounds__(kAttnThreads) AttentionSplitKernel(const AttnS
     }
   }
 
-  // Reduce the token subsets: the stage buffers are free once every copy group has landed.
+  // Reduce the token subsets in a fixed order, so that a call's output does not depend on
+  // timing: each subset's sums go to its own slice of shared memory (free once every copy group
+  // has landed), then each output sums the slices in subset order.
   CpAsyncWait<0>();
   __syncthreads();
-  float* out_s = reinterpret_cast<float*>(stages);  // [kH][kHeadDim]
-  for (int i = tid; i < kH * kHeadDim; i += kAttnThreads) out_s[i] = 0.0f;
-  __syncthreads();
+  float* subset_s = reinterpret_cast<float*>(smem);  // [kTokenSets][kH][kHeadDim]
 #pragma unroll
   for (int h = 0; h < kH; ++h) {
     if (h < nh) {
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-        atomicAdd(&out_s[h * kHeadDim + c_chunk * 8 + c], acc[h][c] + zacc[h]);
+      float4* dst =
+          reinterpret_cast<float4*>(subset_s + (c_set * kH + h) * kHeadDim + c_chunk * 8);
+      dst[0] = make_float4(acc[h][0] + zacc[h], acc[h][1] + zacc[h], acc[h][2] + zacc[h],
+                           acc[h][3] + zacc[h]);
+      dst[1] = make_float4(acc[h][4] + zacc[h], acc[h][5] + zacc[h], acc[h][6] + zacc[h],
+                           acc[h][7] + zacc[h]);
     }
   }
   __syncthreads();
+  const float4* subsets = reinterpret_cast<const float4*>(subset_s);
   for (int i = tid; i < nh * kHeadDim / 4; i += kAttnThreads) {
     const int h = i / (kHeadDim / 4);
     const int c4 = i % (kHeadDim / 4);
-    reinterpret_cast<float4*>(o_out + static_cast<size_t>(h) * num_splits * kHeadDim)[c4] =
-        reinterpret_cast<const float4*>(out_s)[i];
+    float4 sum = subsets[i];  // subset 0
+#pragma unroll
+    for (int set = 1; set < T::kTokenSets; ++set) {
+      const float4 p = subsets[(set * kH + h) * (kHeadDim / 4) + c4];
+      sum = make_float4(sum.x + p.x, sum.y + p.y, sum.z + p.z, sum.w + p.w);
+    }
+    reinterpret_cast<float4*>(o_out + static_cast<size_t>(h) * num_splits * kHeadDim)[c4] = sum;
   }
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
