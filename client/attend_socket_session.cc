@@ -32,19 +32,20 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
         spin_(spin),
         max_response_bytes_(max_response_bytes) {}
 
-  absl::StatusOr<v1::AttendResponse> Step(const v1::AttendRequest& request) override {
-    if (region_ == nullptr) return Exchange(FrameType::kRequest, request);
+  using AttendSession::Step;
+  absl::Status Step(const v1::AttendRequest& request, v1::AttendResponse* response) override {
+    if (region_ == nullptr) return Exchange(FrameType::kRequest, request, response);
     if (finished_) return Finished();
     absl::StatusOr<size_t> out_bytes = Stage(request);
     if (!out_bytes.ok()) {
       End(out_bytes.status());
       return final_status_;
     }
-    absl::StatusOr<v1::AttendResponse> response = Exchange(FrameType::kRegionRequest, sent_);
-    if (response.ok()) {
+    absl::Status s = Exchange(FrameType::kRegionRequest, sent_, response);
+    if (s.ok()) {
       response->set_out(reinterpret_cast<const char*>(region_->data() + layout_.out), *out_bytes);
     }
-    return response;
+    return s;
   }
 
   // Only region sessions are handed out as InPlaceAttendSession: region_ is set here.
@@ -52,7 +53,11 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
   uint64_t region_bytes() const override { return region_->size(); }
 
   absl::StatusOr<v1::AttendResponse> StepInPlace(const v1::AttendRequest& request) override {
-    return Exchange(FrameType::kRegionRequest, request);  // only region sessions are in place
+    v1::AttendResponse response;  // only region sessions are in place
+    if (absl::Status s = Exchange(FrameType::kRegionRequest, request, &response); !s.ok()) {
+      return s;
+    }
+    return response;
   }
 
   absl::Status Finish() override {
@@ -65,9 +70,9 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
     return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
   }
 
-  // Sends `message` as a frame of `type` and reads the response.
-  absl::StatusOr<v1::AttendResponse> Exchange(FrameType type,
-                                              const google::protobuf::MessageLite& message) {
+  // Sends `message` as a frame of `type` and reads the response into `*response`.
+  absl::Status Exchange(FrameType type, const google::protobuf::MessageLite& message,
+                        v1::AttendResponse* response) {
     if (finished_) return Finished();
     // A server that refused or ended the session has sent a status frame before closing: it is
     // read even when the write fails.
@@ -75,17 +80,16 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
     absl::StatusOr<FrameConnection::Frame> frame =
         conn_->Read(&payload_, max_response_bytes_, written.ok() ? deadline_ : absl::Now(),
                     written.ok() ? spin_ : absl::ZeroDuration());
-    v1::AttendResponse response;
     if (!frame.ok()) {
       End(absl::IsOutOfRange(frame.status())
               ? absl::UnavailableError("AttendSocket closed by the server")
               : (written.ok() ? frame.status() : written));
     } else if (frame->type == FrameType::kStatus) {
       End(attend_socket::StatusFromFrame(frame->code, payload_));
-    } else if (frame->type != FrameType::kResponse || !response.ParseFromString(payload_)) {
+    } else if (frame->type != FrameType::kResponse || !response->ParseFromString(payload_)) {
       End(absl::InternalError("AttendSocket: the server's answer is not an AttendResponse"));
     } else {
-      return response;
+      return absl::OkStatus();
     }
     return final_status_;
   }

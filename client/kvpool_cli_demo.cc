@@ -175,6 +175,7 @@ absl::Status Decode(client::KvPoolClient& c, const std::string& ns, const Worklo
     status = session.status();
   }
   const double sm_scale = 1.0 / std::sqrt(static_cast<double>(d));
+  v1::AttendResponse resp;  // every step's, its buffers reused
   for (int s = 0; s < w.steps && status.ok(); ++s) {
     const int pos = prompt + s;  // the new token's position
     for (int l = 0; l < layers && status.ok(); ++l) {
@@ -196,22 +197,19 @@ absl::Status Decode(client::KvPoolClient& c, const std::string& ns, const Worklo
         item->set_new_v(v.data(), v.size() * 2);
         item->set_new_token_id(ids[i][pos]);
       }
-      absl::StatusOr<v1::AttendResponse> resp = (*session)->Step(req);
-      if (!resp.ok()) {
-        status = resp.status();
-        break;
-      }
-      const std::vector<float> out = Floats(resp->out());
+      status = (*session)->Step(req, &resp);
+      if (!status.ok()) break;
+      const std::vector<float> out = Floats(resp.out());
       const size_t per_item = static_cast<size_t>(w.q_heads) * d;
       if (out.size() != per_item * batch.size()) {
         status = absl::DataLossError("AttendResponse.out has the wrong size");
         break;
       }
       for (size_t i = 0; i < batch.size(); ++i) {
-        if (resp->context_tokens_size() > static_cast<int>(i) &&
-            resp->context_tokens(i) != static_cast<uint32_t>(pos + 1)) {
-          status = absl::DataLossError(absl::StrFormat(
-              "attended %u tokens, expected %d", resp->context_tokens(i), pos + 1));
+        if (resp.context_tokens_size() > static_cast<int>(i) &&
+            resp.context_tokens(i) != static_cast<uint32_t>(pos + 1)) {
+          status = absl::DataLossError(
+              absl::StrFormat("attended %u tokens, expected %d", resp.context_tokens(i), pos + 1));
           break;
         }
         error.Add(absl::MakeConstSpan(&out[i * per_item], per_item),

@@ -50,15 +50,15 @@ class GrpcAttendSession final : public AttendSession {
     }
   }
 
-  absl::StatusOr<v1::AttendResponse> Step(const v1::AttendRequest& request) override {
-    if (finished_) return final_status_.ok() ? absl::FailedPreconditionError("session finished")
-                                             : final_status_;
-    v1::AttendResponse response;
+  using AttendSession::Step;
+  absl::Status Step(const v1::AttendRequest& request, v1::AttendResponse* response) override {
+    if (finished_)
+      return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
     // The start's batch must complete before the first write (it reuses the write's op set).
     bool ok = AwaitAll();
     if (ok) {
       stream_->Write(request, TagOf(kWritten));
-      stream_->Read(&response, TagOf(kRead));
+      stream_->Read(response, TagOf(kRead));
       pending_ |= kWritten | kRead;
       ok = AwaitAll();
     }
@@ -69,7 +69,7 @@ class GrpcAttendSession final : public AttendSession {
       }
       return final_status_;
     }
-    return response;
+    return absl::OkStatus();
   }
 
   absl::Status Finish() override {

@@ -119,6 +119,9 @@ TEST(AttendRegion, DecodeLoopMatchesAttendStream) {
   auto region = r.region_client->OpenAttendStream();
   ASSERT_TRUE(stream.ok() && region.ok()) << stream.status() << " " << region.status();
   const int per_token = r.f.config.num_kv_heads * r.f.config.head_dim;
+  // Each session steps into one message, reused: outputs of alternating sizes and lse present
+  // every other step must not leave stale values behind.
+  v1::AttendResponse a, b;
   for (int step = 0; step < 12; ++step) {
     v1::AttendRequest req = AttendRequestFor(r.f, r.f.leases[0], 7 + step);
     req.set_layer(0);
@@ -134,18 +137,19 @@ TEST(AttendRegion, DecodeLoopMatchesAttendStream) {
       item->set_new_v(reinterpret_cast<const char*>(v.data()), v.size() * 2);
       item->set_new_token_id(5000 + step);
     }
-    absl::StatusOr<v1::AttendResponse> a = (*stream)->Step(req);
+    const absl::Status sa = (*stream)->Step(req, &a);
     for (int i = 0; i < 2; ++i) req.mutable_items(i)->set_lease_id(second[i]);
-    absl::StatusOr<v1::AttendResponse> b = (*region)->Step(req);
-    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
-    EXPECT_EQ(a->out(), b->out()) << "step " << step;
-    EXPECT_EQ(b->out().size(), 2u * kAttendQHeads * r.f.config.head_dim * (step % 2 == 0 ? 4 : 2));
-    ASSERT_EQ(a->lse_size(), b->lse_size());
-    for (int i = 0; i < a->lse_size(); ++i) EXPECT_EQ(a->lse(i), b->lse(i));
-    ASSERT_EQ(b->context_tokens_size(), 2);
-    EXPECT_EQ(b->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens + step + 1));
-    EXPECT_EQ(b->context_tokens(1), static_cast<uint32_t>(kAttendPromptTokens + step / 2 + 1));
-    EXPECT_EQ(a->context_tokens(1), b->context_tokens(1));
+    const absl::Status sb = (*region)->Step(req, &b);
+    ASSERT_TRUE(sa.ok() && sb.ok()) << sa << " " << sb;
+    EXPECT_EQ(a.out(), b.out()) << "step " << step;
+    EXPECT_EQ(b.out().size(), 2u * kAttendQHeads * r.f.config.head_dim * (step % 2 == 0 ? 4 : 2));
+    EXPECT_EQ(b.lse_size(), step % 2 == 0 ? 2 * kAttendQHeads : 0);
+    ASSERT_EQ(a.lse_size(), b.lse_size());
+    for (int i = 0; i < a.lse_size(); ++i) EXPECT_EQ(a.lse(i), b.lse(i));
+    ASSERT_EQ(b.context_tokens_size(), 2);
+    EXPECT_EQ(b.context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens + step + 1));
+    EXPECT_EQ(b.context_tokens(1), static_cast<uint32_t>(kAttendPromptTokens + step / 2 + 1));
+    EXPECT_EQ(a.context_tokens(1), b.context_tokens(1));
   }
   EXPECT_TRUE((*stream)->Finish().ok());
   EXPECT_TRUE((*region)->Finish().ok());

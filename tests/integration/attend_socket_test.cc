@@ -183,6 +183,7 @@ TEST(AttendSocket, AppendingDecodeLoopMatchesAttendStream) {
   auto socket = s.socket_client->OpenAttendStream();
   ASSERT_TRUE(stream.ok() && socket.ok());
   const int per_token = s.f.config.num_kv_heads * s.f.config.head_dim;
+  v1::AttendResponse a, b;  // each session's, reused every step
   for (int step = 0; step < 20; ++step) {
     v1::AttendRequest req = AttendRequestFor(s.f, s.f.leases[0], 7 + step);
     req.set_layer(0);
@@ -192,13 +193,15 @@ TEST(AttendSocket, AppendingDecodeLoopMatchesAttendStream) {
     item->set_new_k(reinterpret_cast<const char*>(k.data()), k.size() * 2);
     item->set_new_v(reinterpret_cast<const char*>(v.data()), v.size() * 2);
     item->set_new_token_id(5000 + step);
-    absl::StatusOr<v1::AttendResponse> a = (*stream)->Step(req);
+    const absl::Status sa = (*stream)->Step(req, &a);
     item->set_lease_id(second->lease_id());
-    absl::StatusOr<v1::AttendResponse> b = (*socket)->Step(req);
-    ASSERT_TRUE(a.ok() && b.ok()) << a.status() << " " << b.status();
-    EXPECT_EQ(a->out(), b->out()) << "step " << step;
-    EXPECT_EQ(b->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens + step + 1));
-    EXPECT_EQ(a->context_tokens(0), b->context_tokens(0));
+    const absl::Status sb = (*socket)->Step(req, &b);
+    ASSERT_TRUE(sa.ok() && sb.ok()) << sa << " " << sb;
+    EXPECT_EQ(a.out(), b.out()) << "step " << step;
+    EXPECT_EQ(b.out().size(), static_cast<size_t>(kAttendQHeads) * s.f.config.head_dim * 4);
+    ASSERT_EQ(b.context_tokens_size(), 1);
+    EXPECT_EQ(b.context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens + step + 1));
+    EXPECT_EQ(a.context_tokens(0), b.context_tokens(0));
   }
   EXPECT_TRUE((*stream)->Finish().ok());
   EXPECT_TRUE((*socket)->Finish().ok());
