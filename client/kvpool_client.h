@@ -94,8 +94,9 @@ class AttendSession {
   virtual ~AttendSession() = default;
   // Sends `request` and waits for its response, parsed into `*response`. The message's buffers
   // are reused: a decode loop that passes the same one every step allocates nothing for its
-  // output (a fresh 256 KiB one per step page-faults in glibc malloc's default configuration).
-  // After an error the session is finished and every later Step returns that error.
+  // output (a new message per step made AttendSocket steps at batch 32 ~100 µs slower,
+  // tests/bench/results/attend_client_reuse_h200.txt). After an error the session is finished
+  // and every later Step returns that error.
   virtual absl::Status Step(const v1::AttendRequest& request, v1::AttendResponse* response) = 0;
   // Step into a new message.
   absl::StatusOr<v1::AttendResponse> Step(const v1::AttendRequest& request) {
