@@ -52,8 +52,9 @@ class GrpcAttendSession final : public AttendSession {
 
   using AttendSession::Step;
   absl::Status Step(const v1::AttendRequest& request, v1::AttendResponse* response) override {
-    if (finished_)
+    if (finished_) {
       return final_status_.ok() ? absl::FailedPreconditionError("session finished") : final_status_;
+    }
     // The start's batch must complete before the first write (it reuses the write's op set).
     bool ok = AwaitAll();
     if (ok) {
