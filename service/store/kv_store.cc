@@ -238,7 +238,7 @@ absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
     block.hash = chain[b];
     block.hash_known = true;
     block.pinned = true;
-    lease->blocks.push_back(block);
+    lease->AddBlock(block);
   }
   absl::StatusOr<std::shared_ptr<Lease>> added = leases_.Add(lease, options_.clock->Now());
   if (!added.ok()) return added.status();
@@ -290,6 +290,7 @@ void StoreImpl::FinishLeaseLocked(Lease& lease) {
     if (block.owned) ns.pool->Free({block.id});
   }
   lease.blocks.clear();
+  lease.block_ids.clear();
 }
 
 absl::StatusOr<std::shared_ptr<Lease>> StoreImpl::UseLeaseLocked(uint64_t id) {

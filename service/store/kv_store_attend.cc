@@ -116,12 +116,10 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       const int blocks = (seq_lens[i] + config.block_tokens - 1) / config.block_tokens;
       max_blocks = std::max(max_blocks, blocks);
     }
-    block_tables.assign(items.size() * max_blocks, leases[0]->blocks[0].id);
+    block_tables.assign(items.size() * max_blocks, leases[0]->block_ids[0]);
     for (size_t i = 0; i < items.size(); ++i) {
       const int blocks = (seq_lens[i] + config.block_tokens - 1) / config.block_tokens;
-      for (int b = 0; b < blocks; ++b) {
-        block_tables[i * max_blocks + b] = leases[i]->blocks[b].id;
-      }
+      std::copy_n(leases[i]->block_ids.begin(), blocks, block_tables.begin() + i * max_blocks);
     }
     for (std::shared_ptr<Lease>& lease : leases) use.Add(std::move(lease));
   }

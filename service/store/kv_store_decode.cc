@@ -36,12 +36,8 @@ absl::StatusOr<std::vector<int32_t>> StoreImpl::CheckReadLocked(
                         block_begin, static_cast<uint64_t>(block_begin) + num_blocks,
                         lease.blocks.size()));
   }
-  std::vector<int32_t> ids;
-  ids.reserve(num_blocks);
-  for (uint32_t b = block_begin; b < block_begin + num_blocks; ++b) {
-    ids.push_back(lease.blocks[b].id);
-  }
-  return ids;
+  return std::vector<int32_t>(lease.block_ids.begin() + block_begin,
+                              lease.block_ids.begin() + block_begin + num_blocks);
 }
 
 namespace {
@@ -217,7 +213,7 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
       Lease::Block block;
       block.id = (*ids)[next++];
       block.owned = true;
-      lease->blocks.push_back(block);
+      lease->AddBlock(block);
     }
   }
   for (AppendPlan& plan : plans) {

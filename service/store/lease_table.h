@@ -41,7 +41,13 @@ struct Lease {
   int namespace_index = 0;  // the store's namespace
   absl::Duration ttl;
   absl::Time expires;       // set by the table
-  std::vector<Block> blocks;
+  std::vector<Block> blocks;  // grown by AddBlock only
+  // blocks[i].id for every i, back to back: copied whole into Attend's block tables.
+  std::vector<int32_t> block_ids;
+  void AddBlock(const Block& block) {
+    blocks.push_back(block);
+    block_ids.push_back(block.id);
+  }
   uint32_t matched_tokens = 0;
   // Tokens reserved per layer (appends in flight included), and tokens written per layer: every
   // position below layer_written[l] is in the pages. Appends that finish out of order wait in
