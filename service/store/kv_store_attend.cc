@@ -33,7 +33,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   std::vector<int64_t> slots;
   std::vector<int32_t> positions;
   std::vector<int32_t> seq_lens(items.size());
-  std::vector<int32_t> block_tables;
+  std::unique_ptr<int32_t[]> block_tables;  // [items][max_blocks], written row by row
   // The new tokens' K and V, copied before they are checked: the check then covers what the
   // kernel reads even when the caller's buffers change meanwhile (shared memory).
   std::vector<uint16_t> new_k, new_v;
@@ -116,10 +116,13 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       const int blocks = (seq_lens[i] + config.block_tokens - 1) / config.block_tokens;
       max_blocks = std::max(max_blocks, blocks);
     }
-    block_tables.assign(items.size() * max_blocks, leases[0]->block_ids[0]);
+    // Rows shorter than max_blocks are padded with their first id (a valid block).
+    block_tables.reset(new int32_t[items.size() * max_blocks]);
     for (size_t i = 0; i < items.size(); ++i) {
       const int blocks = (seq_lens[i] + config.block_tokens - 1) / config.block_tokens;
-      std::copy_n(leases[i]->block_ids.begin(), blocks, block_tables.begin() + i * max_blocks);
+      int32_t* row = block_tables.get() + i * max_blocks;
+      std::copy_n(leases[i]->block_ids.begin(), blocks, row);
+      std::fill(row + blocks, row + max_blocks, row[0]);
     }
     for (std::shared_ptr<Lease>& lease : leases) use.Add(std::move(lease));
   }
@@ -155,7 +158,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   a.q = q_contiguous ? items[0].q : q.data();
   a.num_seqs = static_cast<int>(items.size());
   a.num_q_heads = static_cast<int>(num_q_heads);
-  a.block_tables = block_tables.data();
+  a.block_tables = block_tables.get();
   a.max_blocks_per_seq = max_blocks;
   a.seq_lens = seq_lens.data();
   a.sm_scale = sm_scale > 0 ? sm_scale : 1.0f / std::sqrt(static_cast<float>(config.head_dim));
