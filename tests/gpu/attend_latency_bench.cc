@@ -56,7 +56,7 @@ constexpr int kWarmup = 20;
 struct Shape {
   int batch, context;
 };
-constexpr Shape kShapes[] = {{1, 16}, {1, 32768}, {32, 16}, {32, 4096}};
+constexpr Shape kShapes[] = {{1, 16}, {1, 32768}, {32, 16}, {32, 4096}, {32, 32768}};
 
 struct Times {
   double p50_us, p99_us;
