@@ -75,9 +75,11 @@ int Main(int argc, char** argv) {
   config.name = "bench";
   config.num_layers = 1;
   config.layer_dtypes = {KvDtype::kInt4};
-  const uint64_t blocks = static_cast<uint64_t>(batch) *
-                          ((context + kCallsPerLease) / config.block_tokens + 2) *
-                          ((iters + kWarmup) / kCallsPerLease + 2);
+  // The prompts' blocks, and the appended tails of two generations of leases (the old ones are
+  // released after the new ones are matched).
+  const uint64_t blocks =
+      static_cast<uint64_t>(batch) * ((context + config.block_tokens - 1) / config.block_tokens +
+                                      2 * (kCallsPerLease / config.block_tokens + 1));
   KvStore::Options options;
   options.backend = &backend;
   options.quality_sample_every = 0;
