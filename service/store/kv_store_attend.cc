@@ -60,9 +60,6 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     }
     const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
     const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
-    // Grown once: piecewise growth of 64 KiB buffers page-faulted at every decode step.
-    new_k.reserve(items.size() * kv_elems);
-    new_v.reserve(items.size() * kv_elems);
     for (size_t i = 0; i < items.size(); ++i) {
       const AttendItem& item = items[i];
       if (leases[i]->namespace_index != ns->ordinal) {
@@ -85,6 +82,10 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
             absl::StrFormat("item %d: new_k and new_v must come together", i));
       }
       if (item.new_k != nullptr) {
+        if (new_k.empty()) {  // sized once: growth item by item page-faulted at every decode step
+          new_k.reserve(items.size() * kv_elems);
+          new_v.reserve(items.size() * kv_elems);
+        }
         new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
         new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
         if (absl::Status s = CheckFinite(new_k.data() + new_k.size() - kv_elems, kv_elems, "new_k");
