@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole GPU job in one call on the GPU machine (DEVICE.md): GPU tests, the kernel benchmarks
-# with the PyTorch SDPA anchor, the NCCL tests and benchmark when two GPUs are visible, then the
-# service over gRPC loopback. Expects binaries packed by tests/gpu/package_for_device.sh
-# (carry/ or carry.tar.xz); writes at most 8 result files under $OUT (or ./out).
+# with the PyTorch SDPA anchor, the NCCL tests and benchmark when two GPUs are visible, the
+# service over gRPC loopback, then the Python client tests when packed (CARRY_PYTHON=1). Expects
+# binaries packed by tests/gpu/package_for_device.sh (carry/ or carry.tar.xz); writes at most 8
+# result files under $OUT (or ./out).
 #   tests/bench/device_suite.sh <commit>
 set -uo pipefail
 commit=${1:-unknown}
@@ -78,5 +79,17 @@ curl -s 127.0.0.1:9464/metrics | grep -E '^kvpool_(device_memory|compression_rat
   | tee -a "$grpc"
 stop_server
 cat "$tmp/server.log"
+
+if [[ -d carry/python ]]; then  # packed with CARRY_PYTHON=1
+  echo "== Python client tests (tests/python) against a CUDA-backend server"
+  python3 -m pip install -q --no-index --target "$tmp/py" carry/python/wheels/*.whl
+  mkdir -p client/python/kvpool_client/v1 && cp carry/python/stubs/* client/python/kvpool_client/v1/
+  if PYTHONPATH=$tmp/py KVPOOL_TEST_BACKEND=cuda KVPOOL_SERVER_BIN=$bin/kvpool-server \
+    python3 -m pytest -q -p no:cacheprovider tests/python >> "$out/gpu_tests.log" 2>&1; then
+    echo "python client tests: PASSED"
+  else
+    echo "python client tests: FAILED"; status=1
+  fi
+fi
 echo "suite status: $status"
 exit $status

@@ -1,4 +1,8 @@
-"""Fixtures: the generated stubs, and a real kvpool-server on free ports (CPU backend)."""
+"""Fixtures: the generated stubs, and a real kvpool-server on free ports.
+
+The server runs the backend KVPOOL_TEST_BACKEND names (default cpu; the GPU machine's suite runs
+these tests with cuda).
+"""
 
 import os
 import pathlib
@@ -39,7 +43,13 @@ def attend_unix_socket(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def server(attend_socket_port, attend_unix_socket):
+def backend() -> str:
+    """The server's --backend."""
+    return os.environ.get("KVPOOL_TEST_BACKEND", "cpu")
+
+
+@pytest.fixture(scope="session")
+def server(attend_socket_port, attend_unix_socket, backend):
     """Address of a kvpool-server (KVPOOL_SERVER_BIN, default build/kvpool-server)."""
     binary = os.environ.get("KVPOOL_SERVER_BIN", str(REPO / "build" / "kvpool-server"))
     if not os.access(binary, os.X_OK):
@@ -47,7 +57,7 @@ def server(attend_socket_port, attend_unix_socket):
     port = _free_port()
     proc = subprocess.Popen([binary, f"--port={port}", f"--metrics_port={_free_port()}",
                              f"--attend_socket_port={attend_socket_port}",
-                             f"--attend_unix_socket={attend_unix_socket}", "--backend=cpu",
+                             f"--attend_unix_socket={attend_unix_socket}", f"--backend={backend}",
                              f"--pool_bytes={256 << 20}"])
     target = f"127.0.0.1:{port}"
     try:

@@ -207,10 +207,10 @@ def test_region_step_too_large_for_the_region_raises_invalid_argument(server,
         client.release(m.lease_id)
 
 
-def test_stats_report_the_namespace_and_its_compression(client):
+def test_stats_report_the_namespace_and_its_compression(client, backend):
     put_sequence(client, 32, seed=51)
     stats = client.stats()
-    assert stats.backend == "cpu"
+    assert stats.backend == backend
     ns = next(n for n in stats.namespaces if n.name == "pytest")
     assert ns.tokens_stored >= 32
     assert 0 < ns.bytes_per_token < ns.fp16_bytes_per_token
