@@ -82,10 +82,10 @@ cat "$tmp/server.log"
 
 if [[ -d carry/python ]]; then  # packed with CARRY_PYTHON=1
   echo "== Python client tests (tests/python) against a CUDA-backend server"
-  python3 -m pip install -q --no-index --no-deps --target "$tmp/py" carry/python/wheels/*.whl
   mkdir -p client/python/kvpool_client/v1 && cp carry/python/stubs/* client/python/kvpool_client/v1/
-  if PYTHONPATH=$tmp/py KVPOOL_TEST_BACKEND=cuda KVPOOL_SERVER_BIN=$bin/kvpool-server \
-    python3 -m pytest -q -p no:cacheprovider tests/python >> "$out/gpu_tests.log" 2>&1; then
+  if python3 -m pip install -q --no-index --no-deps --target "$tmp/py" carry/python/wheels/*.whl \
+    && PYTHONPATH=$tmp/py KVPOOL_TEST_BACKEND=cuda KVPOOL_SERVER_BIN=$bin/kvpool-server \
+      python3 -m pytest -q -p no:cacheprovider tests/python >> "$out/gpu_tests.log" 2>&1; then
     echo "python client tests: PASSED"
   else
     echo "python client tests: FAILED"; status=1
