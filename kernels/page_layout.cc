@@ -1,5 +1,9 @@
 #include "kernels/page_layout.h"
 
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
 #include "kernels/kv_kernels.h"
 
 namespace kvpool {
@@ -30,6 +34,23 @@ const char* ValidatePageLayout(const PageLayout& layout) {
     }
   }
   return nullptr;
+}
+
+int FirstBlockIdOutOfRange(const int32_t* ids, int n, int64_t num_blocks) {
+  // As unsigned, a negative id is at least 2^31 and fails the one comparison too.
+  const uint32_t limit =
+      static_cast<uint32_t>(std::clamp<int64_t>(num_blocks, 0, int64_t{INT32_MAX} + 1));
+  constexpr int kChunk = 64;
+  uint32_t bad = 0;
+  int i = 0;
+  for (; i + kChunk <= n; i += kChunk) {
+    for (int j = 0; j < kChunk; ++j) bad |= static_cast<uint32_t>(ids[i + j]) >= limit;
+  }
+  for (; i < n; ++i) bad |= static_cast<uint32_t>(ids[i]) >= limit;
+  if (bad == 0) return -1;
+  for (i = 0; static_cast<uint32_t>(ids[i]) < limit; ++i) {
+  }
+  return i;
 }
 
 const char* KernelStatusName(KernelStatus s) {

@@ -100,6 +100,11 @@ KVPOOL_HD float RotationSign(uint64_t seed, int c) {
 // sink_tokens <= block_tokens. Returns nullptr when valid, else a static message.
 const char* ValidatePageLayout(const PageLayout& layout);
 
+// The index of the first of ids[0, n) outside [0, num_blocks), or -1 when all are in range. A
+// decode call's tables hold thousands of ids: one branch-free pass over fixed-size chunks (which
+// the compiler vectorizes) finds whether any is bad before the culprit is looked for.
+int FirstBlockIdOutOfRange(const int32_t* ids, int n, int64_t num_blocks);
+
 }  // namespace kvpool
 
 #endif  // KVPOOL_KERNELS_PAGE_LAYOUT_H_

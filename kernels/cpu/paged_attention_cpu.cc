@@ -48,8 +48,9 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
     const int len = p.seq_lens[s];
     if (len < 1 || len > max_len) return KernelStatus::kInvalidArgument;
     const int32_t* table = p.block_tables + static_cast<size_t>(s) * p.max_blocks_per_seq;
-    for (int b = 0; b * l.block_tokens < len; ++b) {
-      if (table[b] < 0 || table[b] >= p.num_blocks) return KernelStatus::kInvalidArgument;
+    if (FirstBlockIdOutOfRange(table, (len + l.block_tokens - 1) / l.block_tokens,
+                               p.num_blocks) >= 0) {
+      return KernelStatus::kInvalidArgument;
     }
   }
   return KernelStatus::kOk;

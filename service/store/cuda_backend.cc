@@ -221,11 +221,11 @@ class CudaBackend final : public ComputeBackend {
             absl::StrFormat("PagedDecodeAttention: seq %d length %d out of range", s, len));
       }
       const int32_t* table = p.block_tables + static_cast<size_t>(s) * p.max_blocks_per_seq;
-      for (int b = 0; b < (len + l.block_tokens - 1) / l.block_tokens; ++b) {
-        if (table[b] < 0 || table[b] >= p.num_blocks) {
-          return absl::InvalidArgumentError(absl::StrFormat(
-              "PagedDecodeAttention: seq %d block %d id %d out of range", s, b, table[b]));
-        }
+      const int b =
+          FirstBlockIdOutOfRange(table, (len + l.block_tokens - 1) / l.block_tokens, p.num_blocks);
+      if (b >= 0) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "PagedDecodeAttention: seq %d block %d id %d out of range", s, b, table[b]));
       }
     }
     const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_q_heads;

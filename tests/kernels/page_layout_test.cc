@@ -1,6 +1,9 @@
 #include "kernels/page_layout.h"
 
+#include <climits>
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "kernels/kv_kernels.h"
@@ -109,6 +112,30 @@ TEST(RotationSign, IsAllPlusForSeedZeroAndMixedOtherwise) {
   }
   EXPECT_GT(minus, 32);
   EXPECT_LT(minus, 96);
+}
+
+TEST(FirstBlockIdOutOfRange, FindsTheFirstBadIdInChunksAndTail) {
+  std::vector<int32_t> ids(200);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 37) % 1000);
+  EXPECT_EQ(FirstBlockIdOutOfRange(ids.data(), 200, 1000), -1);
+  EXPECT_EQ(FirstBlockIdOutOfRange(ids.data(), 0, 0), -1);
+  // 999 is the largest id (i = 27 and others): out of range for 999 blocks.
+  EXPECT_EQ(FirstBlockIdOutOfRange(ids.data(), 200, 999), 27);
+  EXPECT_EQ(FirstBlockIdOutOfRange(ids.data(), 27, 999), -1);
+  for (int bad : {0, 63, 64, 130, 199}) {  // in the first chunk, at its end and start, the tail
+    for (int32_t value : {-1, 1000, INT32_MIN, INT32_MAX}) {
+      std::vector<int32_t> v = ids;
+      v[bad] = value;
+      EXPECT_EQ(FirstBlockIdOutOfRange(v.data(), 200, 1000), bad) << bad << " " << value;
+      EXPECT_EQ(FirstBlockIdOutOfRange(v.data(), bad, 1000), -1);
+    }
+  }
+  // More blocks than int32 ids can name: only negative ids are out of range.
+  std::vector<int32_t> big = {0, INT32_MAX, 5};
+  EXPECT_EQ(FirstBlockIdOutOfRange(big.data(), 3, int64_t{1} << 40), -1);
+  big[2] = -7;
+  EXPECT_EQ(FirstBlockIdOutOfRange(big.data(), 3, int64_t{1} << 40), 2);
+  EXPECT_EQ(FirstBlockIdOutOfRange(big.data(), 3, -5), 0);
 }
 
 TEST(KernelStatusName, NamesEveryStatus) {
