@@ -102,6 +102,10 @@ bool Available();
 // Workspace PagedDecodeAttention needs for a batch of this shape (0 splits = auto).
 size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q_heads,
                                int max_blocks_per_seq, int num_splits);
+// Splits of the context PagedDecodeAttention runs for a batch of this shape (0 = auto): each
+// split reads the batch's q again.
+int AttentionSplitCount(const PageLayout& layout, int num_seqs, int num_q_heads,
+                        int max_blocks_per_seq, int num_splits);
 // The last CUDA error message seen by a function above that returned kCudaError.
 const char* LastErrorMessage();
 

@@ -44,6 +44,8 @@ namespace kvpool {
 enum class KvDtype : uint8_t { kFp16 = 0, kFp8E4M3 = 1, kInt8 = 2, kInt4 = 3 };
 
 KVPOOL_HD constexpr size_t AlignUp16(size_t n) { return (n + 15) & ~size_t{15}; }
+// Whether p is 16-byte aligned (null is): the kernels' 16-byte loads and stores need it.
+inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // Bits of a value per channel for each dtype.
 KVPOOL_HD constexpr int DtypeBits(KvDtype d) {

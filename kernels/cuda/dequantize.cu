@@ -108,8 +108,6 @@ KernelStatus LaunchDequantize(const DequantizeArgs& a, cudaStream_t stream) {
   return CheckLaunch("DequantizeKernel");
 }
 
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 }  // namespace
 
 // Requires (else kInvalidArgument): a valid layout, 0 <= head_begin < head_end <= num_kv_heads,

@@ -239,8 +239,6 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
   }
 }
 
-bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // Beyond the CPU reference's checks (except the device-resident lengths and block ids): group
 // sizes that are multiples of 16, layer pages under 4 GiB, enough workspace, and 16-byte
 // alignment of q, out or out_fp16, pages, sink_pages and workspace (the kernels use 16-byte
@@ -330,6 +328,16 @@ size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q
   const AttnSplitPlan plan =
       PlanAttentionSplits(layout, num_seqs, num_q_heads, max_blocks_per_seq, num_splits);
   return SizeWorkspace(layout, num_seqs, num_q_heads, plan.num_splits).total();
+}
+
+int AttentionSplitCount(const PageLayout& layout, int num_seqs, int num_q_heads,
+                        int max_blocks_per_seq, int num_splits) {
+  if (layout.num_kv_heads <= 0 || layout.head_dim <= 0 || layout.block_tokens <= 0 ||
+      num_seqs <= 0 || num_q_heads <= 0 || max_blocks_per_seq <= 0) {
+    return 1;
+  }
+  return PlanAttentionSplits(layout, num_seqs, num_q_heads, max_blocks_per_seq, num_splits)
+      .num_splits;
 }
 
 KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream) {

@@ -511,8 +511,6 @@ KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
   return CheckLaunch("QuantizeAppendKernel");
 }
 
-bool Aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; }
-
 }  // namespace
 
 // Requires (else kInvalidArgument): a valid layout, 16-byte aligned k, v, pages and sink_pages,

@@ -254,6 +254,8 @@ TEST_F(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBacken
 // straight to and from the device: the same lse and outputs, to the bit, as through the staging
 // copies, for fp32 and fp16 outputs at every layer (the split kernels sum in a fixed order); the
 // registered output is written whole.
+// Registered q and out: the kernels write out there directly, and read q there directly when
+// the call runs one split (40 items: one split; 3 items: two, so q is uploaded from the region).
 TEST_F(CudaVsCpuStores, AttendWithRegisteredQueryAndOutputMatchesStagedCopies) {
   KVPOOL_SKIP_WITHOUT_GPU();
   ASSERT_NO_FATAL_FAILURE(PutBoth(
@@ -262,49 +264,51 @@ TEST_F(CudaVsCpuStores, AttendWithRegisteredQueryAndOutputMatchesStagedCopies) {
         return layer % 2 == 0 ? testing::Outliers::kSpikes : testing::Outliers::kOffset;
       },
       400));
-  constexpr int kItems = 3;
   const int q_heads = 2 * config_.num_kv_heads;
   const size_t q_elems = static_cast<size_t>(q_heads) * config_.head_dim;
-  const size_t rows = kItems * static_cast<size_t>(q_heads);
-  const size_t out_elems = rows * config_.head_dim;
-  // q rows, then room for an fp32 output.
-  std::vector<float> region(kItems * q_elems / 2 + out_elems);
-  auto* region_q = reinterpret_cast<uint16_t*>(region.data());
-  float* region_out = region.data() + kItems * q_elems / 2;
-  ASSERT_TRUE(gpu_backend_->RegisterHostMemory(region.data(), region.size() * 4).ok());
-  for (int layer = 0; layer < config_.num_layers; ++layer) {
-    for (const bool fp16 : {false, true}) {
-      SCOPED_TRACE(::testing::Message() << "layer " << layer << (fp16 ? " fp16" : " fp32"));
-      const std::vector<uint16_t> q =
-          testing::ToHalf(testing::MakeNormal(kItems * q_elems, 3000 + 2 * layer + fp16));
-      std::memcpy(region_q, q.data(), q.size() * 2);
-      std::vector<KvStore::AttendItem> staged(kItems), pinned(kItems);
-      for (int i = 0; i < kItems; ++i) {
-        staged[i] = {gpu_match_.lease_id, q.data() + i * q_elems, nullptr, nullptr, -1};
-        pinned[i] = {gpu_match_.lease_id, region_q + i * q_elems, nullptr, nullptr, -1};
-      }
-      std::vector<float> out(out_elems), lse(rows), pinned_lse(rows);
-      std::vector<uint16_t> out16(out_elems);
-      std::vector<uint32_t> ctx(kItems), pinned_ctx(kItems);
-      std::fill(region_out, region_out + out_elems, NAN);
-      auto* region_out16 = reinterpret_cast<uint16_t*>(region_out);
-      const KvStore::AttendOutputs a{fp16 ? nullptr : out.data(), fp16 ? out16.data() : nullptr,
-                                     lse.data(), ctx.data()};
-      const KvStore::AttendOutputs b{fp16 ? nullptr : region_out, fp16 ? region_out16 : nullptr,
-                                     pinned_lse.data(), pinned_ctx.data()};
-      ASSERT_TRUE(gpu_store_->Attend(layer, q_heads, 0.0f, staged, a).ok());
-      ASSERT_TRUE(gpu_store_->Attend(layer, q_heads, 0.0f, pinned, b).ok());
-      EXPECT_EQ(lse, pinned_lse);
-      EXPECT_EQ(ctx, pinned_ctx);
-      for (size_t i = 0; i < out_elems; ++i) {
-        const float want = fp16 ? HalfToFloat(out16[i]) : out[i];
-        const float got = fp16 ? HalfToFloat(region_out16[i]) : region_out[i];
-        ASSERT_TRUE(std::isfinite(got)) << i;
-        ASSERT_EQ(got, want) << "element " << i;
+  for (const int items : {3, 40}) {
+    const size_t rows = items * static_cast<size_t>(q_heads);
+    const size_t out_elems = rows * config_.head_dim;
+    // q rows, then room for an fp32 output.
+    std::vector<float> region(items * q_elems / 2 + out_elems);
+    auto* region_q = reinterpret_cast<uint16_t*>(region.data());
+    float* region_out = region.data() + items * q_elems / 2;
+    ASSERT_TRUE(gpu_backend_->RegisterHostMemory(region.data(), region.size() * 4).ok());
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
+      for (const bool fp16 : {false, true}) {
+        SCOPED_TRACE(::testing::Message()
+                     << items << " items, layer " << layer << (fp16 ? " fp16" : " fp32"));
+        const std::vector<uint16_t> q =
+            testing::ToHalf(testing::MakeNormal(items * q_elems, 3000 + 2 * layer + fp16));
+        std::memcpy(region_q, q.data(), q.size() * 2);
+        std::vector<KvStore::AttendItem> staged(items), pinned(items);
+        for (int i = 0; i < items; ++i) {
+          staged[i] = {gpu_match_.lease_id, q.data() + i * q_elems, nullptr, nullptr, -1};
+          pinned[i] = {gpu_match_.lease_id, region_q + i * q_elems, nullptr, nullptr, -1};
+        }
+        std::vector<float> out(out_elems), lse(rows), pinned_lse(rows);
+        std::vector<uint16_t> out16(out_elems);
+        std::vector<uint32_t> ctx(items), pinned_ctx(items);
+        std::fill(region_out, region_out + out_elems, NAN);
+        auto* region_out16 = reinterpret_cast<uint16_t*>(region_out);
+        const KvStore::AttendOutputs a{fp16 ? nullptr : out.data(), fp16 ? out16.data() : nullptr,
+                                       lse.data(), ctx.data()};
+        const KvStore::AttendOutputs b{fp16 ? nullptr : region_out, fp16 ? region_out16 : nullptr,
+                                       pinned_lse.data(), pinned_ctx.data()};
+        ASSERT_TRUE(gpu_store_->Attend(layer, q_heads, 0.0f, staged, a).ok());
+        ASSERT_TRUE(gpu_store_->Attend(layer, q_heads, 0.0f, pinned, b).ok());
+        EXPECT_EQ(lse, pinned_lse);
+        EXPECT_EQ(ctx, pinned_ctx);
+        for (size_t i = 0; i < out_elems; ++i) {
+          const float want = fp16 ? HalfToFloat(out16[i]) : out[i];
+          const float got = fp16 ? HalfToFloat(region_out16[i]) : region_out[i];
+          ASSERT_TRUE(std::isfinite(got)) << i;
+          ASSERT_EQ(got, want) << "element " << i;
+        }
       }
     }
+    gpu_backend_->UnregisterHostMemory(region.data());
   }
-  gpu_backend_->UnregisterHostMemory(region.data());
 }
 
 TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
