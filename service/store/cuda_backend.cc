@@ -110,10 +110,14 @@ class CudaBackend final : public ComputeBackend {
   // Creates the lanes' streams and events.
   absl::Status Init() {
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
-    int usable = 0;
+    // With unified addressing, pinned allocations (the staging slots) are mapped at their host
+    // address; this attribute extends that to registered ranges.
+    int unified = 0, registered = 0;
     KVPOOL_RETURN_IF_CUDA_ERROR(
-        cudaDeviceGetAttribute(&usable, cudaDevAttrCanUseHostPointerForRegisteredMem, device_));
-    host_pointers_usable_ = usable != 0;
+        cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_));
+    KVPOOL_RETURN_IF_CUDA_ERROR(
+        cudaDeviceGetAttribute(&registered, cudaDevAttrCanUseHostPointerForRegisteredMem, device_));
+    host_pointers_usable_ = unified != 0 && registered != 0;
     for (Lane& lane : lanes_) {
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
       for (StagingSlot& slot : lane.slots) {
@@ -234,14 +238,6 @@ class CudaBackend final : public ComputeBackend {
     }
     const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_q_heads;
     const size_t q_bytes = rows * l.head_dim * sizeof(uint16_t);
-    // q and out inside pinned (registered) host memory skip the staging copies. Where the device
-    // can use host pointers to registered memory, the kernels write out there directly (no
-    // download), and read q there directly when one split reads it once (no upload); more
-    // splits would each fetch it again over PCIe. The kernels need 16-byte aligned q and out.
-    const bool q_pinned = Registered(p.q, rows * l.head_dim * sizeof(uint16_t));
-    const bool q_mapped = q_pinned && host_pointers_usable_ && Aligned16(p.q) &&
-                          cuda::AttentionSplitCount(l, p.num_seqs, p.num_q_heads,
-                                                    p.max_blocks_per_seq, p.num_splits) == 1;
     const size_t table_bytes =
         static_cast<size_t>(p.num_seqs) * p.max_blocks_per_seq * sizeof(int32_t);
     const size_t lens_bytes = static_cast<size_t>(p.num_seqs) * sizeof(int32_t);
@@ -249,8 +245,19 @@ class CudaBackend final : public ComputeBackend {
         rows * l.head_dim * (p.out_fp16 != nullptr ? sizeof(uint16_t) : sizeof(float));
     const size_t lse_bytes = p.lse != nullptr ? rows * sizeof(float) : 0;
     void* const out_host = p.out_fp16 != nullptr ? static_cast<void*>(p.out_fp16) : p.out;
+    // q and out inside registered (pinned) host memory skip the staging copies. Where the device
+    // can use host pointers into pinned memory (registered ranges and the staging slots), the
+    // kernels write out and lse there (no download), and read q there when one split reads it
+    // once (no upload; more splits would each fetch it again over PCIe). The kernels need
+    // 16-byte aligned q and out.
+    const bool q_pinned = Registered(p.q, q_bytes);
     const bool out_pinned = Registered(out_host, out_bytes);
-    const bool out_mapped = out_pinned && host_pointers_usable_ && Aligned16(out_host);
+    const bool q_on_host = host_pointers_usable_ && (!q_pinned || Aligned16(p.q)) &&
+                           cuda::AttentionSplitCount(l, p.num_seqs, p.num_q_heads,
+                                                     p.max_blocks_per_seq, p.num_splits) == 1;
+    const bool out_direct = host_pointers_usable_ && out_pinned && Aligned16(out_host);
+    // Copied from the staging slot to out after the kernels.
+    const bool out_staged = host_pointers_usable_ ? !out_direct : !out_pinned;
     const size_t workspace_bytes = cuda::AttentionWorkspaceBytes(
         l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
     StagingLayout layout;
@@ -259,17 +266,13 @@ class CudaBackend final : public ComputeBackend {
     // The new tokens travel in the same upload and run first on the same stream.
     std::optional<AppendStaging> staging;
     if (append != nullptr && append->num_tokens > 0) staging.emplace(*append, layout);
-    // The q staged with the other inputs unless pinned (then a copy of its own, at the end, or
-    // none when mapped).
-    const size_t q_off = layout.Add(q_mapped ? 0 : q_bytes);
-    const size_t inputs_bytes = q_pinned ? q_off : layout.size();
-    // The output staged only when out is not pinned; lse always (it is small).
-    const size_t out_off = layout.Add(out_pinned ? 0 : out_bytes);
+    // q last among the inputs: uploaded with them when staged and read on the device, uploaded
+    // from the caller's memory when pinned and read on the device, not uploaded otherwise.
+    const size_t q_off = layout.Add(q_pinned && q_on_host ? 0 : q_bytes);
+    const size_t inputs_bytes = q_pinned || q_on_host ? q_off : layout.size();
+    const size_t out_off = layout.Add(out_direct ? 0 : out_bytes);
     const size_t lse_off = layout.Add(lse_bytes);
-    const size_t outputs_bytes = layout.size() - out_off;
     const size_t ws_off = layout.Add(workspace_bytes);
-    // A pinned out's device side, copied straight to out (none when mapped).
-    const size_t out_device_off = out_pinned && !out_mapped ? layout.Add(out_bytes) : out_off;
 
     return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
       std::memcpy(slot.host + table_off, p.block_tables, table_bytes);
@@ -278,7 +281,7 @@ class CudaBackend final : public ComputeBackend {
       if (!q_pinned) std::memcpy(slot.host + q_off, p.q, q_bytes);
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, inputs_bytes,
                                                   cudaMemcpyHostToDevice, lane.stream));
-      if (q_pinned && !q_mapped) {
+      if (q_pinned && !q_on_host) {
         KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device + q_off, p.q, q_bytes,
                                                     cudaMemcpyHostToDevice, lane.stream));
       }
@@ -290,18 +293,21 @@ class CudaBackend final : public ComputeBackend {
           return s;
         }
       }
+      // Where the kernels write their outputs: pinned host memory, or the slot's device side.
+      uint8_t* const outputs = host_pointers_usable_ ? slot.host : slot.device;
       PagedDecodeAttentionParams d = p;
-      d.q = q_mapped ? p.q : reinterpret_cast<const uint16_t*>(slot.device + q_off);
+      d.q = !q_on_host ? reinterpret_cast<const uint16_t*>(slot.device + q_off)
+            : q_pinned ? p.q
+                       : reinterpret_cast<const uint16_t*>(slot.host + q_off);
       d.block_tables = reinterpret_cast<const int32_t*>(slot.device + table_off);
       d.seq_lens = reinterpret_cast<const int32_t*>(slot.device + lens_off);
-      uint8_t* const out_device =
-          out_mapped ? static_cast<uint8_t*>(out_host) : slot.device + out_device_off;
+      uint8_t* const out = out_direct ? static_cast<uint8_t*>(out_host) : outputs + out_off;
       if (p.out_fp16 != nullptr) {
-        d.out_fp16 = reinterpret_cast<uint16_t*>(out_device);
+        d.out_fp16 = reinterpret_cast<uint16_t*>(out);
       } else {
-        d.out = reinterpret_cast<float*>(out_device);
+        d.out = reinterpret_cast<float*>(out);
       }
-      d.lse = p.lse != nullptr ? reinterpret_cast<float*>(slot.device + lse_off) : nullptr;
+      d.lse = p.lse != nullptr ? reinterpret_cast<float*>(outputs + lse_off) : nullptr;
       d.workspace = workspace_bytes > 0 ? slot.device + ws_off : nullptr;
       d.workspace_bytes = workspace_bytes;
       if (absl::Status s =
@@ -309,18 +315,20 @@ class CudaBackend final : public ComputeBackend {
           !s.ok()) {
         return s;
       }
-      if (out_pinned && !out_mapped) {
-        KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(out_host, slot.device + out_device_off,
-                                                    out_bytes, cudaMemcpyDeviceToHost,
-                                                    lane.stream));
-      }
-      if (outputs_bytes > 0) {
-        KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + out_off, slot.device + out_off,
-                                                    outputs_bytes, cudaMemcpyDeviceToHost,
-                                                    lane.stream));
+      if (!host_pointers_usable_) {  // download out (to the caller's pinned out) and lse
+        if (out_pinned) {
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(out_host, slot.device + out_off, out_bytes,
+                                                      cudaMemcpyDeviceToHost, lane.stream));
+        }
+        const size_t from = out_pinned ? lse_off : out_off;
+        if (ws_off > from) {
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + from, slot.device + from,
+                                                      ws_off - from, cudaMemcpyDeviceToHost,
+                                                      lane.stream));
+        }
       }
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
-      if (!out_pinned) std::memcpy(out_host, slot.host + out_off, out_bytes);
+      if (out_staged) std::memcpy(out_host, slot.host + out_off, out_bytes);
       if (p.lse != nullptr) std::memcpy(p.lse, slot.host + lse_off, lse_bytes);
       return absl::OkStatus();
     });
@@ -542,7 +550,7 @@ class CudaBackend final : public ComputeBackend {
   }
 
   const int device_;
-  // Kernels may use host pointers into registered memory as they are (set by Init).
+  // Kernels may use host pointers into pinned memory as they are (set by Init).
   bool host_pointers_usable_ = false;
   absl::Mutex registered_mu_;
   std::vector<ArenaRun> registered_ ABSL_GUARDED_BY(registered_mu_);  // host ranges
