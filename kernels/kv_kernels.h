@@ -2,8 +2,10 @@
 //
 // The CPU functions (namespace kvpool::cpu) take host pointers, are the reference the CUDA
 // kernels are tested against, and accumulate in double where it matters. The CUDA functions
-// (namespace kvpool::cuda, kernels/cuda/) take device pointers and a cudaStream_t passed as
-// void*, enqueue asynchronously and check every launch. Both return a KernelStatus and never
+// (namespace kvpool::cuda, kernels/cuda/) take pointers the device can dereference (device
+// memory, or pinned host memory where the device can use host pointers: the CUDA backend passes
+// attention's q and outputs that way) and a cudaStream_t passed as void*, enqueue asynchronously
+// and check every launch. Both return a KernelStatus and never
 // throw. Nothing here knows about gRPC or the store.
 //
 // fp16 values travel as their IEEE binary16 bit patterns in uint16_t.
