@@ -15,7 +15,10 @@ What it checks:
 - the Prometheus rules: only contract metrics (or recorded series) used, alerts carry severity
   and summary;
 - with promtool on PATH: `promtool check rules` on the rules and on the dashboard's queries, and
-  `promtool test rules`; with kubectl on PATH: `kubectl kustomize` of deploy/k8s and deploy.
+  `promtool test rules`; with helm on PATH (deploy/requirements-dev.txt installs it): `helm lint`,
+  the chart rendered with its defaults equals deploy/k8s, and its AttendSocket directory options
+  render (and refuse bad values); with kubectl on PATH: `kubectl kustomize` of deploy/k8s and
+  deploy.
 """
 
 import json
@@ -240,6 +243,10 @@ def check_k8s_matches_chart(report, chart, values, objects):
     report.expect_equal(where, "pod securityContext", pod.get("securityContext"),
                         values["podSecurityContext"])
     report.expect_equal(where, "tolerations", pod.get("tolerations"), values["tolerations"])
+    socket_dir = [v for v in pod.get("volumes", []) if v["name"] == "attend-socket"]
+    report.expect_equal(where, "attend-socket volume (chart default attendSocketDir.type)",
+                        bool(socket_dir), bool(values["attendSocketDir"]["type"]))
+    report.expect_equal(where, "extra containers", pod["containers"][1:], values["extraContainers"])
     shm = [v for v in pod.get("volumes", []) if v["name"] == "dshm"]
     report.expect_equal(where, "/dev/shm size", shm[0]["emptyDir"].get("sizeLimit") if shm else None,
                         values["shmSize"])
@@ -368,6 +375,70 @@ def check_with_promtool(report, dashboard_exprs):
         run_tool(report, rel(DASHBOARD), ["promtool", "check", "rules", f.name])
 
 
+def helm_template(report, where, *sets):
+    """Objects of `helm template kvpool` with --set `sets`, or None (and a problem) on failure."""
+    argv = ["helm", "template", "kvpool", str(CHART)]
+    for item in sets:
+        argv += ["--set", item]
+    proc = run_tool(report, where, argv)
+    return [d for d in yaml.safe_load_all(proc.stdout) if d] if proc.returncode == 0 else None
+
+
+def pod_spec(objects):
+    return next(d for d in objects if d["kind"] == "StatefulSet")["spec"]["template"]["spec"]
+
+
+def check_with_helm(report):
+    """The chart lints, renders deploy/k8s with its defaults (release name kvpool), mounts the
+    AttendSocket directory as asked, and refuses a socket outside it or an unknown volume type."""
+    if shutil.which("helm") is None:
+        print("check_deploy: helm not on PATH, skipping helm lint and template renders")
+        return
+    where = rel(CHART)
+    run_tool(report, where, ["helm", "lint", str(CHART)])
+    rendered = helm_template(report, where)
+    if rendered is None:
+        return
+    k8s = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        if path.name != "kustomization.yaml":
+            for doc in load_yaml_docs(report, path):
+                k8s[(doc["kind"], doc["metadata"]["name"])] = doc
+    got = {(d["kind"], d["metadata"]["name"]): d for d in rendered}
+    report.expect_equal(where, "objects rendered with the defaults", sorted(got), sorted(k8s))
+    for key in sorted(set(got) & set(k8s)):
+        report.expect_equal(where, f"rendered {key[0]} {key[1]} spec", got[key].get("spec"),
+                            k8s[key].get("spec"))
+
+    mount = {"name": "attend-socket", "mountPath": "/run/kvpool"}
+    socket = "flags.attend_unix_socket=/run/kvpool/attend.sock"
+    host = helm_template(report, where, "attendSocketDir.type=hostPath", socket)
+    if host is not None:
+        pod = pod_spec(host)
+        report.expect_equal(where, "hostPath socket volume",
+                            [v for v in pod["volumes"] if v["name"] == "attend-socket"],
+                            [{"name": "attend-socket",
+                              "hostPath": {"path": "/run/kvpool", "type": "Directory"}}])
+        if mount not in pod["containers"][0]["volumeMounts"]:
+            report.error(where, "hostPath socket directory not mounted in the server container")
+    worker = {"name": "worker", "image": "worker:1", "volumeMounts": [mount]}
+    shared = helm_template(report, where, "attendSocketDir.type=emptyDir", socket,
+                           "extraContainers[0].name=worker", "extraContainers[0].image=worker:1",
+                           "extraContainers[0].volumeMounts[0].name=attend-socket",
+                           "extraContainers[0].volumeMounts[0].mountPath=/run/kvpool")
+    if shared is not None:
+        pod = pod_spec(shared)
+        report.expect_equal(where, "emptyDir socket volume",
+                            [v for v in pod["volumes"] if v["name"] == "attend-socket"],
+                            [{"name": "attend-socket", "emptyDir": {}}])
+        report.expect_equal(where, "extra containers", pod["containers"][1:], [worker])
+    for bad in (["attendSocketDir.type=emptyDir", "flags.attend_unix_socket=/tmp/attend.sock"],
+                ["attendSocketDir.type=nfs", socket]):
+        argv = ["helm", "template", "kvpool", str(CHART)] + [a for b in bad for a in ("--set", b)]
+        if subprocess.run(argv, capture_output=True, cwd=ROOT).returncode == 0:
+            report.error(where, f"helm template accepted {' '.join(bad)}")
+
+
 def check_with_kubectl(report):
     if shutil.which("kubectl") is None:
         print("check_deploy: kubectl not on PATH, skipping kustomize builds")
@@ -396,6 +467,7 @@ def main():
     check_rules(report, groups, recorded)
     exprs = check_dashboard(report, recorded)
     check_with_promtool(report, exprs)
+    check_with_helm(report)
     check_with_kubectl(report)
     for problem in report.problems:
         print(f"FAIL {problem}")
