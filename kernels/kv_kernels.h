@@ -5,8 +5,8 @@
 // (namespace kvpool::cuda, kernels/cuda/) take pointers the device can dereference (device
 // memory, or pinned host memory where the device can use host pointers: the CUDA backend passes
 // attention's q and outputs that way) and a cudaStream_t passed as void*, enqueue asynchronously
-// and check every launch. Both return a KernelStatus and never
-// throw. Nothing here knows about gRPC or the store.
+// and check every launch. Both return a KernelStatus and never throw. Nothing here knows about
+// gRPC or the store.
 //
 // fp16 values travel as their IEEE binary16 bit patterns in uint16_t.
 #ifndef KVPOOL_KERNELS_KV_KERNELS_H_

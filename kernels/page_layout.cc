@@ -48,8 +48,8 @@ int FirstBlockIdOutOfRange(const int32_t* ids, int n, int64_t num_blocks) {
   }
   for (; i < n; ++i) bad |= static_cast<uint32_t>(ids[i]) >= limit;
   if (bad == 0) return -1;
-  for (i = 0; static_cast<uint32_t>(ids[i]) < limit; ++i) {
-  }
+  i = 0;
+  while (static_cast<uint32_t>(ids[i]) < limit) ++i;
   return i;
 }
 

@@ -250,12 +250,11 @@ TEST_F(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBacken
   }
 }
 
-// q and the output in host memory registered with the backend (an AttendSocket region) go
-// straight to and from the device: the same lse and outputs, to the bit, as through the staging
-// copies, for fp32 and fp16 outputs at every layer (the split kernels sum in a fixed order); the
-// registered output is written whole.
-// Registered q and out: the kernels write out there directly, and read q there directly when
-// the call runs one split (40 items: one split; 3 items: two, so q is uploaded from the region).
+// q and the output in host memory registered with the backend (an AttendSocket region) skip the
+// staging copies: the kernels write the output there, and read q there when the call runs one
+// split (40 items; with 3 items, two splits, q is uploaded from the region). The same lse and
+// outputs, to the bit, as through the staging slot, for fp32 and fp16 outputs at every layer (the
+// split kernels sum in a fixed order); the registered output is written whole.
 TEST_F(CudaVsCpuStores, AttendWithRegisteredQueryAndOutputMatchesStagedCopies) {
   KVPOOL_SKIP_WITHOUT_GPU();
   ASSERT_NO_FATAL_FAILURE(PutBoth(
