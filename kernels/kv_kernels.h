@@ -105,7 +105,8 @@ bool Available();
 size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q_heads,
                                int max_blocks_per_seq, int num_splits);
 // Splits of the context PagedDecodeAttention runs for a batch of this shape (0 = auto): each
-// split reads the batch's q again.
+// split reads the batch's q again. Passed back as num_splits, the same count again (and no
+// automatic plan, which costs microseconds for small batches over long contexts).
 int AttentionSplitCount(const PageLayout& layout, int num_seqs, int num_q_heads,
                         int max_blocks_per_seq, int num_splits);
 // The last CUDA error message seen by a function above that returned kCudaError.

@@ -250,16 +250,18 @@ class CudaBackend final : public ComputeBackend {
     // kernels write out and lse there (no download), and read q there when one split reads it
     // once (no upload; more splits would each fetch it again over PCIe). The kernels need
     // 16-byte aligned q and out.
+    // The split count, planned once (the automatic count costs microseconds at batch 1): the
+    // workspace, q's placement and the kernels take it as given.
+    const int splits =
+        cuda::AttentionSplitCount(l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
     const bool q_pinned = Registered(p.q, q_bytes);
     const bool out_pinned = Registered(out_host, out_bytes);
-    const bool q_on_host = host_pointers_usable_ && (!q_pinned || Aligned16(p.q)) &&
-                           cuda::AttentionSplitCount(l, p.num_seqs, p.num_q_heads,
-                                                     p.max_blocks_per_seq, p.num_splits) == 1;
+    const bool q_on_host = host_pointers_usable_ && (!q_pinned || Aligned16(p.q)) && splits == 1;
     const bool out_direct = host_pointers_usable_ && out_pinned && Aligned16(out_host);
     // Copied from the staging slot to out after the kernels.
     const bool out_staged = host_pointers_usable_ ? !out_direct : !out_pinned;
-    const size_t workspace_bytes = cuda::AttentionWorkspaceBytes(
-        l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
+    const size_t workspace_bytes =
+        cuda::AttentionWorkspaceBytes(l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, splits);
     StagingLayout layout;
     const size_t table_off = layout.Add(table_bytes);
     const size_t lens_off = layout.Add(lens_bytes);
@@ -310,6 +312,7 @@ class CudaBackend final : public ComputeBackend {
       d.lse = p.lse != nullptr ? reinterpret_cast<float*>(outputs + lse_off) : nullptr;
       d.workspace = workspace_bytes > 0 ? slot.device + ws_off : nullptr;
       d.workspace_bytes = workspace_bytes;
+      d.num_splits = splits;
       if (absl::Status s =
               KernelResult(cuda::PagedDecodeAttention(d, lane.stream), "PagedDecodeAttention");
           !s.ok()) {

@@ -138,6 +138,29 @@ TEST(FirstBlockIdOutOfRange, FindsTheFirstBadIdInChunksAndTail) {
   EXPECT_EQ(FirstBlockIdOutOfRange(big.data(), 3, -5), 0);
 }
 
+// The CUDA backend plans a call's split count once and passes it back as num_splits: the count
+// and the workspace must not change when they are planned again from it (no GPU needed; built
+// without CUDA the count is always 1).
+TEST(AttentionSplitCount, PassedBackGivesTheSameCountAndWorkspace) {
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp16}) {
+    PageLayout l = Int4Layout();
+    l.dtype = dtype;
+    for (int seqs : {1, 3, 8, 32, 64, 200}) {
+      for (int blocks : {1, 7, 64, 513, 2048, 4096}) {
+        for (int requested : {0, 5, 64}) {
+          const int splits = cuda::AttentionSplitCount(l, seqs, 32, blocks, requested);
+          ASSERT_GE(splits, 1);
+          EXPECT_EQ(cuda::AttentionSplitCount(l, seqs, 32, blocks, splits), splits)
+              << seqs << " x " << blocks << " blocks, requested " << requested;
+          EXPECT_EQ(cuda::AttentionWorkspaceBytes(l, seqs, 32, blocks, splits),
+                    cuda::AttentionWorkspaceBytes(l, seqs, 32, blocks, requested))
+              << seqs << " x " << blocks << " blocks, requested " << requested;
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelStatusName, NamesEveryStatus) {
   EXPECT_EQ(std::string(KernelStatusName(KernelStatus::kOk)), "OK");
   EXPECT_EQ(std::string(KernelStatusName(KernelStatus::kInvalidArgument)), "INVALID_ARGUMENT");
