@@ -22,6 +22,9 @@ ABSL_FLAG(int, port, 50051, "gRPC port (0 = pick a free one)");
 ABSL_FLAG(int, metrics_port, 9464, "Prometheus /metrics port (0 = pick a free one, -1 = off)");
 ABSL_FLAG(std::string, backend, "auto", "auto, cpu or cuda (auto: cuda when a device works)");
 ABSL_FLAG(int, device, 0, "CUDA device ordinal");
+ABSL_FLAG(bool, cuda_kernel_host_io, true,
+          "CUDA backend: attention kernels read q and write outputs in pinned host memory where "
+          "the device supports it (false: DMA copies around the kernels instead)");
 ABSL_FLAG(uint64_t, pool_bytes, 0,
           "pool arena bytes; 0 = 1 GiB on cpu, --pool_memory_fraction of free memory on cuda");
 ABSL_FLAG(double, pool_memory_fraction, 0.8,
@@ -70,12 +73,13 @@ namespace {
 
 absl::StatusOr<std::unique_ptr<ComputeBackend>> MakeBackend(const std::string& kind, int device) {
   if (kind == "cpu") return NewCpuBackend();
-  if (kind == "cuda") return NewCudaBackend(device);
+  const CudaBackendOptions cuda_options{absl::GetFlag(FLAGS_cuda_kernel_host_io)};
+  if (kind == "cuda") return NewCudaBackend(device, cuda_options);
   if (kind != "auto") {
     return absl::InvalidArgumentError(
         absl::StrCat("--backend must be auto, cpu or cuda, not ", kind));
   }
-  absl::StatusOr<std::unique_ptr<ComputeBackend>> cuda = NewCudaBackend(device);
+  absl::StatusOr<std::unique_ptr<ComputeBackend>> cuda = NewCudaBackend(device, cuda_options);
   if (cuda.ok()) return cuda;
   std::fprintf(stderr, "kvpool-server: CUDA backend unavailable (%s); using cpu\n",
                std::string(cuda.status().message()).c_str());

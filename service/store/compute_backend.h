@@ -87,8 +87,16 @@ class ComputeBackend {
 // The CPU reference backend over host memory.
 std::unique_ptr<ComputeBackend> NewCpuBackend();
 
+struct CudaBackendOptions {
+  // Where the device can use host pointers into pinned memory (registered ranges and the staging
+  // slots), the attention kernels read q and write their outputs there instead of the backend
+  // copying them over DMA. false keeps the copies (the path of devices without that support).
+  bool kernel_host_io = true;
+};
+
 // The CUDA backend on `device`, or an error when CUDA is not built in or no device is present.
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device);
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
+    int device, const CudaBackendOptions& options = {});
 
 // Converts a kernel status to an absl::Status with `what` as context.
 absl::Status FromKernelStatus(KernelStatus s, const char* what);

@@ -91,7 +91,7 @@ struct Lane {
 
 class CudaBackend final : public ComputeBackend {
  public:
-  explicit CudaBackend(int device) : device_(device) {}
+  CudaBackend(int device, const CudaBackendOptions& options) : device_(device), options_(options) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -117,7 +117,7 @@ class CudaBackend final : public ComputeBackend {
         cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_));
     KVPOOL_RETURN_IF_CUDA_ERROR(
         cudaDeviceGetAttribute(&registered, cudaDevAttrCanUseHostPointerForRegisteredMem, device_));
-    host_pointers_usable_ = unified != 0 && registered != 0;
+    host_pointers_usable_ = options_.kernel_host_io && unified != 0 && registered != 0;
     for (Lane& lane : lanes_) {
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
       for (StagingSlot& slot : lane.slots) {
@@ -553,6 +553,7 @@ class CudaBackend final : public ComputeBackend {
   }
 
   const int device_;
+  const CudaBackendOptions options_;
   // Kernels may use host pointers into pinned memory as they are (set by Init).
   bool host_pointers_usable_ = false;
   absl::Mutex registered_mu_;
@@ -564,21 +565,22 @@ class CudaBackend final : public ComputeBackend {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device) {
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device,
+                                                               const CudaBackendOptions& options) {
   if (!cuda::Available()) return absl::UnavailableError("no CUDA device is visible");
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
     return absl::InvalidArgumentError(
         absl::StrFormat("CUDA device %d does not exist (%d visible)", device, count));
   }
-  auto backend = std::make_unique<CudaBackend>(device);
+  auto backend = std::make_unique<CudaBackend>(device, options);
   if (absl::Status s = backend->Init(); !s.ok()) return s;
   return backend;
 }
 
 #else  // !KVPOOL_WITH_CUDA
 
-absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int) {
+absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int, const CudaBackendOptions&) {
   return absl::UnavailableError("built without CUDA");
 }
 

@@ -17,7 +17,8 @@
 //           events, L2 as warm as in a decode loop).
 // The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
 //
-// usage: attend_latency_bench [--iters=300] [--out=results.json --commit=<sha>]
+// usage: attend_latency_bench [--iters=300] [--kernel_host_io=false] [--out=results.json
+//        --commit=<sha>]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -43,6 +44,8 @@
 ABSL_FLAG(int, iters, 300, "timed calls per shape and path (after 20 warm-up calls)");
 ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
 ABSL_FLAG(std::string, commit, "unknown", "git commit of the build");
+ABSL_FLAG(bool, kernel_host_io, true,
+          "CudaBackendOptions::kernel_host_io: false times the DMA copies around the kernels");
 
 namespace kvpool {
 namespace {
@@ -193,7 +196,7 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
 int Main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
-  auto backend = NewCudaBackend(0);
+  auto backend = NewCudaBackend(0, CudaBackendOptions{absl::GetFlag(FLAGS_kernel_host_io)});
   if (!backend.ok()) {
     std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
     return 1;
@@ -217,8 +220,8 @@ int Main(int argc, char** argv) {
 
   std::string json = absl::StrFormat(
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
-      "  \"cases\": [\n",
-      absl::GetFlag(FLAGS_commit), iters);
+      "  \"kernel_host_io\": %s,\n  \"cases\": [\n",
+      absl::GetFlag(FLAGS_commit), iters, absl::GetFlag(FLAGS_kernel_host_io) ? "true" : "false");
   std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99",
               "store p50/99", "append p50/99", "pinned p50/99", "backend p50/99", "b.pinned p50/99",
               "b.append p50/99", "kernel p50");

@@ -77,11 +77,13 @@ std::unique_ptr<KvStore> MakeStoreWithPut(ComputeBackend* backend,
 
 // A store over the CUDA backend and one over the CPU backend holding the same put (kTokens
 // random tokens, per-layer K/V with outliers from `outliers(layer)` and seed data_seed + layer),
-// and a lease on each over its cached prefix.
-class CudaVsCpuStores : public ::testing::Test {
+// and a lease on each over its cached prefix. The parameter is the CUDA backend's
+// kernel_host_io: on the H200 true takes the kernels' reads and writes of pinned host memory,
+// false the DMA copies that devices without host pointer support use.
+class CudaVsCpuStores : public ::testing::TestWithParam<bool> {
  protected:
   void PutBoth(uint32_t token_seed, testing::Outliers (*outliers)(int layer), int data_seed) {
-    auto backend = NewCudaBackend(0);
+    auto backend = NewCudaBackend(0, CudaBackendOptions{GetParam()});
     ASSERT_TRUE(backend.ok()) << backend.status();
     gpu_backend_ = std::move(*backend);
     cpu_backend_ = NewCpuBackend();
@@ -112,7 +114,7 @@ class CudaVsCpuStores : public ::testing::Test {
   KvStore::MatchResult gpu_match_, cpu_match_;
 };
 
-TEST_F(CudaVsCpuStores, StoreMatchesCpuBackendForTheSamePuts) {
+TEST_P(CudaVsCpuStores, StoreMatchesCpuBackendForTheSamePuts) {
   KVPOOL_SKIP_WITHOUT_GPU();
   ASSERT_NO_FATAL_FAILURE(PutBoth(
       2024, [](int layer) { return static_cast<testing::Outliers>(1 + layer % 4); }, 100));
@@ -205,7 +207,7 @@ TEST_F(CudaVsCpuStores, StoreMatchesCpuBackendForTheSamePuts) {
 // the CPU backend's at every layer (every dtype of TestConfig) and step. Each new key is aligned
 // with the query, so the new token carries most of the softmax weight: an attention that ran
 // before its append had landed would be far off.
-TEST_F(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBackend) {
+TEST_P(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBackend) {
   KVPOOL_SKIP_WITHOUT_GPU();
   ASSERT_NO_FATAL_FAILURE(PutBoth(
       77, [](int) { return testing::Outliers::kSpikes; }, 300));
@@ -251,11 +253,12 @@ TEST_F(CudaVsCpuStores, AttendAppendsEachNewTokenBeforeAttendingLikeTheCpuBacken
 }
 
 // q and the output in host memory registered with the backend (an AttendSocket region) skip the
-// staging copies: the kernels write the output there, and read q there when the call runs one
-// split (40 items; with 3 items, two splits, q is uploaded from the region). The same lse and
+// staging copies. With kernel_host_io the kernels write the output there, and read q there when
+// the call runs one split (40 items; with 3 items, two splits, q is uploaded from the region);
+// without it the backend copies q from and the output to the region by DMA. The same lse and
 // outputs, to the bit, as through the staging slot, for fp32 and fp16 outputs at every layer (the
 // split kernels sum in a fixed order); the registered output is written whole.
-TEST_F(CudaVsCpuStores, AttendWithRegisteredQueryAndOutputMatchesStagedCopies) {
+TEST_P(CudaVsCpuStores, AttendWithRegisteredQueryAndOutputMatchesStagedCopies) {
   KVPOOL_SKIP_WITHOUT_GPU();
   ASSERT_NO_FATAL_FAILURE(PutBoth(
       78,
@@ -309,6 +312,11 @@ TEST_F(CudaVsCpuStores, AttendWithRegisteredQueryAndOutputMatchesStagedCopies) {
     gpu_backend_->UnregisterHostMemory(region.data());
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(KernelHostIo, CudaVsCpuStores, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "HostPointers" : "DmaCopies";
+                         });
 
 TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
   KVPOOL_SKIP_WITHOUT_GPU();
