@@ -12,10 +12,14 @@
       Timing as in the C++ benchmark: CUDA events around one call, L2 flushed before every run,
       median of --iters runs after warm-up. Bytes: K/V read + q + out.
 
-  attention_peer.py merge --kvpool kvpool.json --peer peer.json --out attention_<date>.json
-      Joins both files per (batch, context) and adds each kvpool format's speed-up over the anchor
+  attention_peer.py merge --kvpool kvpool.json --peer peer.json [--flashinfer fi.json]
+                         --out attention_<date>.json
+      Joins the files per (batch, context) and adds each kvpool format's speed-up over the anchor
       and its fraction of the streaming-read bandwidth, with the targets (INT4 >= 3.3x and >= 80%
-      of streaming bandwidth, FP8 >= 1.8x, FP16 paged >= 1.0x) marked met or missed.
+      of streaming bandwidth, FP8 >= 1.8x, FP16 paged >= 1.0x) marked met or missed, and its
+      speed-up over FlashInfer's fp16 and fp8 paged decode where measured. --flashinfer takes the
+      timings of tests/bench/flashinfer_decode_bench.cu (FlashInfer's C++ decode kernel built
+      into a binary, for a GPU machine without its Python package) where `run` had none.
 """
 import argparse
 import json
@@ -116,6 +120,15 @@ def cmd_merge(args):
     with open(args.peer) as f:
         peer = json.load(f)
     anchors = {(c["batch"], c["context"]): c for c in peer["cases"]}
+    if args.flashinfer and peer.get("flashinfer") is None:
+        with open(args.flashinfer) as f:
+            fi = json.load(f)
+        peer["flashinfer"] = f"{fi['flashinfer']} (C++ decode kernel, {fi['tool']})"
+        peer.pop("flashinfer_unavailable", None)
+        for c in fi["cases"]:
+            case = anchors.get((c["batch"], c["context"]))
+            if case is not None:
+                case.update({k: c[k] for k in ("flashinfer_fp16", "flashinfer_fp8")})
     rows = []
     for c in kv["cases"]:
         p = anchors.get((c["batch"], c["context"]))
@@ -128,6 +141,7 @@ def cmd_merge(args):
         for peer_name in ("flashinfer_fp16", "flashinfer_fp8"):
             if "ms" in p.get(peer_name, {}):
                 row[peer_name + "_ms"] = p[peer_name]["ms"]
+                row["speedup_vs_" + peer_name] = p[peer_name]["ms"] / c["ms"]
         target = TARGETS.get(c["format"])
         if target is not None:
             row["speedup_target"] = target
@@ -160,6 +174,7 @@ def main():
     m = sub.add_parser("merge")
     m.add_argument("--kvpool", required=True)
     m.add_argument("--peer", required=True)
+    m.add_argument("--flashinfer", help="flashinfer_decode_bench's JSON, if it ran")
     m.add_argument("--out", required=True)
     args = ap.parse_args()
     return cmd_run(args) if args.cmd == "run" else cmd_merge(args)

@@ -36,8 +36,14 @@ echo "== quantize kernel benchmark"
 echo "== attention kernel benchmark and SDPA anchor"
 "$bin/attention_bench" --commit="$commit" --out="$tmp/attention_kvpool.json" || status=1
 python3 tests/bench/attention_peer.py run --out="$tmp/attention_peer.json" || status=1
+# FlashInfer's decode kernel, when packed (built with -DKVPOOL_FLASHINFER_INCLUDE).
+fi_args=()
+if [[ -x $bin/flashinfer_decode_bench ]]; then
+  "$bin/flashinfer_decode_bench" --commit="$commit" --out="$tmp/flashinfer.json" \
+    && fi_args=(--flashinfer "$tmp/flashinfer.json") || status=1
+fi
 python3 tests/bench/attention_peer.py merge --kvpool "$tmp/attention_kvpool.json" \
-  --peer "$tmp/attention_peer.json" --out "$out/attention.json" || status=1
+  --peer "$tmp/attention_peer.json" "${fi_args[@]}" --out "$out/attention.json" || status=1
 
 if ((gpus >= 2)); then
   echo "== NCCL transfer test and benchmark (GPU 0 server, GPU 1 worker)"

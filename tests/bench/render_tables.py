@@ -78,6 +78,18 @@ def attention():
               f"{i4['rel_err_vs_fp16_mean']:.3f} / {nv['rel_err_vs_fp16_mean']:.3f} |")
     if d["peer"].get("flashinfer_unavailable"):
         print(f"\nFlashInfer: not measured — {d['peer']['flashinfer_unavailable']}.")
+    elif all("flashinfer_fp16_ms" in c for c in d["cases"]):
+        print(f"\nAgainst FlashInfer's paged decode, 16-token pages, in the same run "
+              f"({d['peer']['flashinfer']}):\n")
+        print("| batch x context | FlashInfer fp16 ms | FlashInfer fp8 ms | INT4 x FlashInfer fp16 "
+              "| FP8 x FlashInfer fp8 | FP16 paged x FlashInfer fp16 |")
+        print("|---|---|---|---|---|---|")
+        for (batch, ctx), f in rows.items():
+            i4 = f["int4_rot128"]
+            print(f"| {batch} x {ctx // 1024}K | {i4['flashinfer_fp16_ms']:.4f} | "
+                  f"{i4['flashinfer_fp8_ms']:.4f} | {i4['speedup_vs_flashinfer_fp16']:.2f}x | "
+                  f"{f['fp8_rot128']['speedup_vs_flashinfer_fp8']:.2f}x | "
+                  f"{f['fp16']['speedup_vs_flashinfer_fp16']:.2f}x |")
     print()
 
 
