@@ -30,6 +30,10 @@ SHAPES = [(1, 32768), (8, 8192), (8, 32768), (32, 4096), (32, 16384), (64, 8192)
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
 TARGETS = {"int4_rot128": 3.3, "fp8_rot128": 1.8, "fp16": 1.0}
 INT4_STREAM_TARGET = 0.80
+# FlashInfer's paged decode: CUDA-core kernel (the wrapper's default) and tensor-core path
+# (use_tensor_cores=True), fp16 and fp8 pages.
+FLASHINFER_VARIANTS = ("flashinfer_fp16", "flashinfer_fp8", "flashinfer_tc_fp16",
+                       "flashinfer_tc_fp8")
 
 
 def time_ms(torch, fn, iters, flush):
@@ -123,12 +127,12 @@ def cmd_merge(args):
     if args.flashinfer and peer.get("flashinfer") is None:
         with open(args.flashinfer) as f:
             fi = json.load(f)
-        peer["flashinfer"] = f"{fi['flashinfer']} (C++ decode kernel, {fi['tool']})"
+        peer["flashinfer"] = f"{fi['flashinfer']}, C++ kernels built into {fi['tool']}"
         peer.pop("flashinfer_unavailable", None)
         for c in fi["cases"]:
             case = anchors.get((c["batch"], c["context"]))
             if case is not None:
-                case.update({k: c[k] for k in ("flashinfer_fp16", "flashinfer_fp8")})
+                case.update({k: c[k] for k in FLASHINFER_VARIANTS if k in c})
     rows = []
     for c in kv["cases"]:
         p = anchors.get((c["batch"], c["context"]))
@@ -138,7 +142,7 @@ def cmd_merge(args):
         row = dict(c)
         row["sdpa_flash_fp16_ms"] = anchor_ms
         row["speedup_vs_sdpa"] = anchor_ms / c["ms"]
-        for peer_name in ("flashinfer_fp16", "flashinfer_fp8"):
+        for peer_name in FLASHINFER_VARIANTS:
             if "ms" in p.get(peer_name, {}):
                 row[peer_name + "_ms"] = p[peer_name]["ms"]
                 row["speedup_vs_" + peer_name] = p[peer_name]["ms"] / c["ms"]

@@ -1,21 +1,40 @@
 // FlashInfer's batched paged decode attention as a peer of kvpool's kernels: time, effective
-// bandwidth and accuracy for fp16 and fp8 (e4m3) KV pages.
+// bandwidth and accuracy for fp16 and fp8 (e4m3) KV pages, on the two kernel paths of FlashInfer's
+// BatchDecodeWithPagedKVCacheWrapper.
 //
-// The kernel: FlashInfer 0.2.14.post1's CUDA-core decode (BatchDecodeWithPagedKVCacheDispatched,
-// header-only C++, fetched by tests/bench/fetch_flashinfer.sh), planned once per case by
-// DecodePlan with the kernel's work estimation as FlashInfer's Torch binding does (no CUDA graph,
-// no PDL). Shapes as tests/gpu/attention_bench.cc: (batch, context) in {(1,32K), (8,8K), (8,32K),
-// (32,4K), (32,16K), (64,8K)}, 32 q heads, 8 KV heads, head_dim 128, 16-token pages in one NHD
-// cache [pages][2 (K, V)][16][8][128] (the Python wrapper's default), every sequence full, page
-// ids a random permutation of the cache; q and out fp16; q, K, V uniform random on the device.
+// The kernels: FlashInfer 0.2.14.post1, header-only C++ (fetched by
+// tests/bench/fetch_flashinfer.sh), each planned once per case as the wrapper's plan() does through
+// FlashInfer's Torch binding (no CUDA graph, no PDL, no LSE output):
+//  * "flashinfer_fp16" / "flashinfer_fp8": the CUDA-core decode kernel (the wrapper's default),
+//    BatchDecodeWithPagedKVCacheDispatched, planned by DecodePlan with the kernel's work
+//    estimation.
+//  * "flashinfer_tc_fp16" / "flashinfer_tc_fp8": the wrapper's use_tensor_cores=True path (the one
+//    FlashInfer recommends for GQA groups >= 4): the FA2 (sm80-style, tensor-core) batch prefill
+//    kernel BatchPrefillWithPagedKVCacheDispatched with one query per request, planned by
+//    PrefillPlan on qo_indptr = 0..batch and the pages' kv_indptr, at the CTA_TILE_Q the plan
+//    picks, mask kNone (every key attended). fp8 pages take fp16 q and out (KV-only quantization,
+//    which the FA2 kernel supports).
 //
-// Time: one run call between CUDA events, L2 flushed (256 MiB memset) before each, 3 warm-up
-// runs, the median of --iters. Bytes: K and V of every token + q + out; split partials not counted.
+// Shapes as tests/gpu/attention_bench.cc: (batch, context) in {(1,32K), (8,8K), (8,32K), (32,4K),
+// (32,16K), (64,8K)}, 32 q heads, 8 KV heads, head_dim 128, 16-token pages in one NHD cache
+// [pages][2 (K, V)][16][8][128] (the Python wrapper's default), every sequence full, page ids a
+// random permutation of the cache; q and out fp16; q, K, V uniform random on the device. Both
+// paths of one KV dtype run on the same batch (same q, pages and page ids), one after the other;
+// the output is set to NaN before each path's plan, so a path that writes nothing fails the check.
+//
+// Time: one run call (host dispatch included) between CUDA events, L2 flushed (256 MiB memset)
+// before each, 3 warm-up runs, the median of --iters. Bytes: K and V of every token + q + out;
+// split partials not counted.
 //
 // Accuracy: per (sequence, q head) row, the relative L2 error of the output against a CPU
 // softmax(q K^T / sqrt(128)) V (fp32 values, fp64 sums) over the q/K/V read back from the device;
-// the max over rows. Checked before timing on contexts {1000, 37, 512} (partial last pages) and
-// on sequence 0 of every timed case; an error above 1e-2 fails the run (exit code 1).
+// the max over rows (NaN if any row is NaN). Checked before timing on contexts {1000, 37, 512}
+// (partial last pages) and on sequence 0 of every timed case, for every path and dtype; an error
+// above 1e-2 fails the run (exit code 1).
+//
+// JSON per case: "flashinfer_{fp16,fp8}": {"ms", "bytes", "tbps", "seq0_max_rel_err", "split_kv",
+// "padded_batch_size"}, "flashinfer_tc_{fp16,fp8}": {"ms", "bytes", "tbps", "seq0_max_rel_err",
+// "cta_tile_q", "split_kv"}.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -29,6 +48,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,6 +56,9 @@
 #include "absl/flags/parse.h"
 #include "flashinfer/attention/decode.cuh"
 #include "flashinfer/attention/default_decode_params.cuh"
+#include "flashinfer/attention/default_prefill_params.cuh"
+#include "flashinfer/attention/mask.cuh"
+#include "flashinfer/attention/prefill.cuh"
 #include "flashinfer/attention/scheduler.cuh"
 #include "flashinfer/attention/variants.cuh"
 #include "tests/gpu/attention_test_util.h"
@@ -57,18 +80,21 @@ constexpr size_t kFlushBytes = size_t{256} << 20;
 constexpr size_t kFloatWsBytes = size_t{128} << 20, kIntWsBytes = size_t{8} << 20;  // as Python
 constexpr double kMaxRelErr = 1e-2;
 constexpr auto kNoRope = flashinfer::PosEncodingMode::kNone;
+const float kSmScale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
 
+// No custom mask, sliding window, soft cap or ALiBi: the variant both paths instantiate.
 using Variant =
     flashinfer::DefaultAttention</*use_custom_mask=*/false, /*use_sliding_window=*/false,
                                  /*use_logits_soft_cap=*/false, /*use_alibi=*/false>;
-template <typename KV>
-using Params = flashinfer::BatchDecodeParams<__half, KV, __half, int32_t>;
 
 struct Shape {
   int batch, context;
 };
 constexpr Shape kShapes[] = {{1, 32768}, {8, 8192},   {8, 32768},
                              {32, 4096}, {32, 16384}, {64, 8192}};
+
+// The larger of two errors, NaN if either is (std::max would drop a NaN in its second argument).
+double Worse(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }
 
 // out[i] = scale * uniform[-1, 1) from a splitmix64 hash of (seed, i).
 template <typename T>
@@ -87,16 +113,33 @@ struct FreeHost {
   void operator()(void* p) const { cudaFreeHost(p); }
 };
 
-// One decode batch in FlashInfer's paged layout, with its own workspaces and plan.
+// A plan's buffers, sized as the Python wrapper's: float and int workspaces on the device and the
+// pinned host copy of the int one that the plan fills and copies over.
+struct Workspace {
+  DeviceBuffer float_ws{kFloatWsBytes}, int_ws{kIntWsBytes};
+  std::unique_ptr<void, FreeHost> pinned_int_ws;
+  Workspace() {
+    void* pinned = nullptr;
+    KVPOOL_CUDA_CHECK(cudaMallocHost(&pinned, kIntWsBytes));
+    pinned_int_ws.reset(pinned);
+  }
+  template <typename T>
+  T* Int(int64_t offset) const {
+    return flashinfer::GetPtrFromBaseOffset<T>(int_ws.get(), offset);
+  }
+  template <typename T>
+  T* Float(int64_t offset) const {
+    return flashinfer::GetPtrFromBaseOffset<T>(float_ws.get(), offset);
+  }
+};
+
+// One decode batch in FlashInfer's paged layout (q, pages, page table, out), shared by the kernel
+// paths, and the CPU reference check of its output.
 template <typename KV>
-class Batch {
+class PagedBatch {
  public:
-  Batch(const std::vector<int>& lens, uint64_t seed)
-      : lens_(lens),
-        q_(lens.size() * kQHeads * kHeadDim * sizeof(__half)),
-        o_(q_.bytes()),
-        float_ws_(kFloatWsBytes),
-        int_ws_(kIntWsBytes) {
+  PagedBatch(const std::vector<int>& lens, uint64_t seed)
+      : lens_(lens), q_(lens.size() * kQHeads * kHeadDim * sizeof(__half)), o_(q_.bytes()) {
     indptr_.push_back(0);
     for (int len : lens) {
       const int pages = (len + kPageSize - 1) / kPageSize;
@@ -111,9 +154,6 @@ class Batch {
     d_indptr_ = DeviceBuffer(indptr_);
     d_indices_ = DeviceBuffer(indices_);
     d_last_page_len_ = DeviceBuffer(last_page_len_);
-    void* pinned = nullptr;
-    KVPOOL_CUDA_CHECK(cudaMallocHost(&pinned, kIntWsBytes));
-    pinned_int_ws_.reset(pinned);
     // K and V in [-2, 2) (a softmax that is not flat), the same values for fp16 and fp8.
     FillKernel<<<1024, 256>>>(cache_.get<KV>(), cache_.bytes() / sizeof(KV), seed, 2.0f);
     FillKernel<<<1024, 256>>>(q_.get<__half>(), q_.bytes() / sizeof(__half), seed + 1, 1.0f);
@@ -121,57 +161,25 @@ class Batch {
     KVPOOL_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
-  // DecodePlan, then the run params from the plan (as csrc/batch_decode.cu does).
-  void Plan() {
-    const uint32_t batch = static_cast<uint32_t>(lens_.size());
-    auto estimate =
-        flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<kGroup, kHeadDim, kNoRope,
-                                                                        Variant, Params<KV>>;
-    const cudaError_t planned = flashinfer::DecodePlan<kHeadDim, kNoRope, Variant, Params<KV>>(
-        float_ws_.get(), float_ws_.bytes(), int_ws_.get(), pinned_int_ws_.get(), int_ws_.bytes(),
-        plan_, indptr_.data(), batch, kQHeads, kPageSize, /*enable_cuda_graph=*/false,
-        /*stream=*/nullptr, estimate);
-    KVPOOL_CUDA_CHECK(planned);
-    KVPOOL_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the plan's copy from pinned memory
+  uint32_t batch() const { return static_cast<uint32_t>(lens_.size()); }
+  __half* q() const { return q_.get<__half>(); }
+  __half* o() const { return o_.get<__half>(); }
+  // The page-count indptr (what both plans take).
+  const std::vector<int32_t>& indptr() const { return indptr_; }
 
-    // Strides of the K (and V) view cache[:, 0] (cache[:, 1]): [page][token][head][dim].
+  // The cache as FlashInfer's paged view: K (V) is cache[:, 0] (cache[:, 1]), strides
+  // [page][token][head][dim], the same for K and V.
+  flashinfer::paged_kv_t<KV, int32_t> PagedKv() const {
     const int64_t strides[4] = {kPageElems, kTokenElems, kHeadDim, 1};
     KV* k = cache_.get<KV>();
-    flashinfer::paged_kv_t<KV, int32_t> kv(
-        kKvHeads, kPageSize, kHeadDim, batch, flashinfer::QKVLayout::kNHD, k, k + kPageElems / 2,
+    return flashinfer::paged_kv_t<KV, int32_t>(
+        kKvHeads, kPageSize, kHeadDim, batch(), flashinfer::QKVLayout::kNHD, k, k + kPageElems / 2,
         strides, d_indices_.get<int32_t>(), d_indptr_.get<int32_t>(),
         d_last_page_len_.get<int32_t>());
-    params_ = Params<KV>(q_.get<__half>(), /*q_rope_offset=*/nullptr, kv, o_.get<__half>(),
-                         /*lse=*/nullptr, /*maybe_alibi_slopes=*/nullptr, kQHeads,
-                         /*q_stride_n=*/kQHeads * kHeadDim, /*q_stride_h=*/kHeadDim,
-                         /*window_left=*/-1, /*logits_soft_cap=*/0.f,
-                         /*sm_scale=*/1.0f / std::sqrt(static_cast<float>(kHeadDim)),
-                         /*rope_scale=*/1.f, /*rope_theta=*/1e4f);
-    void* ints = int_ws_.get();
-    params_.request_indices =
-        flashinfer::GetPtrFromBaseOffset<int32_t>(ints, plan_.request_indices_offset);
-    params_.kv_tile_indices =
-        flashinfer::GetPtrFromBaseOffset<int32_t>(ints, plan_.kv_tile_indices_offset);
-    params_.o_indptr = flashinfer::GetPtrFromBaseOffset<int32_t>(ints, plan_.o_indptr_offset);
-    params_.kv_chunk_size_ptr =
-        flashinfer::GetPtrFromBaseOffset<int32_t>(ints, plan_.kv_chunk_size_ptr_offset);
-    params_.padded_batch_size = static_cast<uint32_t>(plan_.padded_batch_size);
-    // Split KV: partial outputs and their log-sum-exps in the float workspace, merged by the run.
-    // (block_valid_mask is only used with CUDA graphs.)
-    tmp_v_ = nullptr;
-    tmp_s_ = nullptr;
-    if (plan_.split_kv) {
-      tmp_v_ = flashinfer::GetPtrFromBaseOffset<__half>(float_ws_.get(), plan_.v_offset);
-      tmp_s_ = flashinfer::GetPtrFromBaseOffset<float>(float_ws_.get(), plan_.s_offset);
-    }
   }
 
-  void Run() {
-    const cudaError_t ran =
-        flashinfer::BatchDecodeWithPagedKVCacheDispatched<kHeadDim, kNoRope, Variant>(
-            params_, tmp_v_, tmp_s_, /*enable_pdl=*/false, /*stream=*/nullptr);
-    KVPOOL_CUDA_CHECK(ran);
-  }
+  // Sets every output element to NaN (0xffff), so that a run that leaves a row unwritten fails.
+  void PoisonOutput() const { KVPOOL_CUDA_CHECK(cudaMemset(o_.get(), 0xff, o_.bytes())); }
 
   // Max relative L2 error over the q heads of sequence `seq` (see the header comment).
   double MaxRelErr(int seq) const {
@@ -188,7 +196,6 @@ class Batch {
       }
     }
     const std::vector<__half> q = q_.ToHost<__half>(), o = o_.ToHost<__half>();
-    const float sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
     double worst = 0;
     std::vector<float> s(len);
     for (int h = 0; h < kQHeads; ++h) {
@@ -199,7 +206,7 @@ class Batch {
       for (int t = 0; t < len; ++t) {
         float dot = 0;
         for (uint32_t d = 0; d < kHeadDim; ++d) dot += qf[d] * k[t * kTokenElems + kv_off + d];
-        s[t] = dot * sm_scale;
+        s[t] = dot * kSmScale;
       }
       const double m = *std::max_element(s.begin(), s.end());
       double sum = 0, acc[kHeadDim] = {};
@@ -214,7 +221,7 @@ class Batch {
         num += diff * diff;
         den += ref * ref;
       }
-      worst = std::max(worst, std::sqrt(num / den));
+      worst = Worse(worst, std::sqrt(num / den));
     }
     return worst;
   }
@@ -223,17 +230,156 @@ class Batch {
     const double tokens = std::accumulate(lens_.begin(), lens_.end(), 0.0);
     return tokens * 2 * kTokenElems * sizeof(KV) + 2.0 * q_.bytes();
   }
-  const flashinfer::DecodePlanInfo& plan() const { return plan_; }
 
  private:
   std::vector<int> lens_;
   std::vector<int32_t> indptr_, indices_, last_page_len_;
-  DeviceBuffer cache_, q_, o_, d_indptr_, d_indices_, d_last_page_len_, float_ws_, int_ws_;
-  std::unique_ptr<void, FreeHost> pinned_int_ws_;
+  DeviceBuffer cache_, q_, o_, d_indptr_, d_indices_, d_last_page_len_;
+};
+
+// The CUDA-core decode path: DecodePlan on construction, then the run params from the plan (as
+// csrc/batch_decode.cu does).
+template <typename KV>
+class CudaCoreDecode {
+ public:
+  using Params = flashinfer::BatchDecodeParams<__half, KV, __half, int32_t>;
+
+  explicit CudaCoreDecode(const PagedBatch<KV>& b) {
+    auto estimate =
+        flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<kGroup, kHeadDim, kNoRope,
+                                                                        Variant, Params>;
+    std::vector<int32_t> indptr = b.indptr();  // DecodePlan takes a non-const pointer
+    const cudaError_t planned = flashinfer::DecodePlan<kHeadDim, kNoRope, Variant, Params>(
+        ws_.float_ws.get(), ws_.float_ws.bytes(), ws_.int_ws.get(), ws_.pinned_int_ws.get(),
+        ws_.int_ws.bytes(), plan_, indptr.data(), b.batch(), kQHeads, kPageSize,
+        /*enable_cuda_graph=*/false, /*stream=*/nullptr, estimate);
+    KVPOOL_CUDA_CHECK(planned);
+    KVPOOL_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the plan's copy from pinned memory
+
+    params_ = Params(b.q(), /*q_rope_offset=*/nullptr, b.PagedKv(), b.o(), /*lse=*/nullptr,
+                     /*maybe_alibi_slopes=*/nullptr, kQHeads, /*q_stride_n=*/kQHeads * kHeadDim,
+                     /*q_stride_h=*/kHeadDim, /*window_left=*/-1, /*logits_soft_cap=*/0.f, kSmScale,
+                     /*rope_scale=*/1.f, /*rope_theta=*/1e4f);
+    params_.request_indices = ws_.Int<int32_t>(plan_.request_indices_offset);
+    params_.kv_tile_indices = ws_.Int<int32_t>(plan_.kv_tile_indices_offset);
+    params_.o_indptr = ws_.Int<int32_t>(plan_.o_indptr_offset);
+    params_.kv_chunk_size_ptr = ws_.Int<int32_t>(plan_.kv_chunk_size_ptr_offset);
+    params_.padded_batch_size = static_cast<uint32_t>(plan_.padded_batch_size);
+    // Split KV: partial outputs and their log-sum-exps in the float workspace, merged by the run.
+    // (block_valid_mask is only used with CUDA graphs.)
+    if (plan_.split_kv) {
+      tmp_v_ = ws_.Float<__half>(plan_.v_offset);
+      tmp_s_ = ws_.Float<float>(plan_.s_offset);
+    }
+  }
+
+  void Run() {
+    const cudaError_t ran =
+        flashinfer::BatchDecodeWithPagedKVCacheDispatched<kHeadDim, kNoRope, Variant>(
+            params_, tmp_v_, tmp_s_, /*enable_pdl=*/false, /*stream=*/nullptr);
+    KVPOOL_CUDA_CHECK(ran);
+  }
+
+  // The plan's fields in the JSON.
+  std::string PlanJson() const {
+    return std::string("\"split_kv\": ") + (plan_.split_kv ? "true" : "false") +
+           ", \"padded_batch_size\": " + std::to_string(plan_.padded_batch_size);
+  }
+
+ private:
+  Workspace ws_;
   flashinfer::DecodePlanInfo plan_;
-  Params<KV> params_;
+  Params params_;
   __half* tmp_v_ = nullptr;
   float* tmp_s_ = nullptr;
+};
+
+// The tensor-core path (BatchDecodeWithPagedKVCacheWrapper with use_tensor_cores=True): the FA2
+// batch prefill kernel with one query per request. Planned on construction as the wrapper's plan()
+// does (decode.py: PrefillPlan on qo_indptr = arange(batch + 1), the page-count kv_indptr,
+// total_num_rows = batch, enable_cuda_graph false, sizeof_dtype_o 2), then the run params from
+// the plan as csrc/batch_prefill.cu's BatchPrefillWithPagedKVCacheRun sets them.
+template <typename KV>
+class TensorCoreDecode {
+ public:
+  using Params = flashinfer::BatchPrefillPagedParams<__half, KV, __half, int32_t>;
+
+  explicit TensorCoreDecode(const PagedBatch<KV>& b) {
+    std::vector<int32_t> qo_indptr(b.batch() + 1), kv_indptr = b.indptr();
+    std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
+    d_qo_indptr_ = DeviceBuffer(qo_indptr);
+    const cudaError_t planned = flashinfer::PrefillPlan<int32_t>(
+        ws_.float_ws.get(), ws_.float_ws.bytes(), ws_.int_ws.get(), ws_.pinned_int_ws.get(),
+        ws_.int_ws.bytes(), plan_, qo_indptr.data(), kv_indptr.data(),
+        /*total_num_rows=*/b.batch(), b.batch(), kQHeads, kKvHeads, kHeadDim, kHeadDim, kPageSize,
+        /*enable_cuda_graph=*/false, /*sizeof_dtype_o=*/sizeof(__half), /*stream=*/nullptr);
+    KVPOOL_CUDA_CHECK(planned);
+    KVPOOL_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the plan's copy from pinned memory
+
+    params_ = Params(b.q(), b.PagedKv(), /*maybe_custom_mask=*/nullptr, d_qo_indptr_.get<int32_t>(),
+                     /*maybe_mask_indptr=*/nullptr, /*maybe_q_rope_offset=*/nullptr, b.o(),
+                     /*lse=*/nullptr, /*maybe_alibi_slopes=*/nullptr, kQHeads,
+                     /*q_stride_n=*/kQHeads * kHeadDim, /*q_stride_h=*/kHeadDim,
+                     /*window_left=*/-1, /*logits_soft_cap=*/0.f, kSmScale, /*rope_scale=*/1.f,
+                     /*rope_theta=*/1e4f);
+    params_.request_indices = ws_.Int<int32_t>(plan_.request_indices_offset);
+    params_.qo_tile_indices = ws_.Int<int32_t>(plan_.qo_tile_indices_offset);
+    params_.kv_tile_indices = ws_.Int<int32_t>(plan_.kv_tile_indices_offset);
+    params_.o_indptr = ws_.Int<int32_t>(plan_.o_indptr_offset);
+    params_.kv_chunk_size_ptr = ws_.Int<int32_t>(plan_.kv_chunk_size_ptr_offset);
+    params_.padded_batch_size = static_cast<uint32_t>(plan_.padded_batch_size);
+    params_.max_total_num_rows = static_cast<uint32_t>(plan_.total_num_rows);
+    // Split KV: the kernel writes partials (fp16) and log-sum-exps to the float workspace, then
+    // VariableLengthMergeStates merges them by merge_indptr. (block_valid_mask and total_num_rows
+    // are only used with CUDA graphs.)
+    if (plan_.split_kv) {
+      params_.merge_indptr = ws_.Int<int32_t>(plan_.merge_indptr_offset);
+      tmp_v_ = ws_.Float<__half>(plan_.v_offset);
+      tmp_s_ = ws_.Float<float>(plan_.s_offset);
+    }
+    // The kernel is instantiated per CTA_TILE_Q (query rows per CTA: GQA-packed, so one request's
+    // 4 q heads of one KV head fill 4 rows); the plan picks 16, 64 or 128 (FA2DetermineCtaTileQ:
+    // 16 for a packed length of 4).
+    switch (plan_.cta_tile_q) {
+      case 16:
+        launch_ = &Launch<16>;
+        break;
+      case 64:
+        launch_ = &Launch<64>;
+        break;
+      case 128:
+        launch_ = &Launch<128>;
+        break;
+      default:
+        throw std::runtime_error("PrefillPlan chose an unsupported cta_tile_q " +
+                                 std::to_string(plan_.cta_tile_q));
+    }
+  }
+
+  void Run() { KVPOOL_CUDA_CHECK(launch_(params_, tmp_v_, tmp_s_)); }
+
+  // The plan's fields in the JSON.
+  std::string PlanJson() const {
+    return "\"cta_tile_q\": " + std::to_string(plan_.cta_tile_q) +
+           ", \"split_kv\": " + (plan_.split_kv ? "true" : "false");
+  }
+
+ private:
+  template <uint32_t kCtaTileQ>
+  static cudaError_t Launch(const Params& params, __half* tmp_v, float* tmp_s) {
+    return flashinfer::BatchPrefillWithPagedKVCacheDispatched<
+        kCtaTileQ, kHeadDim, kHeadDim, kNoRope, /*USE_FP16_QK_REDUCTION=*/false,
+        flashinfer::MaskMode::kNone, Variant, Params>(params, tmp_v, tmp_s, /*enable_pdl=*/false,
+                                                      /*stream=*/nullptr);
+  }
+
+  Workspace ws_;
+  DeviceBuffer d_qo_indptr_;
+  flashinfer::PrefillPlanInfo plan_;
+  Params params_;
+  __half* tmp_v_ = nullptr;
+  float* tmp_s_ = nullptr;
+  cudaError_t (*launch_)(const Params&, __half*, float*) = nullptr;
 };
 
 // Median of `iters` timings of `run`, each after an L2 flush, after 3 warm-up runs.
@@ -262,29 +408,41 @@ double MedianMs(int iters, const DeviceBuffer& flush, F&& run) {
 
 struct Timing {
   double ms, bytes, tbps, err;  // err: the max relative error of sequence 0
-  bool split_kv;
-  int64_t padded_batch;
+  std::string plan_json;        // the path's plan fields
 };
 
-template <typename KV>
-Timing TimeCase(const Shape& shape, int iters, const DeviceBuffer& flush) {
-  Batch<KV> b(std::vector<int>(shape.batch, shape.context), shape.batch * 131 + shape.context);
-  b.Plan();
-  const double ms = MedianMs(iters, flush, [&] { b.Run(); }), bytes = b.Bytes();
-  const flashinfer::DecodePlanInfo& plan = b.plan();
-  return {
-      ms, bytes, bytes / (ms * 1e-3) / 1e12, b.MaxRelErr(0), plan.split_kv, plan.padded_batch_size};
+// One kernel path on one batch: output poisoned, planned once, timed, then sequence 0 checked.
+template <template <typename> class Path, typename KV>
+Timing TimeCase(const PagedBatch<KV>& b, int iters, const DeviceBuffer& flush) {
+  b.PoisonOutput();
+  Path<KV> path(b);
+  const double ms = MedianMs(iters, flush, [&] { path.Run(); }), bytes = b.Bytes();
+  return {ms, bytes, bytes / (ms * 1e-3) / 1e12, b.MaxRelErr(0), path.PlanJson()};
 }
 
-template <typename KV>
+template <template <typename> class Path, typename KV>
 double CheckSmall() {
-  Batch<KV> b({1000, 37, 512}, 7);
-  b.Plan();
-  b.Run();
+  PagedBatch<KV> b({1000, 37, 512}, 7);
+  b.PoisonOutput();
+  Path<KV> path(b);
+  path.Run();
   KVPOOL_CUDA_CHECK(cudaDeviceSynchronize());
   double worst = 0;
-  for (int seq = 0; seq < 3; ++seq) worst = std::max(worst, b.MaxRelErr(seq));
+  for (int seq = 0; seq < 3; ++seq) worst = Worse(worst, b.MaxRelErr(seq));
   return worst;
+}
+
+// The variants in table and JSON order: path x KV dtype.
+constexpr int kVariants = 4;
+const char* const kVariantNames[kVariants] = {"fp16", "fp8", "tc_fp16", "tc_fp8"};
+
+template <typename KV>
+void TimeBothPaths(const Shape& shape, int iters, const DeviceBuffer& flush, Timing* cuda_core,
+                   Timing* tensor_core) {
+  const PagedBatch<KV> b(std::vector<int>(shape.batch, shape.context),
+                         shape.batch * 131 + shape.context);
+  *cuda_core = TimeCase<CudaCoreDecode>(b, iters, flush);
+  *tensor_core = TimeCase<TensorCoreDecode>(b, iters, flush);
 }
 
 int Main() {
@@ -296,26 +454,38 @@ int Main() {
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const double err16 = CheckSmall<__half>(), err8 = CheckSmall<__nv_fp8_e4m3>();
-  std::printf("device %s; check (contexts 1000, 37, 512): max rel err fp16 %.3e, fp8 %.3e\n",
-              prop.name, err16, err8);
-  if (!(err16 <= kMaxRelErr && err8 <= kMaxRelErr)) {
+  const double check[kVariants] = {
+      CheckSmall<CudaCoreDecode, __half>(), CheckSmall<CudaCoreDecode, __nv_fp8_e4m3>(),
+      CheckSmall<TensorCoreDecode, __half>(), CheckSmall<TensorCoreDecode, __nv_fp8_e4m3>()};
+  bool ok = true;
+  std::printf("device %s; check (contexts 1000, 37, 512): max rel err", prop.name);
+  for (int v = 0; v < kVariants; ++v) {
+    std::printf("%s %s %.3e", v ? "," : "", kVariantNames[v], check[v]);
+    ok = ok && check[v] <= kMaxRelErr;
+  }
+  std::printf("\n");
+  if (!ok) {
     std::fprintf(stderr, "flashinfer_decode_bench: check failed (limit %.0e)\n", kMaxRelErr);
     return 1;
   }
 
   DeviceBuffer flush(kFlushBytes);
-  std::vector<Timing> t16, t8;
-  bool ok = true;
-  std::printf("%5s %6s | %9s %7s %9s | %9s %7s %9s\n", "batch", "ctx", "fp16 ms", "TB/s",
-              "seq0 err", "fp8 ms", "TB/s", "seq0 err");
+  std::vector<std::vector<Timing>> timings;
+  std::printf("%5s %6s", "batch", "ctx");
+  for (const char* name : kVariantNames) {
+    std::printf(" | %7s ms %6s %8s", name, "TB/s", "seq0 err");
+  }
+  std::printf("\n");
   for (const Shape& shape : kShapes) {
-    t16.push_back(TimeCase<__half>(shape, iters, flush));
-    t8.push_back(TimeCase<__nv_fp8_e4m3>(shape, iters, flush));
-    const Timing &a = t16.back(), &b = t8.back();
-    ok = ok && a.err <= kMaxRelErr && b.err <= kMaxRelErr;
-    std::printf("%5d %6d | %9.4f %7.3f %9.2e | %9.4f %7.3f %9.2e\n", shape.batch, shape.context,
-                a.ms, a.tbps, a.err, b.ms, b.tbps, b.err);
+    std::vector<Timing>& t = timings.emplace_back(kVariants);
+    TimeBothPaths<__half>(shape, iters, flush, &t[0], &t[2]);
+    TimeBothPaths<__nv_fp8_e4m3>(shape, iters, flush, &t[1], &t[3]);
+    std::printf("%5d %6d", shape.batch, shape.context);
+    for (const Timing& x : t) {
+      std::printf(" | %10.4f %6.3f %8.2e", x.ms, x.tbps, x.err);
+      ok = ok && x.err <= kMaxRelErr;
+    }
+    std::printf("\n");
   }
 
   const std::string out = absl::GetFlag(FLAGS_out);
@@ -333,19 +503,22 @@ int Main() {
     std::fprintf(f,
                  "{\n  \"tool\": \"flashinfer_decode_bench\",\n  \"flashinfer\": \"0.2.14.post1\","
                  "\n  \"device\": \"%s\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-                 "  \"iters\": %d,\n  \"check\": {\"fp16_max_rel_err\": %.3e, "
-                 "\"fp8_max_rel_err\": %.3e},\n  \"cases\": [\n",
-                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, iters, err16, err8);
-    for (size_t i = 0; i < t16.size(); ++i) {
+                 "  \"iters\": %d,\n  \"check\": {",
+                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, iters);
+    for (int v = 0; v < kVariants; ++v) {
+      std::fprintf(f, "%s\"%s_max_rel_err\": %.3e", v ? ", " : "", kVariantNames[v], check[v]);
+    }
+    std::fprintf(f, "},\n  \"cases\": [\n");
+    for (size_t i = 0; i < timings.size(); ++i) {
       std::fprintf(f, "    {\"batch\": %d, \"context\": %d", kShapes[i].batch, kShapes[i].context);
-      for (const Timing* t : {&t16[i], &t8[i]}) {
+      for (int v = 0; v < kVariants; ++v) {
+        const Timing& t = timings[i][v];
         std::fprintf(f,
                      ", \"flashinfer_%s\": {\"ms\": %.5f, \"bytes\": %.0f, \"tbps\": %.4f, "
-                     "\"seq0_max_rel_err\": %.3e, \"split_kv\": %s, \"padded_batch_size\": %lld}",
-                     t == &t16[i] ? "fp16" : "fp8", t->ms, t->bytes, t->tbps, t->err,
-                     t->split_kv ? "true" : "false", static_cast<long long>(t->padded_batch));
+                     "\"seq0_max_rel_err\": %.3e, %s}",
+                     kVariantNames[v], t.ms, t.bytes, t.tbps, t.err, t.plan_json.c_str());
       }
-      std::fprintf(f, "}%s\n", i + 1 < t16.size() ? "," : "");
+      std::fprintf(f, "}%s\n", i + 1 < timings.size() ? "," : "");
     }
     std::fprintf(f, "  ]\n}\n");
     std::fclose(f);
@@ -364,7 +537,7 @@ int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
   try {
     return kvpool::Main();
-  } catch (const std::exception& e) {  // flashinfer::Error from the plan or the dispatch
+  } catch (const std::exception& e) {  // flashinfer::Error from a plan or a dispatch
     std::fprintf(stderr, "flashinfer_decode_bench: %s\n", e.what());
     return 1;
   }
