@@ -14,7 +14,8 @@
 //           "backend pinned" the same with q and out in registered host memory, "backend
 //           append" that with a new token per sequence appended first (fused quantize);
 //   kernel  cuda::PagedDecodeAttention alone on device-resident inputs of that arena (CUDA
-//           events, L2 as warm as in a decode loop).
+//           events, L2 as warm as in a decode loop); "kernel append" the same after the
+//           append's cuda::QuantizeAppend, as the backend launches both for a decode step.
 // The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
 //
 // usage: attend_latency_bench [--iters=300] [--kernel_host_io=false] [--out=results.json
@@ -82,7 +83,7 @@ Times TimeWall(int iters, F&& call) {
 }
 
 struct ArenaTimes {
-  Times backend, backend_pinned, backend_append, kernel;
+  Times backend, backend_pinned, backend_append, kernel, kernel_append;
 };
 
 // The backend call and the bare kernel of `shape` over a synthetic arena: constant INT4 pages
@@ -168,29 +169,41 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
     return s.ok();
   });
   backend->UnregisterHostMemory(region.data());
-  // A non-blocking stream like the backend's lanes: the launches overlap as they do there.
+  // The bare kernels on device-resident inputs, in a non-blocking stream like the backend's lanes
+  // (the launches overlap as they do there): the attention alone, and after the same append's
+  // quantize kernel as the backend launches them for a decode step.
   cudaStream_t stream;
   KVPOOL_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  cudaEvent_t start, stop;
-  KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
-  KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<double> us;
-  for (int i = 0; i < kWarmup + iters; ++i) {
-    KVPOOL_CUDA_CHECK(cudaEventRecord(start, stream));
-    if (cuda::PagedDecodeAttention(p, stream) != KernelStatus::kOk) {
-      std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
-      std::exit(1);
+  const testing::DeviceBuffer dnew_kv(new_kv), dslots(slots);
+  QuantizeAppendParams dappend = append;
+  dappend.k = dnew_kv.get<const uint16_t>();
+  dappend.v = dappend.k;
+  dappend.slot_mapping = dslots.get<const int64_t>();
+  auto time_kernels = [&](bool with_append) {
+    cudaEvent_t start, stop;
+    KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
+    KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
+    std::vector<double> us;
+    for (int i = 0; i < kWarmup + iters; ++i) {
+      KVPOOL_CUDA_CHECK(cudaEventRecord(start, stream));
+      if ((with_append && cuda::QuantizeAppend(dappend, stream) != KernelStatus::kOk) ||
+          cuda::PagedDecodeAttention(p, stream) != KernelStatus::kOk) {
+        std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
+        std::exit(1);
+      }
+      KVPOOL_CUDA_CHECK(cudaEventRecord(stop, stream));
+      KVPOOL_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      KVPOOL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      if (i >= kWarmup) us.push_back(ms * 1e3);
     }
-    KVPOOL_CUDA_CHECK(cudaEventRecord(stop, stream));
-    KVPOOL_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    KVPOOL_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= kWarmup) us.push_back(ms * 1e3);
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    return Percentiles(std::move(us));
+  };
+  const Times kernel_times = time_kernels(false), kernel_append_times = time_kernels(true);
   cudaStreamDestroy(stream);
-  return {backend_times, pinned_times, append_times, Percentiles(std::move(us))};
+  return {backend_times, pinned_times, append_times, kernel_times, kernel_append_times};
 }
 
 int Main(int argc, char** argv) {
@@ -222,9 +235,9 @@ int Main(int argc, char** argv) {
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
       "  \"kernel_host_io\": %s,\n  \"cases\": [\n",
       absl::GetFlag(FLAGS_commit), iters, absl::GetFlag(FLAGS_kernel_host_io) ? "true" : "false");
-  std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %10s\n", "batch x ctx", "runner p50/99",
-              "store p50/99", "append p50/99", "pinned p50/99", "backend p50/99", "b.pinned p50/99",
-              "b.append p50/99", "kernel p50");
+  std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %10s %10s\n", "batch x ctx",
+              "runner p50/99", "store p50/99", "append p50/99", "pinned p50/99", "backend p50/99",
+              "b.pinned p50/99", "b.append p50/99", "kernel p50", "k.append");
   int seq = 0;
   for (const Shape& shape : kShapes) {
     // One K/V for every sequence of the shape (their token ids differ, so no blocks are shared):
@@ -309,22 +322,23 @@ int Main(int argc, char** argv) {
     const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
     std::printf(
         "%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f "
-        "%6.0f / %5.0f %6.0f / %5.0f %8.1f us\n",
+        "%6.0f / %5.0f %6.0f / %5.0f %8.1f us %8.1f us\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
         app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
         arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
-        arena.backend_append.p99_us, arena.kernel.p50_us);
+        arena.backend_append.p99_us, arena.kernel.p50_us, arena.kernel_append.p50_us);
     json += absl::StrFormat(
         "    {\"batch\": %d, \"context\": %d, \"runner_p50_us\": %.1f, \"runner_p99_us\": %.1f, "
         "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"append_p50_us\": %.1f, "
         "\"append_p99_us\": %.1f, \"pinned_p50_us\": %.1f, \"pinned_p99_us\": %.1f, "
         "\"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, \"backend_pinned_p50_us\": %.1f, "
         "\"backend_pinned_p99_us\": %.1f, \"backend_append_p50_us\": %.1f, "
-        "\"backend_append_p99_us\": %.1f, \"kernel_p50_us\": %.1f}%s\n",
+        "\"backend_append_p99_us\": %.1f, \"kernel_p50_us\": %.1f, \"kernel_append_p50_us\": "
+        "%.1f}%s\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
         app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
         arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
-        arena.backend_append.p99_us, arena.kernel.p50_us,
+        arena.backend_append.p99_us, arena.kernel.p50_us, arena.kernel_append.p50_us,
         &shape == &kShapes[std::size(kShapes) - 1] ? "" : ",");
     for (uint64_t lease : leases) (*store)->Release(lease).IgnoreError();
   }
