@@ -354,6 +354,13 @@ cudaError_t LaunchDependent(void (*kernel)(Params...), dim3 grid, dim3 block, si
 // Ceiling division for grid sizes.
 __host__ __device__ constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// The current device's SM count, for grid sizes.
+inline cudaError_t CurrentDeviceSms(int* sms) {
+  int device = 0;
+  if (const cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) return err;
+  return cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
+}
+
 // Tensor-core tiles, shared by the attention kernel and the Hadamard of the quantize kernel.
 // d += a . b for one m16n8k16 tile (A row-major fp16, B column-major fp16, fp32 accumulators).
 __device__ __forceinline__ void Mma16816(float (&d)[4], const uint4& a, uint32_t b0, uint32_t b1) {

@@ -55,9 +55,8 @@ KernelStatus FindFirstNonFiniteHalf(const uint16_t* x, size_t n, unsigned long l
   const auto s = static_cast<cudaStream_t>(stream);
   KVPOOL_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(first_bad, 0xff, sizeof(*first_bad), s));
   if (n == 0) return KernelStatus::kOk;
-  int device = 0, sms = 0;
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  KVPOOL_CUDA_RETURN_IF_ERROR(CurrentDeviceSms(&sms));
   const int64_t items = std::max<int64_t>(static_cast<int64_t>(n / 8), 1);
   const int64_t blocks = std::min<int64_t>(CeilDiv(items, kThreads), int64_t{8} * sms);
   FindFirstNonFiniteKernel<<<static_cast<unsigned>(blocks), kThreads, 0, s>>>(x, n, first_bad);

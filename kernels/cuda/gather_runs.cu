@@ -44,9 +44,8 @@ KernelStatus GatherRuns(const GatherRun* runs, int64_t num_runs, uint8_t* dst, v
     return KernelStatus::kInvalidArgument;
   }
   if (num_runs == 0) return KernelStatus::kOk;
-  int device = 0, sms = 0;
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  KVPOOL_CUDA_RETURN_IF_ERROR(CurrentDeviceSms(&sms));
   const int64_t blocks = std::min<int64_t>(CeilDiv(num_runs, kWarpsPerBlock), int64_t{8} * sms);
   GatherRunsKernel<<<static_cast<unsigned>(blocks), kThreads, 0,
                      static_cast<cudaStream_t>(stream)>>>(runs, num_runs, dst);

@@ -6,6 +6,7 @@
 // rows match the reference bit for bit.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -379,19 +380,20 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
   return slot < a.num_slots ? slot : -1;  // the host validated; never write outside
 }
 
-// Each group of kHeadDim/32 consecutive lanes handles kItemsPerLaneGroup (token, KV head) items
-// (item g + u * lane_groups_in_grid), one after the other, in rounds: a warp's items of a round
-// are consecutive rows, which it copies into its ring slot (IssueRound) two rounds ahead of the
-// one it encodes, so that loads stay in flight through the rotation's arithmetic without holding
-// registers. Each lane owns 32 channels of K and V of an item: four 16-byte words each from the
-// ring, sign flip on the raw fp16 words, rotation by tensor cores and butterflies in registers
+// Each group of kHeadDim/32 consecutive lanes handles up to kItemsPerLaneGroup (token, KV head)
+// items (item g + u * lane_groups_in_grid), one after the other, in rounds: a warp's items of a
+// round are consecutive rows, which it copies into its ring slot (IssueRound) two rounds ahead of
+// the one it encodes, so that loads stay in flight through the rotation's arithmetic without
+// holding registers. Each lane owns 32 channels of K and V of an item: four 16-byte words each from
+// the ring, sign flip on the raw fp16 words, rotation by tensor cores and butterflies in registers
 // (no shuffles), quantize, packed stores.
-// Grid: ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of kThreads,
-// kRingBytes (96 KB) of dynamic shared memory each. 2 blocks per SM (<= 128 registers, no
-// spills). Measured on the H200 (tests/bench/results/experiments_2026-11-29.md): against loads
-// into registers one item ahead, unrotated and INT8 / FP8 cases 5-14% faster, rotated INT4 1-5%
-// (bound by its instructions now); 3 blocks per SM with a 2-slot ring (80 registers) spilled and
-// was slower, and so were 8 items per lane group.
+// Grid: at least ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of
+// kThreads (LaunchQuantizeAppend), kRingBytes (96 KB) of dynamic shared memory each. 2 blocks per
+// SM (<= 128 registers, no spills). Measured on the H200
+// (tests/bench/results/experiments_2026-11-29.md): against loads into registers one item ahead,
+// unrotated and INT8 / FP8 cases 5-14% faster, rotated INT4 1-5% (bound by its instructions now); 3
+// blocks per SM with a 2-slot ring (80 registers) spilled and was slower, and so were 8 items per
+// lane group.
 template <KvDtype kDtype, int kHeadDim, int kRot>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
   constexpr int kLanes = kHeadDim / kChannels;
@@ -501,13 +503,21 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   }
 }
 
+// Grid: enough blocks for kItemsPerLaneGroup items per lane group, or more, up to two per SM, where
+// that leaves fewer items to each (a decode step's append of one token per sequence, which the
+// attention waits for): the items then run side by side, their lane groups stopping early,
+// instead of one after the other in a few blocks. The kernel's code does not change with it.
 template <KvDtype kDtype, int kHeadDim, int kRot>
 KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
-  constexpr int kItemsPerBlock = kItemsPerLaneGroup * kThreads / (kHeadDim / kChannels);
+  constexpr int kLaneGroupsPerBlock = kThreads / (kHeadDim / kChannels);
+  int sms = 0;
+  KVPOOL_CUDA_RETURN_IF_ERROR(CurrentDeviceSms(&sms));
+  const int64_t blocks =
+      std::max(CeilDiv(a.num_items, kItemsPerLaneGroup * kLaneGroupsPerBlock),
+               std::min(CeilDiv(a.num_items, kLaneGroupsPerBlock), int64_t{2} * sms));
   constexpr auto kernel = QuantizeAppendKernel<kDtype, kHeadDim, kRot>;
   KVPOOL_CUDA_RETURN_IF_ERROR((AllowDynamicSharedMemory<kernel, static_cast<int>(kRingBytes)>()));
-  kernel<<<static_cast<unsigned>(CeilDiv(a.num_items, kItemsPerBlock)), kThreads, kRingBytes,
-           stream>>>(a);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, kRingBytes, stream>>>(a);
   return CheckLaunch("QuantizeAppendKernel");
 }
 

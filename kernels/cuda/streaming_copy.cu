@@ -29,9 +29,8 @@ KernelStatus StreamingCopy(void* dst, const void* src, size_t bytes, void* strea
     return KernelStatus::kInvalidArgument;
   }
   if (bytes == 0) return KernelStatus::kOk;
-  int device = 0, sms = 0;
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int sms = 0;
+  KVPOOL_CUDA_RETURN_IF_ERROR(CurrentDeviceSms(&sms));
   const size_t n = bytes / 16;
   const int64_t blocks = std::min<int64_t>(CeilDiv(n, kThreads), int64_t{8} * sms);
   StreamingCopyKernel<<<static_cast<unsigned>(blocks), kThreads, 0,

@@ -352,6 +352,26 @@ TEST(QuantizeGpu, MatchesCpuReferenceWithGroupsSinksAndManyTokens) {
   ExpectFewTies(stats, "groups and sinks");
 }
 
+// The kernel gives each lane group up to 4 items one after the other, fewer when the grid would
+// not fill two blocks per SM (a decode step's append): token counts whose 8 KV heads take 1, 1,
+// 2, 3 and 4 items per lane group on the H200's 132 SMs.
+TEST(QuantizeGpu, MatchesCpuReferenceFromOneTokenToRoundsOfManyItems) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  CodeStats stats;
+  uint64_t seed = 2000;
+  for (int tokens : {1, 32, 2500, 4500, 9001}) {
+    for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kFp16}) {
+      Case c{dtype, dtype == KvDtype::kFp16 ? 0 : 128, 128, 16};
+      c.num_kv_heads = 8;
+      c.num_tokens = tokens;
+      SCOPED_TRACE(::testing::Message() << tokens << " tokens");
+      CheckCase(c, seed++, &stats);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  ExpectFewTies(stats, "one token to many rounds");
+}
+
 TEST(QuantizeGpu, RejectsBadArgumentsAndUnsupportedSizes) {
   KVPOOL_SKIP_WITHOUT_GPU();
   const Inputs in = MakeInputs(Case{KvDtype::kInt4, 128, 128, 16}, 7);
