@@ -76,6 +76,13 @@ for shape in "1 32768" "32 4096" "1 16" "32 16"; do
   timed_attend AttendSocket.step "AttendSocket in-place region steps" --batch=$batch \
     --context=$context --iters=300 --stream --attend_unix_socket="$tmp/attend.sock" --in_place
 done
+# Decode steps that append the new token's K/V (the fused quantize ahead of the attention).
+for shape in "1 32768" "32 4096"; do
+  read -r batch context <<< "$shape"
+  timed_attend AttendSocket.step "AttendSocket in-place region decode steps with appends" \
+    --batch=$batch --context=$context --iters=300 --stream --attend_unix_socket="$tmp/attend.sock" \
+    --in_place --append
+done
 # The demo's progress line (stderr, redrawn with \r) stays out of the results; its errors do not.
 timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 --attend_unix_socket="$tmp/attend.sock" demo \
   2> "$tmp/demo.err" | tee -a "$grpc" \

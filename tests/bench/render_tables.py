@@ -106,8 +106,8 @@ def attend_latency():
           f"NVIDIA H200):\n")
     print("| batch x context | AttendRunner | KvStore::Attend | decode step (with append) "
           "| KvStore::Attend, q and out pinned | CUDA backend call | same, q and out pinned "
-          "| same, with an append | bare kernels (p50) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| same, with an append | bare kernels (p50) | bare kernels with the append (p50) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
     def pair(c, key):
         return f"{c[key + '_p50_us']:.0f} / {c[key + '_p99_us']:.0f}" if key + "_p50_us" in c \
@@ -117,7 +117,7 @@ def attend_latency():
         print(f"| {c['batch']} x {ctx} | {pair(c, 'runner')} | {pair(c, 'store')} | "
               f"{pair(c, 'append')} | {pair(c, 'pinned')} | {pair(c, 'backend')} | "
               f"{pair(c, 'backend_pinned')} | {pair(c, 'backend_append')} | "
-              f"{c['kernel_p50_us']:.0f} |")
+              f"{c['kernel_p50_us']:.0f} | {c.get('kernel_append_p50_us', float('nan')):.0f} |")
     print()
 
 
