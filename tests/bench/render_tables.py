@@ -105,9 +105,10 @@ def attend_latency():
           f"(`tests/gpu/attend_latency_bench.cc`, attend_latency_h200.json, commit {d['commit']}, "
           f"NVIDIA H200):\n")
     print("| batch x context | AttendRunner | KvStore::Attend | decode step (with append) "
-          "| KvStore::Attend, q and out pinned | CUDA backend call | same, q and out pinned "
+          "| KvStore::Attend, q and out pinned | decode step, q, out and new K/V pinned "
+          "| CUDA backend call | same, q and out pinned "
           "| same, with an append | bare kernels (p50) | bare kernels with the append (p50) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     def pair(c, key):
         return f"{c[key + '_p50_us']:.0f} / {c[key + '_p99_us']:.0f}" if key + "_p50_us" in c \
@@ -115,7 +116,8 @@ def attend_latency():
     for c in d["cases"]:
         ctx = f"{c['context'] // 1024}K" if c["context"] >= 1024 else str(c["context"])
         print(f"| {c['batch']} x {ctx} | {pair(c, 'runner')} | {pair(c, 'store')} | "
-              f"{pair(c, 'append')} | {pair(c, 'pinned')} | {pair(c, 'backend')} | "
+              f"{pair(c, 'append')} | {pair(c, 'pinned')} | {pair(c, 'pinned_append')} | "
+              f"{pair(c, 'backend')} | "
               f"{pair(c, 'backend_pinned')} | {pair(c, 'backend_append')} | "
               f"{c['kernel_p50_us']:.0f} | {c.get('kernel_append_p50_us', float('nan')):.0f} |")
     print()

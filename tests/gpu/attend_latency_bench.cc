@@ -8,7 +8,8 @@
 //           a decode step;
 //   pinned  the store call as an AttendSocket region step makes it: q back to back and the output
 //           in host memory registered with the backend (ComputeBackend::RegisterHostMemory), so
-//           the backend copies them straight to and from the device;
+//           the backend copies them straight to and from the device; "pinned append" the same
+//           with each item's new K/V in that memory too (a region decode step);
 //   backend ComputeBackend::PagedDecodeAttention of the CUDA backend on host q, block tables and
 //           lengths of the same shape over a synthetic arena: staging copies, kernels, copy back;
 //           "backend pinned" the same with q and out in registered host memory, "backend
@@ -235,9 +236,9 @@ int Main(int argc, char** argv) {
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
       "  \"kernel_host_io\": %s,\n  \"cases\": [\n",
       absl::GetFlag(FLAGS_commit), iters, absl::GetFlag(FLAGS_kernel_host_io) ? "true" : "false");
-  std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %10s %10s\n", "batch x ctx",
-              "runner p50/99", "store p50/99", "append p50/99", "pinned p50/99", "backend p50/99",
-              "b.pinned p50/99", "b.append p50/99", "kernel p50", "k.append");
+  std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %14s %10s %10s\n", "batch x ctx",
+              "runner p50/99", "store p50/99", "append p50/99", "pinned p50/99", "p.append p50/99",
+              "backend p50/99", "b.pinned p50/99", "b.append p50/99", "kernel p50", "k.append");
   int seq = 0;
   for (const Shape& shape : kShapes) {
     // One K/V for every sequence of the shape (their token ids differ, so no blocks are shared):
@@ -300,7 +301,13 @@ int Main(int argc, char** argv) {
       return s.ok();
     });
     const size_t q_elems = static_cast<size_t>(kQHeads) * kHeadDim;
-    std::vector<uint16_t> region(2 * shape.batch * q_elems);  // q rows, then the output
+    const size_t kv_elems = static_cast<size_t>(kKvHeads) * kHeadDim;
+    // q rows, the output, then each item's new K and V rows (a region decode step's layout).
+    std::vector<uint16_t> region(2 * shape.batch * (q_elems + kv_elems));
+    uint16_t* const region_kv = region.data() + 2 * shape.batch * q_elems;
+    const std::vector<uint16_t> region_new_kv =
+        testing::ToHalf(testing::MakeNormal(2 * shape.batch * kv_elems, 17));
+    std::copy(region_new_kv.begin(), region_new_kv.end(), region_kv);
     for (int b = 0; b < shape.batch; ++b) {
       std::memcpy(region.data() + b * q_elems, q.data(), q_elems * 2);
     }
@@ -318,25 +325,39 @@ int Main(int argc, char** argv) {
       if (!s.ok()) std::fprintf(stderr, "pinned: %s\n", s.ToString().c_str());
       return s.ok();
     });
+    std::vector<KvStore::AttendItem> region_append_items = region_items;
+    for (int b = 0; b < shape.batch; ++b) {
+      region_append_items[b].new_k = region_kv + 2 * b * kv_elems;
+      region_append_items[b].new_v = region_kv + (2 * b + 1) * kv_elems;
+      region_append_items[b].new_token_id = 7;
+    }
+    const Times pinned_append = TimeWall(iters, [&] {
+      const absl::Status s =
+          (*store)->Attend(0, kQHeads, 0.0f, region_append_items, region_outputs);
+      if (!s.ok()) std::fprintf(stderr, "pinned append: %s\n", s.ToString().c_str());
+      return s.ok();
+    });
     (*backend)->UnregisterHostMemory(region.data());
     const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
     std::printf(
         "%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f "
-        "%6.0f / %5.0f %6.0f / %5.0f %8.1f us %8.1f us\n",
+        "%6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %8.1f us %8.1f us\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
-        app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
+        app.p99_us, pinned.p50_us, pinned.p99_us, pinned_append.p50_us, pinned_append.p99_us,
+        arena.backend.p50_us, arena.backend.p99_us,
         arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
         arena.backend_append.p99_us, arena.kernel.p50_us, arena.kernel_append.p50_us);
     json += absl::StrFormat(
         "    {\"batch\": %d, \"context\": %d, \"runner_p50_us\": %.1f, \"runner_p99_us\": %.1f, "
         "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"append_p50_us\": %.1f, "
         "\"append_p99_us\": %.1f, \"pinned_p50_us\": %.1f, \"pinned_p99_us\": %.1f, "
-        "\"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, \"backend_pinned_p50_us\": %.1f, "
+        "\"pinned_append_p50_us\": %.1f, \"pinned_append_p99_us\": %.1f, \"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, \"backend_pinned_p50_us\": %.1f, "
         "\"backend_pinned_p99_us\": %.1f, \"backend_append_p50_us\": %.1f, "
         "\"backend_append_p99_us\": %.1f, \"kernel_p50_us\": %.1f, \"kernel_append_p50_us\": "
         "%.1f}%s\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
-        app.p99_us, pinned.p50_us, pinned.p99_us, arena.backend.p50_us, arena.backend.p99_us,
+        app.p99_us, pinned.p50_us, pinned.p99_us, pinned_append.p50_us, pinned_append.p99_us,
+        arena.backend.p50_us, arena.backend.p99_us,
         arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
         arena.backend_append.p99_us, arena.kernel.p50_us, arena.kernel_append.p50_us,
         &shape == &kShapes[std::size(kShapes) - 1] ? "" : ",");
