@@ -104,11 +104,14 @@ def attend_latency():
     print(f"Attend's server time in process, p50 / p99 µs over {d['iters']} calls "
           f"(`tests/gpu/attend_latency_bench.cc`, attend_latency_h200.json, commit {d['commit']}, "
           f"NVIDIA H200):\n")
+    # Columns that later versions of the benchmark added show when the file has them.
+    pinned_append = any("pinned_append_p50_us" in c for c in d["cases"])
     print("| batch x context | AttendRunner | KvStore::Attend | decode step (with append) "
-          "| KvStore::Attend, q and out pinned | decode step, q, out and new K/V pinned "
-          "| CUDA backend call | same, q and out pinned "
+          "| KvStore::Attend, q and out pinned |"
+          + (" decode step, q, out and new K/V pinned |" if pinned_append else "")
+          + " CUDA backend call | same, q and out pinned "
           "| same, with an append | bare kernels (p50) | bare kernels with the append (p50) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (10 + pinned_append) + "|")
 
     def pair(c, key):
         return f"{c[key + '_p50_us']:.0f} / {c[key + '_p99_us']:.0f}" if key + "_p50_us" in c \
@@ -116,8 +119,9 @@ def attend_latency():
     for c in d["cases"]:
         ctx = f"{c['context'] // 1024}K" if c["context"] >= 1024 else str(c["context"])
         print(f"| {c['batch']} x {ctx} | {pair(c, 'runner')} | {pair(c, 'store')} | "
-              f"{pair(c, 'append')} | {pair(c, 'pinned')} | {pair(c, 'pinned_append')} | "
-              f"{pair(c, 'backend')} | "
+              f"{pair(c, 'append')} | {pair(c, 'pinned')} | "
+              + (f"{pair(c, 'pinned_append')} | " if pinned_append else "")
+              + f"{pair(c, 'backend')} | "
               f"{pair(c, 'backend_pinned')} | {pair(c, 'backend_append')} | "
               f"{c['kernel_p50_us']:.0f} | {c.get('kernel_append_p50_us', float('nan')):.0f} |")
     print()
