@@ -26,6 +26,9 @@ ABSL_FLAG(bool, append, false,
           "bench attend: every item of every call also appends a new token's K/V (a decode step)");
 ABSL_FLAG(bool, stream, false,
           "bench attend: one AttendStream step per call instead of unary Attend");
+ABSL_FLAG(int32_t, layer, -1,
+          "bench attend: the layer of every call (-1 = the namespace's layers in turn, as a decode "
+          "loop visits them)");
 ABSL_FLAG(bool, in_place, false,
           "bench attend with --attend_unix_socket: each step's q (and new K/V) is written into the "
           "shared-memory region before the timed step, which sends only the rest and leaves the "
@@ -156,6 +159,7 @@ int RunBenchAttend() {
       testing::MakeNormal(size_t{1} * spec.num_kv_heads() * spec.head_dim(), seed + 1));
   const bool stream = absl::GetFlag(FLAGS_stream);
   const bool in_place = absl::GetFlag(FLAGS_in_place);
+  const int fixed_layer = absl::GetFlag(FLAGS_layer);
   if (in_place && c->options().attend_unix_socket.empty()) {
     std::fprintf(stderr, "bench attend: --in_place needs --attend_unix_socket\n");
     return 2;
@@ -186,7 +190,7 @@ int RunBenchAttend() {
   uint32_t attended = 0;
   for (int i = 0; i < iters + 10 && status.ok(); ++i) {
     v1::AttendRequest req;
-    req.set_layer(i % spec.num_layers());
+    req.set_layer(fixed_layer >= 0 ? fixed_layer : i % spec.num_layers());
     req.set_num_q_heads(q_heads);
     for (uint64_t lease : leases) {
       v1::AttendItem* item = req.add_items();
