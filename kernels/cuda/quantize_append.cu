@@ -202,8 +202,10 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
 // at sign_masks[w * kHeadDim / 32], the lane's column of the block's table) and Hadamard
 // (HadamardMma32PerLane with `hadamard_b` from HadamardMmaFragments<kRot>) when kRot > 0,
 // per-group min / max (in-lane, then shuffles for groups wider than a lane), codes and meta stored
-// into token `offset` of `head_page` when `write`. Every lane of the warp must call it.
-template <KvDtype kDtype, int kHeadDim, int kRot>
+// into token `offset` of `head_page` when `write`. kWideGroups: groups of at least 32 channels
+// (one {scale, zero} over each lane's channels), else groups of 8 or 16. Every lane of the warp
+// must call it.
+template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
 __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint4 (&raw)[4],
                                                const uint4* sign_masks,
                                                const uint32_t (&hadamard_b)[4], uint8_t* head_page,
@@ -249,7 +251,7 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
   }
   GroupMeta meta[4];
   uint32_t codes[8];
-  if (a.group_size >= kChannels) {  // one group over the lane's channels: meta[0], mn[0], mx[0]
+  if constexpr (kWideGroups) {  // one group over the lane's channels: meta[0], mn[0], mx[0]
     mn[0] = fminf(fminf(mn[0], mn[1]), fminf(mn[2], mn[3]));
     mx[0] = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
     GroupMinMax<kLanes, !kFp8>(1 << (a.group_log2 - 5), mn[0], mx[0]);
@@ -282,7 +284,7 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
   }
   uint8_t* meta_row =
       head_page + a.geo.codes_bytes + static_cast<size_t>(offset) * a.geo.meta_bytes_per_token;
-  if (a.group_size >= kChannels) {
+  if constexpr (kWideGroups) {
     const int group_lanes_log2 = a.group_log2 - 5;  // lanes per group: 2^this
     if ((chunk & ((1 << group_lanes_log2) - 1)) == 0) {
       *reinterpret_cast<uint32_t*>(meta_row + (chunk >> group_lanes_log2) * 4) = meta[0].word;
@@ -393,8 +395,10 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
 // (tests/bench/results/experiments_2026-11-29.md): against loads into registers one item ahead,
 // unrotated and INT8 / FP8 cases 5-14% faster, rotated INT4 1-5% (bound by its instructions now); 3
 // blocks per SM with a 2-slot ring (80 registers) spilled and was slower, and so were 8 items per
-// lane group.
-template <KvDtype kDtype, int kHeadDim, int kRot>
+// lane group. One build per group width (kWideGroups, EncodeAndStore): with both encode paths in
+// one kernel, INT4 rot128 took 0.408-0.412 ms for 1 GiB against 0.373-0.377 ms for the wide path
+// alone (INT8 rot128 0.448 against 0.417-0.421).
+template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp16 = kDtype == KvDtype::kFp16;
@@ -494,10 +498,10 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
         }
       }
     } else {
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_k, sign_masks + chunk, hadamard_b, k_page,
-                                             offset, chunk, write);
-      EncodeAndStore<kDtype, kHeadDim, kRot>(a, cur_v, sign_masks + chunk, hadamard_b, v_page,
-                                             offset, chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(a, cur_k, sign_masks + chunk, hadamard_b,
+                                                          k_page, offset, chunk, write);
+      EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(a, cur_v, sign_masks + chunk, hadamard_b,
+                                                          v_page, offset, chunk, write);
     }
     slot = next_slot;
   }
@@ -507,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
 // that leaves fewer items to each (a decode step's append of one token per sequence, which the
 // attention waits for): the items then run side by side, their lane groups stopping early,
 // instead of one after the other in a few blocks. The kernel's code does not change with it.
-template <KvDtype kDtype, int kHeadDim, int kRot>
+template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
 KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
   constexpr int kLaneGroupsPerBlock = kThreads / (kHeadDim / kChannels);
   int sms = 0;
@@ -515,7 +519,7 @@ KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
   const int64_t blocks =
       std::max(CeilDiv(a.num_items, kItemsPerLaneGroup * kLaneGroupsPerBlock),
                std::min(CeilDiv(a.num_items, kLaneGroupsPerBlock), int64_t{2} * sms));
-  constexpr auto kernel = QuantizeAppendKernel<kDtype, kHeadDim, kRot>;
+  constexpr auto kernel = QuantizeAppendKernel<kDtype, kHeadDim, kRot, kWideGroups>;
   KVPOOL_CUDA_RETURN_IF_ERROR((AllowDynamicSharedMemory<kernel, static_cast<int>(kRingBytes)>()));
   kernel<<<static_cast<unsigned>(blocks), kThreads, kRingBytes, stream>>>(a);
   return CheckLaunch("QuantizeAppendKernel");
@@ -562,11 +566,17 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   a.geo = MakePageGeometry(l);
   a.signs = MakeRotationSigns(l);
   const auto s = static_cast<cudaStream_t>(stream);
-  return DispatchLayout</*kWithBlockTokens=*/false>(
-      l, [&](auto dtype, auto head_dim, auto rot, auto) {
-        return LaunchQuantizeAppend<decltype(dtype)::value, decltype(head_dim)::value,
-                                    decltype(rot)::value>(a, s);
-      });
+  return DispatchLayout</*kWithBlockTokens=*/false>(l, [&](auto dtype, auto head_dim, auto rot,
+                                                           auto) {
+    constexpr KvDtype kDtype = decltype(dtype)::value;
+    constexpr int kHeadDim = decltype(head_dim)::value, kRot = decltype(rot)::value;
+    if constexpr (kDtype == KvDtype::kFp16) {  // no groups
+      return LaunchQuantizeAppend<kDtype, kHeadDim, kRot, true>(a, s);
+    } else {
+      return a.group_size >= kChannels ? LaunchQuantizeAppend<kDtype, kHeadDim, kRot, true>(a, s)
+                                       : LaunchQuantizeAppend<kDtype, kHeadDim, kRot, false>(a, s);
+    }
+  });
 }
 
 }  // namespace kvpool::cuda
