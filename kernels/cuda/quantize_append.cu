@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/hadamard_mma.cuh"
@@ -395,10 +396,11 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
 // (tests/bench/results/experiments_2026-11-29.md): against loads into registers one item ahead,
 // unrotated and INT8 / FP8 cases 5-14% faster, rotated INT4 1-5% (bound by its instructions now); 3
 // blocks per SM with a 2-slot ring (80 registers) spilled and was slower, and so were 8 items per
-// lane group. One build per group width (kWideGroups, EncodeAndStore): with both encode paths in
-// one kernel, INT4 rot128 took 0.408-0.412 ms for 1 GiB against 0.373-0.377 ms for the wide path
-// alone (INT8 rot128 0.448 against 0.417-0.421).
-template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
+// lane group. One build per group width (kWideGroups, EncodeAndStore) and per sink use (kSinks):
+// with both encode paths in one kernel, INT4 rot128 took 0.408-0.412 ms for 1 GiB against
+// 0.373-0.377 ms for the wide path alone (INT8 rot128 0.448 against 0.417-0.421); without the
+// sink stores' code then 0.370-0.372 against 0.380-0.381 ms in one call.
+template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups, bool kSinks>
 __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const QuantizeArgs a) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp16 = kDtype == KvDtype::kFp16;
@@ -484,7 +486,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
     uint8_t* k_page = a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes +
                       static_cast<size_t>(head) * a.geo.head_page_bytes;
     uint8_t* v_page = k_page + static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
-    if (write && a.sink_tokens > 0) {
+    if (kSinks && write) {
       StoreSinks<kHeadDim, !kFp16>(a, token, head, block, chunk, cur_k, cur_v);
     }
     if constexpr (kFp16) {
@@ -511,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
 // that leaves fewer items to each (a decode step's append of one token per sequence, which the
 // attention waits for): the items then run side by side, their lane groups stopping early,
 // instead of one after the other in a few blocks. The kernel's code does not change with it.
-template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
+template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups, bool kSinks>
 KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
   constexpr int kLaneGroupsPerBlock = kThreads / (kHeadDim / kChannels);
   int sms = 0;
@@ -519,7 +521,7 @@ KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
   const int64_t blocks =
       std::max(CeilDiv(a.num_items, kItemsPerLaneGroup * kLaneGroupsPerBlock),
                std::min(CeilDiv(a.num_items, kLaneGroupsPerBlock), int64_t{2} * sms));
-  constexpr auto kernel = QuantizeAppendKernel<kDtype, kHeadDim, kRot, kWideGroups>;
+  constexpr auto kernel = QuantizeAppendKernel<kDtype, kHeadDim, kRot, kWideGroups, kSinks>;
   KVPOOL_CUDA_RETURN_IF_ERROR((AllowDynamicSharedMemory<kernel, static_cast<int>(kRingBytes)>()));
   kernel<<<static_cast<unsigned>(blocks), kThreads, kRingBytes, stream>>>(a);
   return CheckLaunch("QuantizeAppendKernel");
@@ -570,11 +572,15 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
                                                            auto) {
     constexpr KvDtype kDtype = decltype(dtype)::value;
     constexpr int kHeadDim = decltype(head_dim)::value, kRot = decltype(rot)::value;
+    auto launch = [&](auto wide) {
+      return a.sink_tokens > 0
+                 ? LaunchQuantizeAppend<kDtype, kHeadDim, kRot, decltype(wide)::value, true>(a, s)
+                 : LaunchQuantizeAppend<kDtype, kHeadDim, kRot, decltype(wide)::value, false>(a, s);
+    };
     if constexpr (kDtype == KvDtype::kFp16) {  // no groups
-      return LaunchQuantizeAppend<kDtype, kHeadDim, kRot, true>(a, s);
+      return launch(std::true_type{});
     } else {
-      return a.group_size >= kChannels ? LaunchQuantizeAppend<kDtype, kHeadDim, kRot, true>(a, s)
-                                       : LaunchQuantizeAppend<kDtype, kHeadDim, kRot, false>(a, s);
+      return a.group_size >= kChannels ? launch(std::true_type{}) : launch(std::false_type{});
     }
   });
 }
