@@ -17,9 +17,9 @@
       Joins the files per (batch, context) and adds each kvpool format's speed-up over the anchor
       and its fraction of the streaming-read bandwidth, with the targets (INT4 >= 3.3x and >= 80%
       of streaming bandwidth, FP8 >= 1.8x, FP16 paged >= 1.0x) marked met or missed, and its
-      speed-up over FlashInfer's fp16 and fp8 paged decode where measured. --flashinfer takes the
-      timings of tests/bench/flashinfer_decode_bench.cu (FlashInfer's C++ decode kernel built
-      into a binary, for a GPU machine without its Python package) where `run` had none.
+      speed-up over each of FlashInfer's paged decode paths measured. --flashinfer takes the
+      timings of tests/bench/flashinfer_decode_bench.cu (FlashInfer's C++ kernels built into a
+      binary, for a GPU machine without its Python package) where `run` had none.
 """
 import argparse
 import json
