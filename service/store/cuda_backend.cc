@@ -91,7 +91,7 @@ struct Lane {
 
 class CudaBackend final : public ComputeBackend {
  public:
-  CudaBackend(int device, const CudaBackendOptions& options) : device_(device), options_(options) {}
+  explicit CudaBackend(int device) : device_(device) {}
 
   ~CudaBackend() override {
     cudaSetDevice(device_);
@@ -108,7 +108,7 @@ class CudaBackend final : public ComputeBackend {
   }
 
   // Creates the lanes' streams and events.
-  absl::Status Init() {
+  absl::Status Init(const CudaBackendOptions& options) {
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));
     // With unified addressing, pinned allocations (the staging slots) are mapped at their host
     // address; this attribute extends that to registered ranges.
@@ -117,7 +117,7 @@ class CudaBackend final : public ComputeBackend {
         cudaDeviceGetAttribute(&unified, cudaDevAttrUnifiedAddressing, device_));
     KVPOOL_RETURN_IF_CUDA_ERROR(
         cudaDeviceGetAttribute(&registered, cudaDevAttrCanUseHostPointerForRegisteredMem, device_));
-    host_pointers_usable_ = options_.kernel_host_io && unified != 0 && registered != 0;
+    host_pointers_usable_ = options.kernel_host_io && unified != 0 && registered != 0;
     for (Lane& lane : lanes_) {
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamCreateWithFlags(&lane.stream, cudaStreamNonBlocking));
       for (StagingSlot& slot : lane.slots) {
@@ -553,7 +553,6 @@ class CudaBackend final : public ComputeBackend {
   }
 
   const int device_;
-  const CudaBackendOptions options_;
   // Kernels may use host pointers into pinned memory as they are (set by Init).
   bool host_pointers_usable_ = false;
   absl::Mutex registered_mu_;
@@ -573,8 +572,8 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(int device,
     return absl::InvalidArgumentError(
         absl::StrFormat("CUDA device %d does not exist (%d visible)", device, count));
   }
-  auto backend = std::make_unique<CudaBackend>(device, options);
-  if (absl::Status s = backend->Init(); !s.ok()) return s;
+  auto backend = std::make_unique<CudaBackend>(device);
+  if (absl::Status s = backend->Init(options); !s.ok()) return s;
   return backend;
 }
 

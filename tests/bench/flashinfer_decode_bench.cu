@@ -71,6 +71,7 @@ namespace kvpool {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::MedianMs;
 
 constexpr int kQHeads = 32, kKvHeads = 8, kGroup = kQHeads / kKvHeads, kPageSize = 16;
 constexpr uint32_t kHeadDim = 128;
@@ -381,30 +382,6 @@ class TensorCoreDecode {
   float* tmp_s_ = nullptr;
   cudaError_t (*launch_)(const Params&, __half*, float*) = nullptr;
 };
-
-// Median of `iters` timings of `run`, each after an L2 flush, after 3 warm-up runs.
-template <typename F>
-double MedianMs(int iters, const DeviceBuffer& flush, F&& run) {
-  cudaEvent_t start, stop;
-  KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
-  KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) run();
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVPOOL_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes()));
-    KVPOOL_CUDA_CHECK(cudaEventRecord(start));
-    run();
-    KVPOOL_CUDA_CHECK(cudaEventRecord(stop));
-    KVPOOL_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    KVPOOL_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  KVPOOL_CUDA_CHECK(cudaEventDestroy(start));
-  KVPOOL_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
-}
 
 struct Timing {
   double ms, bytes, tbps, err;  // err: the max relative error of sequence 0

@@ -43,6 +43,7 @@ namespace kvpool {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::MedianMs;
 
 constexpr int kQHeads = 32;
 constexpr int kKvHeads = 8;
@@ -93,30 +94,6 @@ void Check(KernelStatus s, const char* what) {
     std::fprintf(stderr, "%s: %s %s\n", what, KernelStatusName(s), cuda::LastErrorMessage());
     std::exit(1);
   }
-}
-
-// Median of `iters` timings of `run`, each after an L2 flush.
-template <typename F>
-double MedianMs(int iters, const DeviceBuffer& flush, F&& run) {
-  cudaEvent_t start, stop;
-  KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
-  KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) run();
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    KVPOOL_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes()));
-    KVPOOL_CUDA_CHECK(cudaEventRecord(start));
-    run();
-    KVPOOL_CUDA_CHECK(cudaEventRecord(stop));
-    KVPOOL_CUDA_CHECK(cudaEventSynchronize(stop));
-    float t = 0;
-    KVPOOL_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
-    ms.push_back(t);
-  }
-  KVPOOL_CUDA_CHECK(cudaEventDestroy(start));
-  KVPOOL_CUDA_CHECK(cudaEventDestroy(stop));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 double StreamingReadTbps(int iters, const DeviceBuffer& flush) {

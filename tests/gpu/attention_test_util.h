@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <utility>
@@ -67,6 +68,31 @@ class DeviceBuffer {
   void* ptr_ = nullptr;
   size_t bytes_ = 0;
 };
+
+// Median of `iters` CUDA-event timings of `run` on the default stream, each after writing
+// `flush` (bigger than the L2), after 3 warm-up runs.
+template <typename F>
+double MedianMs(int iters, const DeviceBuffer& flush, F&& run) {
+  cudaEvent_t start, stop;
+  KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
+  KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) run();
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    KVPOOL_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes()));
+    KVPOOL_CUDA_CHECK(cudaEventRecord(start));
+    run();
+    KVPOOL_CUDA_CHECK(cudaEventRecord(stop));
+    KVPOOL_CUDA_CHECK(cudaEventSynchronize(stop));
+    float t = 0;
+    KVPOOL_CUDA_CHECK(cudaEventElapsedTime(&t, start, stop));
+    ms.push_back(t);
+  }
+  KVPOOL_CUDA_CHECK(cudaEventDestroy(start));
+  KVPOOL_CUDA_CHECK(cudaEventDestroy(stop));
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
 
 }  // namespace kvpool::testing
 
