@@ -54,15 +54,17 @@ void EncodeIntGroup(const PageLayout& l, const float* x, int levels, int token, 
   WriteMeta(l, head_page, token, group, scale_h, zero_h);
   const float s = HalfToFloat(scale_h);
   const float z = HalfToFloat(zero_h);
-  // One reciprocal per group; each channel is then one fma: q = x * r + (-z * r).
+  // One reciprocal per group; each channel is then one fma onto codes offset by kCodeOffset:
+  // q = x * r + (kCodeOffset - z * r), the offset's sum rounded once per group.
   const float r = s > 0.0f ? 1.0f / s : 0.0f;
-  const float b = -z * r;
+  const float b = std::fmaf(-z, r, kCodeOffset);
+  const float top = kCodeOffset + static_cast<float>(levels);
   for (int c = c0; c < c0 + l.group_size; ++c) {
     uint8_t code = 0;
     if (s > 0.0f) {
       // Clamping before rounding equals clamping after it, and keeps NaN from the int cast.
-      const float q = std::min(std::max(std::fmaf(x[c], r, b), 0.0f), static_cast<float>(levels));
-      code = static_cast<uint8_t>(std::nearbyint(q));
+      const float q = std::min(std::max(std::fmaf(x[c], r, b), kCodeOffset), top);
+      code = static_cast<uint8_t>(std::nearbyint(q) - kCodeOffset);
     }
     PutCode(l.dtype, row, c, code);
   }

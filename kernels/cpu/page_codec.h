@@ -5,8 +5,10 @@
 //     mn = min x', mx = max x'
 //     scale_h = FloatToHalf((mx - mn) / L), zero_h = FloatToHalf(mn)
 //     s = HalfToFloat(scale_h), z = HalfToFloat(zero_h)
-//     r = 1.0f / s (IEEE, once per group), b = -z * r
-//     code = s > 0 ? clamp((int)nearbyintf(fmaf(x', r, b)), 0, L) : 0   (one fused rounding)
+//     r = 1.0f / s (IEEE, once per group), b = fmaf(-z, r, 128)          (kCodeOffset)
+//     code = s > 0 ? clamp((int)nearbyintf(fmaf(x', r, b)), 128, 128 + L) - 128 : 0
+//   The offset puts q where bf16 has unit steps (INT4: [128, 143]), so that a GPU can round and
+//   pack two codes with one cvt.rn.bf16x2.f32; each fma is rounded once, on a 2^-16 grid.
 //   FP8 E4M3, per group:
 //     scale_h = FloatToHalf(max|x'| / 448), zero_h = 0, s = HalfToFloat(scale_h), r = 1.0f / s
 //     code = s > 0 ? FloatToFp8E4M3(x' * r) : 0
@@ -20,6 +22,9 @@
 #include "kernels/page_layout.h"
 
 namespace kvpool::cpu {
+
+// Integer codes are computed as q = code + kCodeOffset (see above).
+inline constexpr float kCodeOffset = 128.0f;
 
 // Scale and zero of one (token, group), converted from their stored fp16.
 struct GroupMeta {

@@ -4,12 +4,14 @@
 // and its 1/sqrt(rot_block) is folded into the reciprocal of the scale (meta stays exact), so a
 // code may differ by one where x' sits within an fp32 rounding of a half-way point. Unrotated
 // rows match the reference bit for bit.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels/cpu/page_codec.h"
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/hadamard_mma.cuh"
 #include "kernels/kv_kernels.h"
@@ -86,9 +88,16 @@ __device__ __forceinline__ void GroupMinMax(int lanes, float& mn, float& mx) {
   }
 }
 
+// 1.5 * 2^23: for |q| < 2^22, q + kRoundMagic rounds q to an integer (ties to even, like
+// nearbyintf) held in the low mantissa bits; the low byte of the sum's bits is the INT8 code
+// plus kCodeOffset (mod 256).
+constexpr float kRoundMagic = 12582912.0f;
+constexpr float kCodeOffset = cpu::kCodeOffset;
+static_assert(kCodeOffset == 128.0f, "INT4 rounds through bf16, INT8 flips the codes' top bit");
+
 // {scale, zero} of one group (kernels/cpu/page_codec.h) and the quantizer's constants:
-// r = RN(1 / s) (0 when s == 0, which makes every INT code 0), b = -z * r, and the stored word
-// (scale in the low half).
+// r = RN(1 / s) (0 when s == 0, which makes every INT code 0), b = RN(kCodeOffset - z * r)
+// (integer dtypes; FP8 uses r alone), and the stored word (scale in the low half).
 struct GroupMeta {
   float r, b;
   uint32_t word;
@@ -113,13 +122,9 @@ __device__ __forceinline__ GroupMeta MakeGroupMeta(float mn, float mx) {
     m.word = static_cast<uint32_t>(scale_h) | (static_cast<uint32_t>(zero_h) << 16);
   }
   m.r = s > 0.0f ? ReciprocalOfHalf(s) : 0.0f;
-  m.b = __fmul_rn(-z, m.r);
+  m.b = kDtype == KvDtype::kFp8E4M3 ? 0.0f : __fmaf_rn(-z, m.r, kCodeOffset);
   return m;
 }
-
-// 1.5 * 2^23: for |q| < 2^22, q + kRoundMagic rounds q to an integer (ties to even, like
-// nearbyintf) held in the low mantissa bits; the low byte of the sum's bits is the code.
-constexpr float kRoundMagic = 12582912.0f;
 
 // Packs the low bytes of four words (code bits) into one: byte j from w[j].
 __device__ __forceinline__ uint32_t PackLowBytes(uint32_t w0, uint32_t w1, uint32_t w2,
@@ -157,42 +162,64 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
       out[w] = m[j].r > 0.0f ? __byte_perm(pair[0], pair[1], 0x5410) : 0u;
     }
   } else {
-    constexpr float kLevels = kDtype == KvDtype::kInt4 ? 15.0f : 255.0f;
-    // q = fma(x, r, b) is monotonic in x, so each group's min and max bound its q: clamping is
-    // needed only when they round outside [0, levels] (fp16 rounding of s and z), which is rare:
-    // the clamped loop runs only when some lane of the warp needs it.
+    constexpr float kTop = kCodeOffset + (kDtype == KvDtype::kInt4 ? 15.0f : 255.0f);
+    // q = fma(x, r, b) = code + kCodeOffset before rounding. It is monotonic in x, so each
+    // group's min and max bound its q: clamping is needed only when they round outside
+    // [kCodeOffset, kTop] (fp16 rounding of s and z), which is rare: the clamp runs only when
+    // some lane of the warp needs it. From kCodeOffset - 0.25 up both roundings below (bf16,
+    // whose step is 0.5 below 128, and the magic number) reach kCodeOffset; a bound at
+    // kCodeOffset itself would send the groups whose zero rounded up (half of them) to the clamp.
     bool clamp = false;
 #pragma unroll
     for (int j = 0; j < kMetas; ++j) {
-      clamp |= __fmaf_rn(x_mn[j], r[j], m[j].b) < -0.5f ||
-               __fmaf_rn(x_mx[j], r[j], m[j].b) >= kLevels + 0.5f;
+      clamp |= __fmaf_rn(x_mn[j], r[j], m[j].b) < kCodeOffset - 0.25f ||
+               __fmaf_rn(x_mx[j], r[j], m[j].b) >= kTop + 0.5f;
     }
-    uint32_t t[32];  // bits of the rounded code + kRoundMagic
-    if (__any_sync(0xffffffffu, clamp)) {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const float q = __fmaf_rn(x[i], r[meta(i)], m[meta(i)].b);
-        t[i] = __float_as_uint(__fadd_rn(fminf(fmaxf(q, 0.0f), kLevels), kRoundMagic));
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        t[i] = __float_as_uint(
-            __fadd_rn(__fmaf_rn(x[i], r[meta(i)], m[meta(i)].b), kRoundMagic));
-      }
-    }
+    // The clamp is a fix-up between the rounding and the packing, not a second encode path:
+    // with both encodes in the kernel the rotated INT4 kernel took 0.366-0.369 ms for 1 GiB
+    // against 0.355-0.357 (results/experiments_2026-11-29.md, "Twelfth session").
+    clamp = __any_sync(0xffffffffu, clamp);
     if constexpr (kDtype == KvDtype::kInt4) {
-      // Low byte of t[2k + 1] * 16 + t[2k]: code 2k + 1 in the high nibble, 2k in the low one.
+      // bf16 steps by 1 on [128, 256): cvt.rn.bf16x2.f32 rounds two q to integers (ties to even,
+      // like nearbyintf), bits 0x4300 + code, clamped after the rounding (integral from
+      // kCodeOffset up). Word k: channel 2k in the low half, 2k + 1 in the high one.
+      __nv_bfloat162 h[16];
+#pragma unroll
+      for (int k = 0; k < 16; ++k) {
+        const int i = 2 * k;
+        h[k] = __floats2bfloat162_rn(__fmaf_rn(x[i], r[meta(i)], m[meta(i)].b),
+                                     __fmaf_rn(x[i + 1], r[meta(i)], m[meta(i)].b));
+      }
+      if (clamp) {
+        const __nv_bfloat162 lo = __float2bfloat162_rn(kCodeOffset);
+        const __nv_bfloat162 hi = __float2bfloat162_rn(kTop);
+#pragma unroll
+        for (int k = 0; k < 16; ++k) h[k] = __hmax2(__hmin2(h[k], hi), lo);
+      }
+      auto bits = [&](int k) { return *reinterpret_cast<const uint32_t*>(&h[k]); };
+      // Per 8 channels: [c0 c2 c1 c3] and [c4 c6 c5 c7] from the low bytes of the halves, then
+      // the even codes plus 16 times the odd ones: byte j = c(2j) | c(2j + 1) << 4.
 #pragma unroll
       for (int w = 0; w < 4; ++w) {
-        const int i = 8 * w;
-        out[w] = PackLowBytes(t[i + 1] * 16u + t[i], t[i + 3] * 16u + t[i + 2],
-                              t[i + 5] * 16u + t[i + 4], t[i + 7] * 16u + t[i + 6]);
+        const uint32_t a = __byte_perm(bits(4 * w), bits(4 * w + 1), 0x6240);
+        const uint32_t b = __byte_perm(bits(4 * w + 2), bits(4 * w + 3), 0x6240);
+        out[w] = __byte_perm(a, b, 0x5410) + __byte_perm(a, b, 0x7632) * 16u;
       }
     } else {
+      float q[32];
+#pragma unroll
+      for (int i = 0; i < 32; ++i) q[i] = __fmaf_rn(x[i], r[meta(i)], m[meta(i)].b);
+      if (clamp) {
+#pragma unroll
+        for (int i = 0; i < 32; ++i) q[i] = fminf(fmaxf(q[i], kCodeOffset), kTop);
+      }
+      uint32_t t[32];  // bits of the rounded code + kCodeOffset + kRoundMagic
+#pragma unroll
+      for (int i = 0; i < 32; ++i) t[i] = __float_as_uint(__fadd_rn(q[i], kRoundMagic));
+        // The low bytes hold code + 128 (mod 256): flipping their top bit leaves the codes.
 #pragma unroll
       for (int w = 0; w < 8; ++w) {
-        out[w] = PackLowBytes(t[4 * w], t[4 * w + 1], t[4 * w + 2], t[4 * w + 3]);
+        out[w] = PackLowBytes(t[4 * w], t[4 * w + 1], t[4 * w + 2], t[4 * w + 3]) ^ 0x80808080u;
       }
     }
   }
