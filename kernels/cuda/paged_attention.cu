@@ -58,7 +58,11 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int chunk = threadIdx.x % V::kLanes;
   const int head = blockIdx.y * V::kVecs + threadIdx.x / V::kLanes;
   const bool active = head < num_q_heads;
-  AllowDependentLaunch();  // the split kernel prefetches pages while q' is computed
+  // The first kernel of the call, launched as a programmatic dependent like the rest: it waits
+  // for what the stream ran before (a decode step's append) so that the split kernel, which waits
+  // for this one, sees the pages complete; the split kernel's launch overlaps this one.
+  GridDependencyWait();
+  AllowDependentLaunch();
   const size_t row = (static_cast<size_t>(blockIdx.x) * num_q_heads + head) * kHeadDim;
   float x[8] = {};
   if (active) UnpackHalf8(*reinterpret_cast<const uint4*>(q + row + chunk * 8), x);
@@ -404,9 +408,10 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
         if (!plan.mma) {  // the CUDA-core kernel reads q' from here
           const dim3 rotate_grid(
               p.num_seqs, static_cast<int>(CeilDiv(p.num_q_heads, LaneVector<kHeadDim>::kVecs)));
-          RotateQueryKernel<kHeadDim, kRot>
-              <<<rotate_grid, kAttnThreads, 0, s>>>(p.q, p.num_q_heads, signs, w.q_rot);
-          const KernelStatus st = CheckLaunch("RotateQueryKernel");
+          const KernelStatus st = CheckCuda(
+              LaunchDependent(RotateQueryKernel<kHeadDim, kRot>, rotate_grid, dim3(kAttnThreads), 0,
+                              s, p.q, p.num_q_heads, signs, w.q_rot),
+              "RotateQueryKernel");
           if (st != KernelStatus::kOk) return st;
         }
         split.rot_block = kRot;  // the effective rotation: 0 for FP16 pages

@@ -109,6 +109,10 @@ __global__ void __launch_bounds__(kAttnThreads) AttentionSplitKernel(const AttnS
   constexpr int kH = T::kH;
   extern __shared__ __align__(16) uint8_t smem[];
 
+  // Launched as a programmatic dependent of RotateQueryKernel: q' and, through that kernel's own
+  // wait, the pages of a decode step's append are complete after this.
+  GridDependencyWait();
+  AllowDependentLaunch();  // the merge may be scheduled as soon as every split CTA runs
   const int tid = threadIdx.x;
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / a.plan.head_groups;
@@ -395,8 +399,8 @@ KernelStatus LaunchAttentionSplitsGeneral(const AttnSplitArgs& args, int num_seq
   KVPOOL_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
-  kernel<<<grid, kAttnThreads, smem, stream>>>(args);
-  return CheckLaunch("AttentionSplitKernel");
+  return CheckCuda(LaunchDependent(kernel, grid, dim3(kAttnThreads), smem, stream, args),
+                   "AttentionSplitKernel");
 }
 
 }  // namespace attention_internal
