@@ -52,8 +52,11 @@ __device__ __forceinline__ void HadamardMmaFragments(uint32_t (&b)[4]) {
 
 // x = the un-normalized block Hadamard (no 1/sqrt(kRot); the caller applies it) of the lane's
 // 32 channels whose raw fp16 words (sign flip already applied) are `raw` (word j = raw[j / 4]'s
-// component j % 4), with `b` from HadamardMmaFragments<kRot>.
-template <int kRot>
+// component j % 4), with `b` from HadamardMmaFragments<kRot>. With kSkipLast the last butterfly
+// stage is left to the caller: x[i] and x[i + HadamardLastStride(kRot)] (i without that bit) then
+// hold a and c, whose transform outputs are a + c and a - c.
+constexpr int HadamardLastStride(int rot) { return (rot < 32 ? rot : 32) / 2; }
+template <int kRot, bool kSkipLast = false>
 __device__ __forceinline__ void HadamardMma32PerLane(const uint4 (&raw)[4], const uint32_t (&b)[4],
                                                      float (&x)[32]) {
   uint32_t w[16];
@@ -81,9 +84,9 @@ __device__ __forceinline__ void HadamardMma32PerLane(const uint4 (&raw)[4], cons
       x[2 * j + 17] = d[3];
     }
   }
-  constexpr int kInLane = kRot < 32 ? kRot : 32;
+  constexpr int kLast = HadamardLastStride(kRot);
 #pragma unroll
-  for (int s = 4; s < kInLane; s <<= 1) {
+  for (int s = 4; s < (kSkipLast ? kLast : 2 * kLast); s <<= 1) {
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       if ((i & s) == 0) {

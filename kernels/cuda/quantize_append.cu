@@ -1,9 +1,11 @@
 // The fused rotate-quantize-append kernel (DESIGN.md section 5) and kvpool::cuda::QuantizeAppend.
 // It reproduces the CPU reference's per-row math (kernels/cpu/page_codec.h) except that the
-// rotation runs in fp32 instead of double (tensor-core sums, then butterflies: hadamard_mma.cuh)
-// and its 1/sqrt(rot_block) is folded into the reciprocal of the scale (meta stays exact), so a
-// code may differ by one where x' sits within an fp32 rounding of a half-way point. Unrotated
-// rows match the reference bit for bit.
+// rotation runs in fp32 instead of double (tensor-core sums, then butterflies: hadamard_mma.cuh),
+// its 1/sqrt(rot_block) is folded into the reciprocal of the scale (meta stays exact), and for
+// integer codes of wide groups its last butterfly stage is folded into the codes' fmas
+// (EncodeLane's kPairStride), so a code may differ by one where x' sits within a few fp32
+// roundings of a half-way point (measured: at most 1.3e-5 of codes, quantize_gpu_test).
+// Unrotated rows match the reference bit for bit.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -136,8 +138,11 @@ __device__ __forceinline__ uint32_t PackLowBytes(uint32_t w0, uint32_t w1, uint3
 // when kOneMeta), and returns their packed codes as stored (INT4: 4 words, INT8 / FP8: 8 words).
 // `x_scale` is the factor between x and x' (the Hadamard normalization when x holds bare
 // butterflies, else 1): the code of x' is computed as fma(x, r * x_scale, b); x_mn / x_mx bound x
-// over each j. Every lane of the warp must call it (the clamp decision is warp-uniform).
-template <KvDtype kDtype, bool kOneMeta>
+// over each j. kPairStride > 0 (integer dtypes, kOneMeta): x holds the Hadamard's last butterfly
+// stage undone (HadamardMma32PerLane<kRot, true>), pairs a = x[i], c = x[i + kPairStride]; the
+// codes of a + c and a - c are then fma(+-c, r, fma(a, r, b)), 3 fma per pair instead of 2 adds
+// and 2 fma. Every lane of the warp must call it (the clamp decision is warp-uniform).
+template <KvDtype kDtype, bool kOneMeta, int kPairStride = 0>
 __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta (&m)[4],
                                            const float (&x_mn)[4], const float (&x_mx)[4],
                                            float x_scale, uint32_t (&out)[8]) {
@@ -162,18 +167,34 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
       out[w] = m[j].r > 0.0f ? __byte_perm(pair[0], pair[1], 0x5410) : 0u;
     }
   } else {
+    static_assert(kPairStride == 0 || kOneMeta, "pairs share their meta");
     constexpr float kTop = kCodeOffset + (kDtype == KvDtype::kInt4 ? 15.0f : 255.0f);
-    // q = fma(x, r, b) = code + kCodeOffset before rounding. It is monotonic in x, so each
-    // group's min and max bound its q: clamping is needed only when they round outside
-    // [kCodeOffset, kTop] (fp16 rounding of s and z), which is rare: the clamp runs only when
-    // some lane of the warp needs it. From kCodeOffset - 0.25 up both roundings below (bf16,
-    // whose step is 0.5 below 128, and the magic number) reach kCodeOffset; a bound at
-    // kCodeOffset itself would send the groups whose zero rounded up (half of them) to the clamp.
+    // q = fma(x, r, b) = code + kCodeOffset before rounding (within a few ulp of it with pairs).
+    // It is monotonic in x, so each group's min and max bound its q: clamping is needed only
+    // when they round outside [kCodeOffset, kTop] (fp16 rounding of s and z), which is rare: the
+    // clamp runs only when some lane of the warp needs it. From kCodeOffset - 0.25 up both
+    // roundings below (bf16, whose step is 0.5 below 128, and the magic number) reach
+    // kCodeOffset, and up to kTop + 0.5 they stay below kTop + 1: the bounds keep 1/8 from those
+    // (for the pairs' roundings). A bound at kCodeOffset itself would send the groups whose zero
+    // rounded up (half of them) to the clamp.
     bool clamp = false;
 #pragma unroll
     for (int j = 0; j < kMetas; ++j) {
-      clamp |= __fmaf_rn(x_mn[j], r[j], m[j].b) < kCodeOffset - 0.25f ||
-               __fmaf_rn(x_mx[j], r[j], m[j].b) >= kTop + 0.5f;
+      clamp |= __fmaf_rn(x_mn[j], r[j], m[j].b) < kCodeOffset - 0.125f ||
+               __fmaf_rn(x_mx[j], r[j], m[j].b) >= kTop + 0.375f;
+    }
+    float q[32];
+    if constexpr (kPairStride > 0) {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        if ((i & kPairStride) != 0) continue;
+        const float u = __fmaf_rn(x[i], r[0], m[0].b);
+        q[i] = __fmaf_rn(x[i + kPairStride], r[0], u);
+        q[i + kPairStride] = __fmaf_rn(-x[i + kPairStride], r[0], u);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 32; ++i) q[i] = __fmaf_rn(x[i], r[meta(i)], m[meta(i)].b);
     }
     // The clamp is a fix-up between the rounding and the packing, not a second encode path:
     // with both encodes in the kernel the rotated INT4 kernel took 0.366-0.369 ms for 1 GiB
@@ -185,11 +206,7 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
       // kCodeOffset up). Word k: channel 2k in the low half, 2k + 1 in the high one.
       __nv_bfloat162 h[16];
 #pragma unroll
-      for (int k = 0; k < 16; ++k) {
-        const int i = 2 * k;
-        h[k] = __floats2bfloat162_rn(__fmaf_rn(x[i], r[meta(i)], m[meta(i)].b),
-                                     __fmaf_rn(x[i + 1], r[meta(i)], m[meta(i)].b));
-      }
+      for (int k = 0; k < 16; ++k) h[k] = __floats2bfloat162_rn(q[2 * k], q[2 * k + 1]);
       if (clamp) {
         const __nv_bfloat162 lo = __float2bfloat162_rn(kCodeOffset);
         const __nv_bfloat162 hi = __float2bfloat162_rn(kTop);
@@ -206,9 +223,6 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
         out[w] = __byte_perm(a, b, 0x5410) + __byte_perm(a, b, 0x7632) * 16u;
       }
     } else {
-      float q[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) q[i] = __fmaf_rn(x[i], r[meta(i)], m[meta(i)].b);
       if (clamp) {
 #pragma unroll
         for (int i = 0; i < 32; ++i) q[i] = fminf(fmaxf(q[i], kCodeOffset), kTop);
@@ -240,6 +254,10 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
                                                int offset, int chunk, bool write) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp8 = kDtype == KvDtype::kFp8E4M3;
+  // Integer codes of wide groups take the Hadamard's last butterfly stage into the encode
+  // (EncodeLane's kPairStride): the pair (a, c) has extremes a + |c| and a - |c|, exact, so the
+  // min / max tree starts from 16 pairs, and the codes take 3 fma per pair.
+  constexpr int kPairStride = kRot > 0 && kWideGroups && !kFp8 ? HadamardLastStride(kRot) : 0;
   float x[32];
   // x holds the bare transform (no 1/sqrt(kRot)); x' = x * norm, and RN(x * norm) is monotonic
   // in x, so the group extremes of x' are the rounded extremes of x.
@@ -251,7 +269,7 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
       const uint4 m = LoadSharedVolatile16(sign_masks + w * kLanes);
       flipped[w] = make_uint4(raw[w].x ^ m.x, raw[w].y ^ m.y, raw[w].z ^ m.z, raw[w].w ^ m.w);
     }
-    HadamardMma32PerLane<kRot>(flipped, hadamard_b, x);
+    HadamardMma32PerLane<kRot, /*kSkipLast=*/(kPairStride > 0)>(flipped, hadamard_b, x);
     norm = HadamardNorm(kRot);
   } else {
 #pragma unroll
@@ -262,7 +280,30 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
       for (int i = 0; i < 8; ++i) x[8 * w + i] = part[i];
     }
   }
-  float mn[4], mx[4];  // of x, per 8 channels (FP8: mx = max |x|)
+  float mn[4], mx[4];  // of x, per 8 channels (FP8: mx = max |x|); with pairs [0] only
+  if constexpr (kPairStride > 0) {
+    float lo[16], hi[16];
+#pragma unroll
+    for (int p = 0; p < 16; ++p) {  // pair p: channel i (bit kPairStride clear) and i + stride
+      const int i = (p & (kPairStride - 1)) | ((p & ~(kPairStride - 1)) << 1);
+      lo[p] = __fsub_rn(x[i], fabsf(x[i + kPairStride]));
+      hi[p] = __fadd_rn(x[i], fabsf(x[i + kPairStride]));
+    }
+    // Trees, not chains (a loop over the widths left the arrays in local memory).
+    auto fold = [&](auto width) {
+#pragma unroll
+      for (int p = 0; p < decltype(width)::value; ++p) {
+        lo[p] = fminf(lo[p], lo[p + decltype(width)::value]);
+        hi[p] = fmaxf(hi[p], hi[p + decltype(width)::value]);
+      }
+    };
+    fold(std::integral_constant<int, 8>{});
+    fold(std::integral_constant<int, 4>{});
+    fold(std::integral_constant<int, 2>{});
+    fold(std::integral_constant<int, 1>{});
+    mn[0] = lo[0];
+    mx[0] = hi[0];
+  } else {
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     mn[j] = x[8 * j];
@@ -277,14 +318,17 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
       }
     }
   }
+  }
   GroupMeta meta[4];
   uint32_t codes[8];
   if constexpr (kWideGroups) {  // one group over the lane's channels: meta[0], mn[0], mx[0]
-    mn[0] = fminf(fminf(mn[0], mn[1]), fminf(mn[2], mn[3]));
-    mx[0] = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+    if constexpr (kPairStride == 0) {
+      mn[0] = fminf(fminf(mn[0], mn[1]), fminf(mn[2], mn[3]));
+      mx[0] = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+    }
     GroupMinMax<kLanes, !kFp8>(1 << (a.group_log2 - 5), mn[0], mx[0]);
     meta[0] = MakeGroupMeta<kDtype>(__fmul_rn(mn[0], norm), __fmul_rn(mx[0], norm));
-    EncodeLane<kDtype, /*kOneMeta=*/true>(x, meta, mn, mx, norm, codes);
+    EncodeLane<kDtype, /*kOneMeta=*/true, kPairStride>(x, meta, mn, mx, norm, codes);
   } else {
     if (a.group_size == 16) {
 #pragma unroll
