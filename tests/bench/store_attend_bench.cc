@@ -5,12 +5,19 @@
 // (8 KV heads x head_dim 128), 32 query heads, --batch sequences of --context tokens each (every
 // sequence its own prompt, pages all-ones fp16: their values do not matter here). With --append
 // each call appends a token per item, on fresh leases every 256 calls so that contexts stay near
-// --context. Prints the mean wall time per call over --iters calls after 100 warm-up calls.
-//   store_attend_bench [--batch=32] [--context=4096] [--iters=5000] [--append]
+// --context. With --region the items' q rows (and new K/V) lie back to back in one buffer, as in
+// an AttendSocket region step, and another thread rewrites that buffer before every call, as the
+// client of a region does: the store then reads data that another core has just written.
+// Prints the mean wall time per call over --iters calls after 100 warm-up calls, and the minor
+// page faults per call (fresh memory touched).
+//   store_attend_bench [--batch=32] [--context=4096] [--iters=5000] [--append] [--region]
+#include <sys/resource.h>
+
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,11 +30,14 @@
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
 #include "tests/common/kv_test_data.h"
+#include "tests/common/region_writer.h"
 
 ABSL_FLAG(int, batch, 32, "items per Attend call");
 ABSL_FLAG(int, context, 4096, "tokens per sequence");
 ABSL_FLAG(int, iters, 5000, "timed calls");
 ABSL_FLAG(bool, append, false, "append a new token per item in every call");
+ABSL_FLAG(bool, region, false,
+          "q and new K/V back to back in one buffer that another thread rewrites before each call");
 
 namespace kvpool {
 namespace {
@@ -108,18 +118,37 @@ int Main(int argc, char** argv) {
       testing::ToHalf(testing::MakeNormal(static_cast<size_t>(kQHeads) * config.head_dim, 3));
   const std::vector<uint16_t> new_kv = testing::ToHalf(
       testing::MakeNormal(static_cast<size_t>(config.num_kv_heads) * config.head_dim, 4));
+  // --region: q rows, then each item's new K and V rows, rewritten from `source` by `writer`.
+  const size_t q_elems = q.size(), kv_elems = new_kv.size();
+  std::vector<uint16_t> source, region;
+  if (absl::GetFlag(FLAGS_region)) {
+    for (int b = 0; b < batch; ++b) source.insert(source.end(), q.begin(), q.end());
+    for (int b = 0; b < 2 * batch; ++b) source.insert(source.end(), new_kv.begin(), new_kv.end());
+    region = source;
+  }
   std::vector<KvStore::AttendItem> items(batch);
-  for (KvStore::AttendItem& item : items) {
-    item.q = q.data();
+  for (int b = 0; b < batch; ++b) {
+    KvStore::AttendItem& item = items[b];
+    item.q = region.empty() ? q.data() : region.data() + b * q_elems;
     if (append) {
-      item.new_k = item.new_v = new_kv.data();
+      item.new_k =
+          region.empty() ? new_kv.data() : region.data() + batch * q_elems + 2 * b * kv_elems;
+      item.new_v = region.empty() ? new_kv.data() : item.new_k + kv_elems;
       item.new_token_id = 7;
     }
   }
+  std::optional<testing::RegionWriter> writer;
+  if (!region.empty()) writer.emplace(region.data(), source.data(), source.size() * 2);
   std::vector<uint16_t> out(static_cast<size_t>(batch) * kQHeads * config.head_dim);
   std::vector<uint32_t> attended(batch);
   const KvStore::AttendOutputs outputs{nullptr, out.data(), nullptr, attended.data()};
   double seconds = 0;
+  long faults = 0;  // minor page faults of this thread inside the timed calls
+  auto thread_faults = [] {
+    rusage u;
+    getrusage(RUSAGE_THREAD, &u);
+    return u.ru_minflt;
+  };
   for (int i = 0; i < kWarmup + iters; ++i) {
     if (i % kCallsPerLease == 0) {  // fresh leases: appends would grow the contexts
       for (int b = 0; b < batch; ++b) {
@@ -133,17 +162,24 @@ int Main(int argc, char** argv) {
         items[b].lease_id = m->lease_id;
       }
     }
+    if (writer) writer->Rewrite();
+    const long faults_before = thread_faults();
     const auto start = std::chrono::steady_clock::now();
     const absl::Status s = (*store)->Attend(0, kQHeads, 0.0f, items, outputs);
     const auto end = std::chrono::steady_clock::now();
+    if (i >= kWarmup) faults += thread_faults() - faults_before;
     if (!s.ok()) {
       std::fprintf(stderr, "attend: %s\n", s.ToString().c_str());
       return 1;
     }
     if (i >= kWarmup) seconds += std::chrono::duration<double>(end - start).count();
   }
-  std::printf("store Attend, batch %d x %d context tokens%s, host-only backend: %.1f us per call\n",
-              batch, context, append ? " with a new token each" : "", seconds / iters * 1e6);
+  std::printf(
+      "store Attend, batch %d x %d context tokens%s%s, host-only backend: %.1f us per call, "
+      "%.2f page faults per call\n",
+      batch, context, append ? " with a new token each" : "",
+      region.empty() ? "" : ", region rewritten by another thread", seconds / iters * 1e6,
+      static_cast<double>(faults) / iters);
   return 0;
 }
 

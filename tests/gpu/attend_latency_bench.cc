@@ -9,7 +9,9 @@
 //   pinned  the store call as an AttendSocket region step makes it: q back to back and the output
 //           in host memory registered with the backend (ComputeBackend::RegisterHostMemory), so
 //           the backend copies them straight to and from the device; "pinned append" the same
-//           with each item's new K/V in that memory too (a region decode step);
+//           with each item's new K/V in that memory too (a region decode step). With
+//           --rewrite_region another thread rewrites that memory (q, output and new K/V) before
+//           each call, as the region's client does: the call then reads what another core wrote;
 //   backend ComputeBackend::PagedDecodeAttention of the CUDA backend on host q, block tables and
 //           lengths of the same shape over a synthetic arena: staging copies, kernels, copy back;
 //           "backend pinned" the same with q and out in registered host memory, "backend
@@ -19,15 +21,17 @@
 //           append's cuda::QuantizeAppend, as the backend launches both for a decode step.
 // The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
 //
-// usage: attend_latency_bench [--iters=300] [--kernel_host_io=false] [--out=results.json
-//        --commit=<sha>]
+// usage: attend_latency_bench [--iters=300] [--kernel_host_io=false] [--rewrite_region]
+//        [--out=results.json --commit=<sha>]
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -41,11 +45,15 @@
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
 #include "tests/common/kv_test_data.h"
+#include "tests/common/region_writer.h"
 #include "tests/gpu/attention_test_util.h"
 
 ABSL_FLAG(int, iters, 300, "timed calls per shape and path (after 20 warm-up calls)");
 ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
 ABSL_FLAG(std::string, commit, "unknown", "git commit of the build");
+ABSL_FLAG(bool, rewrite_region, false,
+          "the pinned columns' q and new K/V rewritten by another thread before each call, as an "
+          "AttendSocket client rewrites its region");
 ABSL_FLAG(bool, kernel_host_io, true,
           "CudaBackendOptions::kernel_host_io: false times the DMA copies around the kernels");
 
@@ -72,10 +80,12 @@ Times Percentiles(std::vector<double> us) {
   return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
 }
 
+// `before` runs ahead of each call, outside the timed span.
 template <typename F>
-Times TimeWall(int iters, F&& call) {
+Times TimeWall(int iters, F&& call, const std::function<void()>& before = nullptr) {
   std::vector<double> us;
   for (int i = 0; i < kWarmup + iters; ++i) {
+    if (before) before();
     const absl::Time start = absl::Now();
     if (!call()) std::exit(1);
     if (i >= kWarmup) us.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
@@ -234,8 +244,9 @@ int Main(int argc, char** argv) {
 
   std::string json = absl::StrFormat(
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
-      "  \"kernel_host_io\": %s,\n  \"cases\": [\n",
-      absl::GetFlag(FLAGS_commit), iters, absl::GetFlag(FLAGS_kernel_host_io) ? "true" : "false");
+      "  \"kernel_host_io\": %s,\n  \"rewrite_region\": %s,\n  \"cases\": [\n",
+      absl::GetFlag(FLAGS_commit), iters, absl::GetFlag(FLAGS_kernel_host_io) ? "true" : "false",
+      absl::GetFlag(FLAGS_rewrite_region) ? "true" : "false");
   std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %14s %10s %10s\n", "batch x ctx",
               "runner p50/99", "store p50/99", "append p50/99", "pinned p50/99", "p.append p50/99",
               "backend p50/99", "b.pinned p50/99", "b.append p50/99", "kernel p50", "k.append");
@@ -316,27 +327,42 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr, "register: %s\n", s.ToString().c_str());
       return 1;
     }
+    // With --rewrite_region the whole region is rewritten from a copy before each call.
+    const std::vector<uint16_t> region_source(region.begin(), region.end());
+    std::optional<testing::RegionWriter> writer;
+    std::function<void()> rewrite;
+    if (absl::GetFlag(FLAGS_rewrite_region)) {
+      writer.emplace(region.data(), region_source.data(), region.size() * 2);
+      rewrite = [&writer] { writer->Rewrite(); };
+    }
     std::vector<KvStore::AttendItem> region_items = items;
     for (int b = 0; b < shape.batch; ++b) region_items[b].q = region.data() + b * q_elems;
     const KvStore::AttendOutputs region_outputs{nullptr, region.data() + shape.batch * q_elems,
                                                 nullptr, attended.data()};
-    const Times pinned = TimeWall(iters, [&] {
-      const absl::Status s = (*store)->Attend(0, kQHeads, 0.0f, region_items, region_outputs);
-      if (!s.ok()) std::fprintf(stderr, "pinned: %s\n", s.ToString().c_str());
-      return s.ok();
-    });
+    const Times pinned = TimeWall(
+        iters,
+        [&] {
+          const absl::Status s = (*store)->Attend(0, kQHeads, 0.0f, region_items, region_outputs);
+          if (!s.ok()) std::fprintf(stderr, "pinned: %s\n", s.ToString().c_str());
+          return s.ok();
+        },
+        rewrite);
     std::vector<KvStore::AttendItem> region_append_items = region_items;
     for (int b = 0; b < shape.batch; ++b) {
       region_append_items[b].new_k = region_kv + 2 * b * kv_elems;
       region_append_items[b].new_v = region_kv + (2 * b + 1) * kv_elems;
       region_append_items[b].new_token_id = 7;
     }
-    const Times pinned_append = TimeWall(iters, [&] {
-      const absl::Status s =
-          (*store)->Attend(0, kQHeads, 0.0f, region_append_items, region_outputs);
-      if (!s.ok()) std::fprintf(stderr, "pinned append: %s\n", s.ToString().c_str());
-      return s.ok();
-    });
+    const Times pinned_append = TimeWall(
+        iters,
+        [&] {
+          const absl::Status s =
+              (*store)->Attend(0, kQHeads, 0.0f, region_append_items, region_outputs);
+          if (!s.ok()) std::fprintf(stderr, "pinned append: %s\n", s.ToString().c_str());
+          return s.ok();
+        },
+        rewrite);
+    writer.reset();
     (*backend)->UnregisterHostMemory(region.data());
     const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
     std::printf(
