@@ -106,12 +106,15 @@ def attend_latency():
           f"NVIDIA H200):\n")
     # Columns that later versions of the benchmark added show when the file has them.
     pinned_append = any("pinned_append_p50_us" in c for c in d["cases"])
+    layers = d.get("kernel_layers") if any("kernel_append_layers_p50_us" in c
+                                           for c in d["cases"]) else None
     print("| batch x context | AttendRunner | KvStore::Attend | decode step (with append) "
           "| KvStore::Attend, q and out pinned |"
           + (" decode step, q, out and new K/V pinned |" if pinned_append else "")
           + " CUDA backend call | same, q and out pinned "
-          "| same, with an append | bare kernels (p50) | bare kernels with the append (p50) |")
-    print("|---" * (10 + pinned_append) + "|")
+          "| same, with an append | bare kernels (p50) | bare kernels with the append (p50) |"
+          + (f" same, {layers} layers in turn (p50) |" if layers else ""))
+    print("|---" * (10 + pinned_append + bool(layers)) + "|")
 
     def pair(c, key):
         return f"{c[key + '_p50_us']:.0f} / {c[key + '_p99_us']:.0f}" if key + "_p50_us" in c \
@@ -123,7 +126,8 @@ def attend_latency():
               + (f"{pair(c, 'pinned_append')} | " if pinned_append else "")
               + f"{pair(c, 'backend')} | "
               f"{pair(c, 'backend_pinned')} | {pair(c, 'backend_append')} | "
-              f"{c['kernel_p50_us']:.0f} | {c.get('kernel_append_p50_us', float('nan')):.0f} |")
+              f"{c['kernel_p50_us']:.0f} | {c.get('kernel_append_p50_us', float('nan')):.0f} |"
+              + (f" {c['kernel_append_layers_p50_us']:.0f} |" if layers else ""))
     print()
 
 

@@ -18,11 +18,13 @@
 //           append" that with a new token per sequence appended first (fused quantize);
 //   kernel  cuda::PagedDecodeAttention alone on device-resident inputs of that arena (CUDA
 //           events, L2 as warm as in a decode loop); "kernel append" the same after the
-//           append's cuda::QuantizeAppend, as the backend launches both for a decode step.
+//           append's cuda::QuantizeAppend, as the backend launches both for a decode step;
+//           "layers in turn" that over --kernel_layers layers of pages, one per call, as a
+//           model's decode steps visit its layers (`kvpool bench attend` does too).
 // The gRPC share is the client's p50 (`kvpool bench attend`) minus the runner's.
 //
 // usage: attend_latency_bench [--iters=300] [--kernel_host_io=false] [--rewrite_region]
-//        [--out=results.json --commit=<sha>]
+//        [--kernel_layers=32] [--out=results.json --commit=<sha>]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -51,6 +53,9 @@
 ABSL_FLAG(int, iters, 300, "timed calls per shape and path (after 20 warm-up calls)");
 ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
 ABSL_FLAG(std::string, commit, "unknown", "git commit of the build");
+ABSL_FLAG(int, kernel_layers, 32,
+          "layers of the synthetic arena that the 'kernels with the append, layers in turn' column "
+          "visits one per call, as a model's decode steps (and `kvpool bench attend`) do");
 ABSL_FLAG(bool, rewrite_region, false,
           "the pinned columns' q and new K/V rewritten by another thread before each call, as an "
           "AttendSocket client rewrites its region");
@@ -94,7 +99,7 @@ Times TimeWall(int iters, F&& call, const std::function<void()>& before = nullpt
 }
 
 struct ArenaTimes {
-  Times backend, backend_pinned, backend_append, kernel, kernel_append;
+  Times backend, backend_pinned, backend_append, kernel, kernel_append, kernel_append_layers;
 };
 
 // The backend call and the bare kernel of `shape` over a synthetic arena: constant INT4 pages
@@ -117,10 +122,12 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
   const size_t page_bytes = static_cast<size_t>(num_blocks) * layout.layer_page_bytes();
   const size_t ws_bytes =
       cuda::AttentionWorkspaceBytes(layout, shape.batch, kQHeads, blocks_per_seq, 0);
-  const testing::DeviceBuffer pages(page_bytes), dq(q), dtables(tables), dlens(lens),
+  // --kernel_layers layers of pages; every column but the last uses the first.
+  const int layers = std::max(1, absl::GetFlag(FLAGS_kernel_layers));
+  const testing::DeviceBuffer pages(page_bytes * layers), dq(q), dtables(tables), dlens(lens),
       dout(static_cast<size_t>(shape.batch) * kQHeads * kHeadDim * sizeof(uint16_t)), ws(ws_bytes);
   // Codes 1 and meta 0x1111 (a small finite fp16) everywhere.
-  KVPOOL_CUDA_CHECK(cudaMemset(pages.get(), 0x11, page_bytes));
+  KVPOOL_CUDA_CHECK(cudaMemset(pages.get(), 0x11, page_bytes * layers));
   p.pages = pages.get<const uint8_t>();
   p.q = dq.get<const uint16_t>();
   p.block_tables = dtables.get<const int32_t>();
@@ -190,15 +197,21 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
   dappend.k = dnew_kv.get<const uint16_t>();
   dappend.v = dappend.k;
   dappend.slot_mapping = dslots.get<const int64_t>();
-  auto time_kernels = [&](bool with_append) {
+  // `cycle_layers`: call i works on layer i % layers of the arena.
+  auto time_kernels = [&](bool with_append, bool cycle_layers) {
     cudaEvent_t start, stop;
     KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
     KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
     std::vector<double> us;
+    PagedDecodeAttentionParams lp = p;
+    QuantizeAppendParams la = dappend;
     for (int i = 0; i < kWarmup + iters; ++i) {
+      const size_t layer_offset = cycle_layers ? (i % layers) * page_bytes : 0;
+      lp.pages = p.pages + layer_offset;
+      la.pages = dappend.pages + layer_offset;
       KVPOOL_CUDA_CHECK(cudaEventRecord(start, stream));
-      if ((with_append && cuda::QuantizeAppend(dappend, stream) != KernelStatus::kOk) ||
-          cuda::PagedDecodeAttention(p, stream) != KernelStatus::kOk) {
+      if ((with_append && cuda::QuantizeAppend(la, stream) != KernelStatus::kOk) ||
+          cuda::PagedDecodeAttention(lp, stream) != KernelStatus::kOk) {
         std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
         std::exit(1);
       }
@@ -212,9 +225,12 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
     cudaEventDestroy(stop);
     return Percentiles(std::move(us));
   };
-  const Times kernel_times = time_kernels(false), kernel_append_times = time_kernels(true);
+  const Times kernel_times = time_kernels(false, false);
+  const Times kernel_append_times = time_kernels(true, false);
+  const Times kernel_append_layers_times = time_kernels(true, true);
   cudaStreamDestroy(stream);
-  return {backend_times, pinned_times, append_times, kernel_times, kernel_append_times};
+  return {backend_times, pinned_times,        append_times,
+          kernel_times,  kernel_append_times, kernel_append_layers_times};
 }
 
 int Main(int argc, char** argv) {
@@ -244,12 +260,15 @@ int Main(int argc, char** argv) {
 
   std::string json = absl::StrFormat(
       "{\n  \"benchmark\": \"attend_latency_bench\",\n  \"commit\": \"%s\",\n  \"iters\": %d,\n"
-      "  \"kernel_host_io\": %s,\n  \"rewrite_region\": %s,\n  \"cases\": [\n",
+      "  \"kernel_host_io\": %s,\n  \"rewrite_region\": %s,\n  \"kernel_layers\": %d,\n"
+      "  \"cases\": [\n",
       absl::GetFlag(FLAGS_commit), iters, absl::GetFlag(FLAGS_kernel_host_io) ? "true" : "false",
-      absl::GetFlag(FLAGS_rewrite_region) ? "true" : "false");
-  std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %14s %10s %10s\n", "batch x ctx",
+      absl::GetFlag(FLAGS_rewrite_region) ? "true" : "false",
+      std::max(1, absl::GetFlag(FLAGS_kernel_layers)));
+  std::printf("%-12s %14s %14s %14s %14s %14s %14s %14s %14s %10s %10s %10s\n", "batch x ctx",
               "runner p50/99", "store p50/99", "append p50/99", "pinned p50/99", "p.append p50/99",
-              "backend p50/99", "b.pinned p50/99", "b.append p50/99", "kernel p50", "k.append");
+              "backend p50/99", "b.pinned p50/99", "b.append p50/99", "kernel p50", "k.append",
+              "k.app.lay.");
   int seq = 0;
   for (const Shape& shape : kShapes) {
     // One K/V for every sequence of the shape (their token ids differ, so no blocks are shared):
@@ -367,25 +386,26 @@ int Main(int argc, char** argv) {
     const ArenaTimes arena = TimeArena(backend->get(), layout, shape, iters);
     std::printf(
         "%3d x %-6d %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f "
-        "%6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %8.1f us %8.1f us\n",
+        "%6.0f / %5.0f %6.0f / %5.0f %6.0f / %5.0f %8.1f us %8.1f us %8.1f us\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
         app.p99_us, pinned.p50_us, pinned.p99_us, pinned_append.p50_us, pinned_append.p99_us,
-        arena.backend.p50_us, arena.backend.p99_us,
-        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
-        arena.backend_append.p99_us, arena.kernel.p50_us, arena.kernel_append.p50_us);
+        arena.backend.p50_us, arena.backend.p99_us, arena.backend_pinned.p50_us,
+        arena.backend_pinned.p99_us, arena.backend_append.p50_us, arena.backend_append.p99_us,
+        arena.kernel.p50_us, arena.kernel_append.p50_us, arena.kernel_append_layers.p50_us);
     json += absl::StrFormat(
         "    {\"batch\": %d, \"context\": %d, \"runner_p50_us\": %.1f, \"runner_p99_us\": %.1f, "
         "\"store_p50_us\": %.1f, \"store_p99_us\": %.1f, \"append_p50_us\": %.1f, "
         "\"append_p99_us\": %.1f, \"pinned_p50_us\": %.1f, \"pinned_p99_us\": %.1f, "
-        "\"pinned_append_p50_us\": %.1f, \"pinned_append_p99_us\": %.1f, \"backend_p50_us\": %.1f, \"backend_p99_us\": %.1f, \"backend_pinned_p50_us\": %.1f, "
+        "\"pinned_append_p50_us\": %.1f, \"pinned_append_p99_us\": %.1f, \"backend_p50_us\": %.1f, "
+        "\"backend_p99_us\": %.1f, \"backend_pinned_p50_us\": %.1f, "
         "\"backend_pinned_p99_us\": %.1f, \"backend_append_p50_us\": %.1f, "
         "\"backend_append_p99_us\": %.1f, \"kernel_p50_us\": %.1f, \"kernel_append_p50_us\": "
-        "%.1f}%s\n",
+        "%.1f, \"kernel_append_layers_p50_us\": %.1f}%s\n",
         shape.batch, shape.context, run.p50_us, run.p99_us, st.p50_us, st.p99_us, app.p50_us,
         app.p99_us, pinned.p50_us, pinned.p99_us, pinned_append.p50_us, pinned_append.p99_us,
-        arena.backend.p50_us, arena.backend.p99_us,
-        arena.backend_pinned.p50_us, arena.backend_pinned.p99_us, arena.backend_append.p50_us,
-        arena.backend_append.p99_us, arena.kernel.p50_us, arena.kernel_append.p50_us,
+        arena.backend.p50_us, arena.backend.p99_us, arena.backend_pinned.p50_us,
+        arena.backend_pinned.p99_us, arena.backend_append.p50_us, arena.backend_append.p99_us,
+        arena.kernel.p50_us, arena.kernel_append.p50_us, arena.kernel_append_layers.p50_us,
         &shape == &kShapes[std::size(kShapes) - 1] ? "" : ",");
     for (uint64_t lease : leases) (*store)->Release(lease).IgnoreError();
   }
