@@ -230,7 +230,7 @@ __device__ __forceinline__ void EncodeLane(const float (&x)[32], const GroupMeta
       uint32_t t[32];  // bits of the rounded code + kCodeOffset + kRoundMagic
 #pragma unroll
       for (int i = 0; i < 32; ++i) t[i] = __float_as_uint(__fadd_rn(q[i], kRoundMagic));
-        // The low bytes hold code + 128 (mod 256): flipping their top bit leaves the codes.
+      // The low bytes hold code + 128 (mod 256): flipping their top bit leaves the codes.
 #pragma unroll
       for (int w = 0; w < 8; ++w) {
         out[w] = PackLowBytes(t[4 * w], t[4 * w + 1], t[4 * w + 2], t[4 * w + 3]) ^ 0x80808080u;
@@ -305,19 +305,19 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
     mx[0] = hi[0];
   } else {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    mn[j] = x[8 * j];
-    mx[j] = kFp8 ? fabsf(x[8 * j]) : x[8 * j];
+    for (int j = 0; j < 4; ++j) {
+      mn[j] = x[8 * j];
+      mx[j] = kFp8 ? fabsf(x[8 * j]) : x[8 * j];
 #pragma unroll
-    for (int i = 8 * j + 1; i < 8 * j + 8; ++i) {
-      if constexpr (kFp8) {
-        mx[j] = fmaxf(mx[j], fabsf(x[i]));
-      } else {
-        mn[j] = fminf(mn[j], x[i]);
-        mx[j] = fmaxf(mx[j], x[i]);
+      for (int i = 8 * j + 1; i < 8 * j + 8; ++i) {
+        if constexpr (kFp8) {
+          mx[j] = fmaxf(mx[j], fabsf(x[i]));
+        } else {
+          mn[j] = fminf(mn[j], x[i]);
+          mx[j] = fmaxf(mx[j], x[i]);
+        }
       }
     }
-  }
   }
   GroupMeta meta[4];
   uint32_t codes[8];
