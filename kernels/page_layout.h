@@ -14,8 +14,8 @@
 //   kInt4     asymmetric per group: scale = (max-min)/15, zero = min (both stored fp16),
 //             code = clamp(rint(fmaf(x', r, fmaf(-zero, r, 128))), 128, 143) - 128 with fp32
 //             math on the fp16 scale and zero, r = 1 / scale (IEEE, once per group), each fma
-//             rounded once (kernels/cpu/page_codec.h); byte j holds
-//             channel 2j in its low nibble, 2j+1 in its high nibble.
+//             rounded once (kernels/cpu/page_codec.h); byte j holds channel 2j in its low
+//             nibble, 2j+1 in its high nibble.
 //             x' ~= code * scale + zero.
 //   kInt8     the same with 255 levels, one byte per channel.
 //   kFp8E4M3  symmetric per group: scale = absmax/448 (fp16), zero = 0;
