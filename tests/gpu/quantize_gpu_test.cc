@@ -1,6 +1,7 @@
 // CUDA QuantizeAppend / Dequantize against the CPU reference (kvpool::cpu) on fresh random K/V
 // with outlier channels, over dtype x rot block x head_dim x block_tokens, with scattered slot
-// mappings, skipped slots, odd token counts, many sequences and sinks.
+// mappings, skipped slots, odd token counts, many sequences and sinks, and on rows that need the
+// clamp or have a scale of 0.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu/page_codec.h"
 #include "kernels/fp16.h"
+#include "kernels/hadamard.h"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
 #include "tests/common/kv_test_data.h"
@@ -130,10 +132,9 @@ Inputs MakeInputs(const Case& c, uint64_t seed) {
   return in;
 }
 
-// Runs one case on both backends and checks every byte of the arena (and sink arena).
-void CheckCase(const Case& c, uint64_t seed, CodeStats* stats) {
+// Runs one case's inputs on both backends and checks every byte of the arena (and sink arena).
+void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats) {
   SCOPED_TRACE(Name(c));
-  const Inputs in = MakeInputs(c, seed);
   const PageLayout& l = in.layout;
   const size_t page_bytes = in.num_blocks * l.layer_page_bytes();
   const size_t sink_bytes = in.num_blocks * l.sink_page_bytes();
@@ -236,7 +237,7 @@ void CheckCase(const Case& c, uint64_t seed, CodeStats* stats) {
   // GPU round trip reconstructs the inputs within the dtype's error.
   std::vector<int32_t> ids(in.num_blocks);
   std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(seed));
+  std::shuffle(ids.begin(), ids.end(), std::mt19937_64(l.sign_seed));
   const int head_begin = l.num_kv_heads > 1 ? 1 : 0;
   const int heads = l.num_kv_heads - head_begin;
   const size_t out_elems = ids.size() * l.block_tokens * heads * l.head_dim;
@@ -302,6 +303,10 @@ void CheckCase(const Case& c, uint64_t seed, CodeStats* stats) {
   if (l.dtype == KvDtype::kFp16) {
     EXPECT_EQ(gpu_error, 0.0);
   }
+}
+
+void CheckCase(const Case& c, uint64_t seed, CodeStats* stats) {
+  CheckInputs(c, MakeInputs(c, seed), stats);
 }
 
 void ExpectFewTies(const CodeStats& s, const char* what) {
@@ -370,6 +375,79 @@ TEST(QuantizeGpu, MatchesCpuReferenceFromOneTokenToRoundsOfManyItems) {
     }
   }
   ExpectFewTies(stats, "one token to many rounds");
+}
+
+// Rows that take the encoder's rare paths. A row whose rotated values sit far from zero with a
+// spread of a few fp16 steps of its minimum per code step rounds its fp16 zero by up to a large
+// part of a code step, which puts q below 128 (the clamp); a row of zeros (or, unrotated, of one
+// repeated value) has scale 0 (every code 0). The far rows are built in the rotated domain and
+// mapped back through the inverse rotation, so that the kernels' rotation lands on them; their
+// spread keeps one fp16 step of the zero below a code step, so that where the kernels' fp32
+// rotation and the reference's double one round the zero apart, codes still differ by at most
+// one. Besides matching the CPU reference, a rotated case must actually need the clamp: some
+// rows' zero lies more than 1/8 of a step above their minimum (the kernels clamp from there).
+// Unrotated rows never do (their minimum is an fp16 value, so the zero is exact): those cases
+// check the rows of scale 0.
+TEST(QuantizeGpu, MatchesCpuReferenceOnClampedAndConstantRows) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  CodeStats stats;
+  uint64_t seed = 3000;
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8}) {
+    for (int rot : {0, 16, 128}) {
+      Case c{dtype, rot, 128, 16};
+      c.num_kv_heads = 8;
+      c.num_tokens = 300;
+      Inputs in = MakeInputs(c, seed++);
+      const PageLayout& l = in.layout;
+      const float levels = dtype == KvDtype::kInt4 ? 15.0f : 255.0f;
+      std::mt19937_64 rng(seed);
+      std::uniform_real_distribution<double> unit(-1.0, 1.0);
+      const BlockHadamard rotation(l.head_dim, rot > 0 ? rot : l.head_dim, l.sign_seed);
+      int clamped_rows = 0;
+      std::vector<double> y(l.head_dim);
+      for (size_t row = 0; row < in.k.size() / l.head_dim; ++row) {
+        std::vector<uint16_t>& kv = row % 2 == 0 ? in.k : in.v;
+        uint16_t* x = kv.data() + row * l.head_dim;
+        switch (row % 5) {
+          case 0:
+          case 1: {
+            // The minimum's magnitude 300-480 (fp16 steps of 0.25; up to 0.5 for negative rows),
+            // the spread 2-4 of those steps per code step.
+            const double spread = levels * 0.25 * (2.0 + 2.0 * std::abs(unit(rng)));
+            const double magnitude = 300.0 + 180.0 * std::abs(unit(rng));
+            const double low = unit(rng) < 0 ? -magnitude - spread : magnitude;
+            for (double& v : y) v = low + spread * (0.5 + 0.5 * unit(rng));
+            if (rot > 0) rotation.Inverse(y.data());
+            for (int i = 0; i < l.head_dim; ++i) x[i] = FloatToHalf(static_cast<float>(y[i]));
+            break;
+          }
+          case 2:  // zeros; unrotated, one repeated value
+            std::fill(x, x + l.head_dim, rot > 0 ? uint16_t{0} : FloatToHalf(-3.25f));
+            break;
+          default:
+            break;
+        }
+        // The rotated row as the reference computes it, and whether its zero needs the clamp.
+        for (int i = 0; i < l.head_dim; ++i) y[i] = HalfToFloat(x[i]);
+        if (rot > 0) rotation.Forward(y.data());
+        float mn = static_cast<float>(y[0]), mx = mn;
+        for (double v : y) {
+          mn = std::min(mn, static_cast<float>(v));
+          mx = std::max(mx, static_cast<float>(v));
+        }
+        const float scale = HalfToFloat(FloatToHalf((mx - mn) / levels));
+        const float zero = HalfToFloat(FloatToHalf(mn));
+        clamped_rows += scale > 0.0f && zero - mn > 0.125f * scale;
+      }
+      SCOPED_TRACE(::testing::Message() << clamped_rows << " rows need the clamp");
+      if (rot > 0) {
+        EXPECT_GT(clamped_rows, 0) << "the rows do not exercise the clamp";
+      }
+      CheckInputs(c, in, &stats);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+  ExpectFewTies(stats, "clamped and constant rows");
 }
 
 TEST(QuantizeGpu, RejectsBadArgumentsAndUnsupportedSizes) {
