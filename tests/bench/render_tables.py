@@ -48,8 +48,12 @@ def quantize():
     for c in d["cases"]:
         print(f"| {c['dtype']} | {c['rot_block'] or 'none'} | {c['ms']:.3f} | {c['gbps']:.0f} | "
               f"{100 * c['fraction_of_copy']:.1f}% |")
+    inter = d.get("rotation_overhead_interleaved")
     print(f"\nRotation overhead (INT4 rotation 128 vs none): "
-          f"{100 * d['rotation_overhead_int4_rot128_vs_rot0']:+.1f}%.\n")
+          f"{100 * d['rotation_overhead_int4_rot128_vs_rot0']:+.1f}% (cases measured in turn)"
+          + (f"; {100 * inter['overhead']:+.1f}% over {inter['pairs']} pairs of the two launched "
+             f"one after the other (median per-pair ratio; medians {inter['rot0_ms']:.3f} / "
+             f"{inter['rot128_ms']:.3f} ms)" if inter else "") + ".\n")
 
 
 def attention():

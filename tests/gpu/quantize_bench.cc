@@ -4,10 +4,13 @@
 // cuda::QuantizeAppend per dtype and rotation block {0, 16, 32, 64, 128} over >= 1 GiB of fp16
 // K+V (Llama geometry: 8 KV heads x head_dim 128, block_tokens 16, contiguous slot mapping).
 // Each case: CUDA events, warm-up, median of --runs. Bytes counted = fp16 read + page bytes
-// written (codes + meta) + slot mapping read. Prints a table; --out writes JSON with the date,
-// --commit, GPU name and command line.
+// written (codes + meta) + slot mapping read. The rotation overhead (INT4 rot128 against rot0)
+// comes from those cases, measured one after the other, and again from --pairs pairs of the two
+// launched in turn (the median of the per-pair ratios), where both see the same clocks and power.
+// Prints a table; --out writes JSON with the date, --commit, GPU name and command line.
 //
 // usage: quantize_bench --out=results.json --commit=$(git rev-parse HEAD) [--gib=1] [--runs=25]
+//        [--pairs=100]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -31,6 +34,9 @@ ABSL_FLAG(std::string, out, "", "JSON output path (none: table only)");
 ABSL_FLAG(std::string, commit, "unknown", "git commit of the build");
 ABSL_FLAG(double, gib, 1.0, "GiB of fp16 K+V input per kernel call");
 ABSL_FLAG(int, runs, 25, "timed runs per case (median reported)");
+ABSL_FLAG(int, pairs, 100,
+          "pairs of INT4 rot0 and rot128 launches, one after the other, for the interleaved "
+          "rotation overhead");
 
 namespace kvpool {
 namespace {
@@ -48,6 +54,49 @@ constexpr int kWarmup = 3;
       std::exit(1);                                                             \
     }                                                                           \
   } while (0)
+
+// Medians of `pairs` pairs of launches of a then b, each timed, after warm-up, and the median of
+// the per-pair ratios b / a.
+struct Interleaved {
+  int pairs;
+  double a_ms, b_ms, ratio;
+};
+Interleaved TimeInterleaved(int pairs, const QuantizeAppendParams& a,
+                            const QuantizeAppendParams& b) {
+  cudaEvent_t e[3];
+  for (cudaEvent_t& x : e) BENCH_CHECK(cudaEventCreate(&x));
+  auto launch = [](const QuantizeAppendParams& p) {
+    if (cuda::QuantizeAppend(p, nullptr) != KernelStatus::kOk) {
+      std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
+      std::exit(1);
+    }
+  };
+  for (int i = 0; i < kWarmup; ++i) {
+    launch(a);
+    launch(b);
+  }
+  std::vector<double> a_ms, b_ms, ratio;
+  for (int i = 0; i < pairs; ++i) {
+    BENCH_CHECK(cudaEventRecord(e[0]));
+    launch(a);
+    BENCH_CHECK(cudaEventRecord(e[1]));
+    launch(b);
+    BENCH_CHECK(cudaEventRecord(e[2]));
+    BENCH_CHECK(cudaEventSynchronize(e[2]));
+    float ta = 0, tb = 0;
+    BENCH_CHECK(cudaEventElapsedTime(&ta, e[0], e[1]));
+    BENCH_CHECK(cudaEventElapsedTime(&tb, e[1], e[2]));
+    a_ms.push_back(ta);
+    b_ms.push_back(tb);
+    ratio.push_back(tb / ta);
+  }
+  for (cudaEvent_t& x : e) cudaEventDestroy(x);
+  auto median = [](std::vector<double> x) {
+    std::sort(x.begin(), x.end());
+    return x[x.size() / 2];
+  };
+  return {pairs, median(a_ms), median(b_ms), median(ratio)};
+}
 
 // Median milliseconds of `runs` timed calls of `fn` after warm-up.
 double MedianMs(int runs, const std::function<KernelStatus()>& fn) {
@@ -148,18 +197,22 @@ int Main(int argc, char** argv) {
   });
   const double copy_gbps = 4.0 * kv_bytes / copy_ms / 1e6;
 
+  auto params = [&](KvDtype dtype, int rot) {
+    QuantizeAppendParams p;
+    p.layout = PageLayout{kHeads, kHeadDim, kBlockTokens, dtype, kHeadDim, rot, 0x1234};
+    p.k = k;
+    p.v = v;
+    p.slot_mapping = slots;
+    p.num_tokens = num_tokens;
+    p.pages = pages;
+    p.num_blocks = num_blocks;
+    return p;
+  };
   std::vector<Result> results;
   for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3, KvDtype::kFp16}) {
     for (int rot : {0, 16, 32, 64, 128}) {
       if (dtype == KvDtype::kFp16 && rot > 0) continue;
-      QuantizeAppendParams p;
-      p.layout = PageLayout{kHeads, kHeadDim, kBlockTokens, dtype, kHeadDim, rot, 0x1234};
-      p.k = k;
-      p.v = v;
-      p.slot_mapping = slots;
-      p.num_tokens = num_tokens;
-      p.pages = pages;
-      p.num_blocks = num_blocks;
+      const QuantizeAppendParams p = params(dtype, rot);
       const double ms = MedianMs(runs, [&] { return cuda::QuantizeAppend(p, nullptr); });
       const PageLayout& l = p.layout;
       const double bytes =
@@ -169,6 +222,11 @@ int Main(int argc, char** argv) {
       results.push_back(Result{dtype, rot, ms, bytes / ms / 1e6});
     }
   }
+  // The same two kernels launched in turn, each pair timed back to back: both see the same state
+  // of the GPU (clocks, power), which the cases above, measured one after the other, need not.
+  const Interleaved interleaved =
+      TimeInterleaved(std::max(1, absl::GetFlag(FLAGS_pairs)), params(KvDtype::kInt4, 0),
+                      params(KvDtype::kInt4, 128));
   cudaFree(k);
   cudaFree(v);
   cudaFree(slots);
@@ -193,6 +251,10 @@ int Main(int argc, char** argv) {
                 100.0 * r.gbps / copy_gbps);
   }
   std::printf("rotation overhead (int4 rot128 vs rot0 time): %+.2f%%\n", 100.0 * rotation_overhead);
+  std::printf(
+      "rotation overhead, %d interleaved pairs: rot0 %.3f ms, rot128 %.3f ms (medians), median "
+      "per-pair ratio %+.2f%%\n",
+      interleaved.pairs, interleaved.a_ms, interleaved.b_ms, 100.0 * (interleaved.ratio - 1.0));
 
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return 0;
@@ -214,10 +276,13 @@ int Main(int argc, char** argv) {
       "  \"geometry\": {\"tokens\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"block_tokens\": %d,"
       " \"input_bytes\": %d},\n  \"runs\": %d,\n"
       "  \"streaming_copy\": {\"ms\": %.4f, \"gbps\": %.1f},\n"
-      "  \"rotation_overhead_int4_rot128_vs_rot0\": %.4f,\n  \"cases\": [\n%s\n  ]\n}\n",
+      "  \"rotation_overhead_int4_rot128_vs_rot0\": %.4f,\n"
+      "  \"rotation_overhead_interleaved\": {\"pairs\": %d, \"rot0_ms\": %.4f, \"rot128_ms\": "
+      "%.4f, "
+      "\"overhead\": %.4f},\n  \"cases\": [\n%s\n  ]\n}\n",
       date, absl::GetFlag(FLAGS_commit), prop.name, command, num_tokens, kHeads, kHeadDim,
-      kBlockTokens, 2 * kv_bytes, runs, copy_ms, copy_gbps, rotation_overhead,
-      absl::StrJoin(cases, ",\n"));
+      kBlockTokens, 2 * kv_bytes, runs, copy_ms, copy_gbps, rotation_overhead, interleaved.pairs,
+      interleaved.a_ms, interleaved.b_ms, interleaved.ratio - 1.0, absl::StrJoin(cases, ",\n"));
   std::FILE* f = std::fopen(out.c_str(), "w");
   if (f == nullptr || std::fputs(json.c_str(), f) < 0 || std::fclose(f) != 0) {
     std::fprintf(stderr, "cannot write %s\n", out.c_str());
