@@ -277,9 +277,8 @@ int Main(int argc, char** argv) {
       " \"input_bytes\": %d},\n  \"runs\": %d,\n"
       "  \"streaming_copy\": {\"ms\": %.4f, \"gbps\": %.1f},\n"
       "  \"rotation_overhead_int4_rot128_vs_rot0\": %.4f,\n"
-      "  \"rotation_overhead_interleaved\": {\"pairs\": %d, \"rot0_ms\": %.4f, \"rot128_ms\": "
-      "%.4f, "
-      "\"overhead\": %.4f},\n  \"cases\": [\n%s\n  ]\n}\n",
+      "  \"rotation_overhead_interleaved\": {\"pairs\": %d, \"rot0_ms\": %.4f, "
+      "\"rot128_ms\": %.4f, \"overhead\": %.4f},\n  \"cases\": [\n%s\n  ]\n}\n",
       date, absl::GetFlag(FLAGS_commit), prop.name, command, num_tokens, kHeads, kHeadDim,
       kBlockTokens, 2 * kv_bytes, runs, copy_ms, copy_gbps, rotation_overhead, interleaved.pairs,
       interleaved.a_ms, interleaved.b_ms, interleaved.ratio - 1.0, absl::StrJoin(cases, ",\n"));
