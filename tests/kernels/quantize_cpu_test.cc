@@ -1,6 +1,8 @@
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <random>
 #include <tuple>
 #include <vector>
 
@@ -48,6 +50,41 @@ class QuantizeCpuTest : public ::testing::TestWithParam<std::tuple<KvDtype, int,
 
 // Every element decoded in the rotated space lies within the quantization step of the exact
 // rotated input: scale/2 for INT (plus fp16 rounding of scale and zero), half an e4m3 ulp for FP8.
+// Every appended row of `a` decodes, in the rotated space, within the quantization step of the
+// exact rotated input (see below).
+void ExpectDecodedWithinStep(const PageLayout& l, const Appender& a, const std::vector<uint16_t>& k,
+                             const std::vector<uint16_t>& v, const std::vector<int64_t>& slots) {
+  const int group = l.group_size;
+  const BlockHadamard rotation(l.head_dim, l.rot_block > 0 ? l.rot_block : 16, l.sign_seed);
+  const double levels = l.dtype == KvDtype::kInt4 ? 15 : 255;
+  std::vector<double> x(l.head_dim);
+  std::vector<float> decoded(l.head_dim);
+  for (size_t t = 0; t < slots.size(); ++t) {
+    for (int kv = 0; kv < 2; ++kv) {
+      for (int h = 0; h < l.num_kv_heads; ++h) {
+        const uint16_t* src = (kv ? v : k).data() + (t * l.num_kv_heads + h) * l.head_dim;
+        for (int c = 0; c < l.head_dim; ++c) x[c] = HalfToFloat(src[c]);
+        if (l.rot_block > 0) rotation.Forward(x.data());
+        const uint8_t* page = cpu::HeadPage(l, a.pages.data(), slots[t] / l.block_tokens, kv, h);
+        const int off = static_cast<int>(slots[t] % l.block_tokens);
+        cpu::DecodeRow(l, page, off, decoded.data());
+        for (int c = 0; c < l.head_dim; ++c) {
+          const cpu::GroupMeta m = cpu::ReadGroupMeta(l, page, off, c / group);
+          double bound;
+          if (l.dtype == KvDtype::kFp8E4M3) {
+            EXPECT_EQ(m.zero, 0.0f);
+            bound = std::fabs(x[c]) * (1.0 / 16 + 1.0 / 1024) + m.scale / 1024.0;
+          } else {
+            bound = m.scale / 2 + (levels * m.scale + std::fabs(m.zero) + std::fabs(x[c])) / 1024;
+          }
+          ASSERT_LE(std::fabs(decoded[c] - x[c]), bound + 1e-6)
+              << "t " << t << " kv " << kv << " h " << h << " c " << c;
+        }
+      }
+    }
+  }
+}
+
 TEST_P(QuantizeCpuTest, DecodedRowsStayWithinTheQuantizationStep) {
   const auto [dtype, rot, group] = GetParam();
   const PageLayout l = MakeLayout(dtype, rot, group);
@@ -60,35 +97,9 @@ TEST_P(QuantizeCpuTest, DecodedRowsStayWithinTheQuantizationStep) {
   for (int t = 0; t < tokens; ++t) slots[t] = (t * 5) % (num_blocks * l.block_tokens);
   Appender a(l, num_blocks);
   ASSERT_EQ(a.Append(k, v, slots, {}), KernelStatus::kOk);
+  ExpectDecodedWithinStep(l, a, k, v, slots);
+  if (::testing::Test::HasFatalFailure()) return;
 
-  const BlockHadamard rotation(l.head_dim, rot > 0 ? rot : 16, l.sign_seed);
-  const double levels = dtype == KvDtype::kInt4 ? 15 : 255;
-  std::vector<double> x(l.head_dim);
-  std::vector<float> decoded(l.head_dim);
-  for (int t = 0; t < tokens; ++t) {
-    for (int kv = 0; kv < 2; ++kv) {
-      for (int h = 0; h < l.num_kv_heads; ++h) {
-        const uint16_t* src = (kv ? v : k).data() + (t * l.num_kv_heads + h) * l.head_dim;
-        for (int c = 0; c < l.head_dim; ++c) x[c] = HalfToFloat(src[c]);
-        if (rot > 0) rotation.Forward(x.data());
-        const uint8_t* page = cpu::HeadPage(l, a.pages.data(), slots[t] / l.block_tokens, kv, h);
-        const int off = static_cast<int>(slots[t] % l.block_tokens);
-        cpu::DecodeRow(l, page, off, decoded.data());
-        for (int c = 0; c < l.head_dim; ++c) {
-          const cpu::GroupMeta m = cpu::ReadGroupMeta(l, page, off, c / group);
-          double bound;
-          if (dtype == KvDtype::kFp8E4M3) {
-            EXPECT_EQ(m.zero, 0.0f);
-            bound = std::fabs(x[c]) * (1.0 / 16 + 1.0 / 1024) + m.scale / 1024.0;
-          } else {
-            bound = m.scale / 2 + (levels * m.scale + std::fabs(m.zero) + std::fabs(x[c])) / 1024;
-          }
-          ASSERT_LE(std::fabs(decoded[c] - x[c]), bound + 1e-6)
-              << "t " << t << " kv " << kv << " h " << h << " c " << c;
-        }
-      }
-    }
-  }
   // Dequantize agrees with the exact decode up to fp16 rounding.
   std::vector<int32_t> ids(num_blocks);
   for (int b = 0; b < num_blocks; ++b) ids[b] = static_cast<int32_t>(num_blocks - 1 - b);
@@ -129,6 +140,53 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param)) + "_g" +
              std::to_string(std::get<2>(info.param));
     });
+
+// Rotated rows far from zero with a spread of under one fp16 step of their minimum per code step
+// round their fp16 zero by up to more than a code step, so that q of their minimum falls below
+// 127.5: the clamp must give code 0 there (not a wrapped code), which the decode bound checks.
+// Built in the rotated domain and mapped back through the inverse rotation; some rows must
+// actually need the clamp.
+TEST(QuantizeCpu, RowsThatNeedTheClampDecodeWithinTheStep) {
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8}) {
+    for (int rot : {16, 128}) {
+      const PageLayout l = MakeLayout(dtype, rot, 128);
+      const BlockHadamard rotation(l.head_dim, rot, l.sign_seed);
+      const double levels = dtype == KvDtype::kInt4 ? 15 : 255;
+      const int tokens = 64;
+      std::mt19937_64 rng(rot * 7 + static_cast<int>(dtype));
+      std::uniform_real_distribution<double> unit(-1.0, 1.0);
+      std::vector<uint16_t> k(static_cast<size_t>(tokens) * l.num_kv_heads * l.head_dim), v;
+      std::vector<double> y(l.head_dim);
+      int clamped_rows = 0;
+      for (size_t row = 0; row < k.size() / l.head_dim; ++row) {
+        const double spread = levels * 0.25 * (0.3 + 0.7 * std::abs(unit(rng)));
+        const double magnitude = 300.0 + 180.0 * std::abs(unit(rng));
+        const double low = unit(rng) < 0 ? -magnitude - spread : magnitude;
+        for (double& x : y) x = low + spread * (0.5 + 0.5 * unit(rng));
+        rotation.Inverse(y.data());
+        for (int c = 0; c < l.head_dim; ++c) {
+          k[row * l.head_dim + c] = FloatToHalf(static_cast<float>(y[c]));
+          y[c] = HalfToFloat(k[row * l.head_dim + c]);
+        }
+        rotation.Forward(y.data());
+        const float mn = static_cast<float>(*std::min_element(y.begin(), y.end()));
+        const float mx = static_cast<float>(*std::max_element(y.begin(), y.end()));
+        const float scale = HalfToFloat(FloatToHalf((mx - mn) / static_cast<float>(levels)));
+        clamped_rows += HalfToFloat(FloatToHalf(mn)) - mn > 0.5f * scale;
+      }
+      v = k;
+      SCOPED_TRACE(::testing::Message() << testing::DtypeName(dtype) << " rot " << rot << ": "
+                                        << clamped_rows << " rows need the clamp");
+      EXPECT_GT(clamped_rows, 0);
+      std::vector<int64_t> slots(tokens);
+      for (int t = 0; t < tokens; ++t) slots[t] = t;
+      Appender a(l, tokens / l.block_tokens + 1);
+      ASSERT_EQ(a.Append(k, v, slots, {}), KernelStatus::kOk);
+      ExpectDecodedWithinStep(l, a, k, v, slots);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+  }
+}
 
 TEST(QuantizeCpu, PacksEvenChannelInLowNibble) {
   const PageLayout l = MakeLayout(KvDtype::kInt4, 0, 16, 1, 32);
