@@ -43,17 +43,31 @@ def quantize():
           f"{d['runs']} runs; streaming copy measured in the same run: "
           f"{d['streaming_copy']['gbps']:.0f} GB/s (`{d['command']}`, {d['date']}, commit "
           f"{d['commit']}, {d['gpu']}):\n")
-    print("| dtype | rotation block | ms | GB/s | of streaming copy |")
-    print("|---|---|---|---|---|")
+    clocks = "sm_mhz_before" in d["cases"][0]
+    print("| dtype | rotation block | ms | GB/s | of streaming copy |"
+          + (" SM MHz before / after |" if clocks else ""))
+    print("|---" * (6 if clocks else 5) + "|")
     for c in d["cases"]:
         print(f"| {c['dtype']} | {c['rot_block'] or 'none'} | {c['ms']:.3f} | {c['gbps']:.0f} | "
-              f"{100 * c['fraction_of_copy']:.1f}% |")
+              f"{100 * c['fraction_of_copy']:.1f}% |"
+              + (f" {c['sm_mhz_before']:.0f} / {c['sm_mhz_after']:.0f} |" if clocks else ""))
     inter = d.get("rotation_overhead_interleaved")
     print(f"\nRotation overhead (INT4 rotation 128 vs none): "
           f"{100 * d['rotation_overhead_int4_rot128_vs_rot0']:+.1f}% (cases measured in turn)"
           + (f"; {100 * inter['overhead']:+.1f}% over {inter['pairs']} pairs of the two launched "
              f"one after the other (median per-pair ratio; medians {inter['rot0_ms']:.3f} / "
              f"{inter['rot128_ms']:.3f} ms)" if inter else "") + ".\n")
+    if inter and "full_clock" in inter:
+        def part(name, c):
+            if not c["pairs"]:
+                return f"no pair {name}"
+            return (f"{c['pairs']} pairs {name}: rot128 {c['rot128_ms']:.3f} ms, "
+                    f"{100 * c['overhead']:+.1f}%")
+        print(f"SM clock probes around the pairs (rated {d['rated_sm_mhz']:.0f} MHz; medians "
+              f"{inter['rot0_sm_mhz']:.0f} MHz before rot0, {inter['rot128_sm_mhz']:.0f} MHz "
+              f"before rot128): {part('at full clock', inter['full_clock'])}; "
+              f"{part('at a lower clock', inter['lower_clock'])} (full clock: both probes "
+              f"around the rot128 launch at >= {inter['full_clock_mhz']:.0f} MHz).\n")
 
 
 def attention():
