@@ -12,7 +12,7 @@ dir=${1:-$root/third_party_fetch/flashinfer}
 if [[ ! -f $dir/include/flashinfer/attention/decode.cuh ]]; then
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
-  pip download --no-deps --no-binary=:all: --no-build-isolation \
+  "${PYTHON:-python3}" -m pip download --no-deps --no-binary=:all: --no-build-isolation \
     "flashinfer-python==$version" -d "$tmp" >&2
   top=flashinfer_python-$version
   tar -xzf "$tmp/$top.tar.gz" -C "$tmp" "$top/include" "$top/LICENSE"
