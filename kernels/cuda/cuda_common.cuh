@@ -93,10 +93,13 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
 }
 // Copies 16 bytes when `valid`, else writes 16 zero bytes and reads nothing: branch-free, so the
 // source addresses of a tile's copies are computed once, not under each copy's predicate.
+// kOffset bytes are added to both addresses inside the instruction, so copies at constant
+// offsets from one pair of base addresses need no address arithmetic of their own.
+template <int kOffset = 0>
 __device__ __forceinline__ void CpAsync16OrZero(void* smem, const void* gmem, bool valid) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem),
-               "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0+%3], [%1+%3], 16, %2;\n" ::"r"(s), "l"(gmem),
+               "r"(valid ? 16 : 0), "n"(kOffset));
 }
 __device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
 // Waits until at most kPending of this thread's committed groups are still in flight; the

@@ -185,7 +185,7 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
 // channels [32 chunk, 32 chunk + 32); else word w is channels [8 (w kLanes + chunk), + 8), so
 // each load / store instruction of the warp covers whole rows (the fp16 copy: no rotation).
 template <int kHeadDim, bool kContiguous>
-__device__ __forceinline__ int WordByte(int chunk, int w) {
+__host__ __device__ constexpr int WordByte(int chunk, int w) {
   return kContiguous ? chunk * 64 + 16 * w : 16 * (w * (kHeadDim / kChannels) + chunk);
 }
 
@@ -224,34 +224,64 @@ constexpr int kWarpRowUnits = 128;  // 16-byte units of a warp's K (or V) rows
 constexpr size_t kRingBytes =
     static_cast<size_t>(kRingSlots) * (kThreads / 32) * 2 * kWarpRowUnits * sizeof(uint4);
 
-__device__ __forceinline__ int Swizzle(int j) { return j ^ ((j >> 3) & 3); }
+__host__ __device__ constexpr int Swizzle(int j) { return j ^ ((j >> 3) & 3); }
 
 // The unit of lane `lane`'s word w within its warp's rows (WordByte's order).
 template <int kHeadDim, bool kContiguous>
-__device__ __forceinline__ int Unit(int lane, int w) {
+__host__ __device__ constexpr int Unit(int lane, int w) {
   constexpr int kLanes = kHeadDim / kChannels;
   const int group = lane / kLanes, chunk = lane % kLanes;
   return group * (kHeadDim / 8) + WordByte<kHeadDim, kContiguous>(chunk, w) / 16;
 }
 
-// Starts the copies of the warp's K and V rows of the round whose first item is `first` (zeros
-// past the end) into ring slot `slot` of warp `warp`, as one cp.async group per lane.
-template <int kHeadDim>
-__device__ __forceinline__ void IssueRound(const QuantizeArgs& a, uint32_t first, uint4* ring,
-                                           int warp, int slot) {
-  const int lane = threadIdx.x % 32;
-  uint4* k_dst = ring + (static_cast<size_t>(slot) * (kThreads / 32) + warp) * 2 * kWarpRowUnits;
-  uint4* v_dst = k_dst + kWarpRowUnits;
-  const size_t base = static_cast<size_t>(first) * kHeadDim;  // in fp16 values
-#pragma unroll
-  for (int i = 0; i < kWarpRowUnits / 32; ++i) {
-    const int j = 32 * i + lane;
-    const uint32_t item = first + static_cast<uint32_t>(j / (kHeadDim / 8));
-    const bool valid = item < a.num_items;
-    const size_t at = valid ? base + static_cast<size_t>(j) * 8 : 0;
-    CpAsync16OrZero(k_dst + Swizzle(j), a.k + at, valid);
-    CpAsync16OrZero(v_dst + Swizzle(j), a.v + at, valid);
+// Where word w of a lane lies in its warp's rows, Swizzle(Unit(lane, w)), is that of its word 0
+// XOR a constant of w alone (the lane's and w's bits of a unit are disjoint, and so are their
+// parts of the swizzle): the lane keeps one unit and the loop's reads need no swizzle arithmetic.
+template <int kHeadDim, bool kContiguous>
+__host__ __device__ constexpr int WordUnitXor(int w) {
+  return Swizzle(Unit<kHeadDim, kContiguous>(0, w)) ^ Swizzle(Unit<kHeadDim, kContiguous>(0, 0));
+}
+template <int kHeadDim, bool kContiguous>
+constexpr bool WordUnitXorHolds() {
+  for (int lane = 0; lane < 32; ++lane) {
+    for (int w = 0; w < 4; ++w) {
+      if (Swizzle(Unit<kHeadDim, kContiguous>(lane, w)) !=
+          (Swizzle(Unit<kHeadDim, kContiguous>(lane, 0)) ^ WordUnitXor<kHeadDim, kContiguous>(w))) {
+        return false;
+      }
+    }
   }
+  return true;
+}
+
+// Starts the copies of the warp's K and V rows of the round whose first item is `first` (zeros
+// past the end) into the warp's rows of a ring slot, `rows`, as one cp.async group per lane. Unit
+// j = 32 i + lane holds fp16 values [8 j, 8 j + 8) from the round's first value on, of item
+// first + j / (kHeadDim / 8), and lands at unit Swizzle(j) = 32 i + Swizzle(lane): copy i is
+// 512 i bytes past the lane's first in both memories. A copy past the last item reads nothing
+// (zero fill), so its address is formed like the others.
+template <int kHeadDim>
+__device__ __forceinline__ void IssueRound(const QuantizeArgs& a, uint32_t first, uint4* rows) {
+  constexpr int kUnitsPerItem = kHeadDim / 8;
+  const int lane = threadIdx.x % 32;
+  uint4* k_dst = rows + Swizzle(lane);
+  uint4* v_dst = k_dst + kWarpRowUnits;
+  const size_t at = static_cast<size_t>(first) * kHeadDim + lane * 8;  // in fp16 values
+  const uint16_t* k_src = a.k + at;
+  const uint16_t* v_src = a.v + at;
+  // Items from that of the lane's unit of pass 0 to the end (not positive: none).
+  const int64_t left = static_cast<int64_t>(a.num_items) - first - lane / kUnitsPerItem;
+  auto copy = [&](auto i) {
+    constexpr int kI = decltype(i)::value;
+    const bool valid = 32 * kI / kUnitsPerItem < left;
+    CpAsync16OrZero<512 * kI>(k_dst, k_src, valid);
+    CpAsync16OrZero<512 * kI>(v_dst, v_src, valid);
+  };
+  static_assert(kWarpRowUnits / 32 == 4, "four copies per lane and round");
+  copy(std::integral_constant<int, 0>{});
+  copy(std::integral_constant<int, 1>{});
+  copy(std::integral_constant<int, 2>{});
+  copy(std::integral_constant<int, 3>{});
   CpAsyncCommit();
 }
 
@@ -319,11 +349,19 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const int lane = static_cast<int>(threadIdx.x % 32);
   // The warp's first item of round u: that of its lane 0.
   const uint32_t warp_first = lane_group - static_cast<uint32_t>(lane / kLanes);
+  // The warp's rows in ring slot s: warp_rows + s * kSlotUnits (K, then V kWarpRowUnits on).
+  constexpr int kSlotUnits = (kThreads / 32) * 2 * kWarpRowUnits;
+  uint4* const warp_rows = ring + warp * 2 * kWarpRowUnits;
   // Rounds u + 1 .. u + kRingSlots - 1 are in flight while round u is encoded.
 #pragma unroll
   for (int u = 0; u < kRingSlots - 1; ++u) {
-    IssueRound<kHeadDim>(a, warp_first + u * lane_groups, ring, warp, u);
+    IssueRound<kHeadDim>(a, warp_first + u * lane_groups, warp_rows + u * kSlotUnits);
   }
+  int read_slot = 0;  // the ring slot of round u, u % kRingSlots
+  static_assert(WordUnitXorHolds<kHeadDim, !kFp16>() && kSlotUnits % kWarpRowUnits == 0,
+                "word units are the lane's unit XOR a constant, within the warp's rows");
+  int lane_unit = Swizzle(Unit<kHeadDim, !kFp16>(lane, 0));
+  asm volatile("" : "+r"(lane_unit));  // kept, not rebuilt from threadIdx in the loop
   int64_t slot = LoadSlot(a, pos);
 #pragma unroll 1
   for (int u = 0; u < kItemsPerLaneGroup; ++u) {
@@ -341,23 +379,24 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
     }
     CpAsyncWait<kRingSlots - 2>();  // this lane's copies of round u have landed
     __syncwarp();                   // and every lane's; round u - 1's reads are all done
-    const uint4* k_rows =
-        ring + (static_cast<size_t>(u % kRingSlots) * (kThreads / 32) + warp) * 2 * kWarpRowUnits;
+    const int word0 = read_slot * kSlotUnits + lane_unit;
     uint4 cur_k[4], cur_v[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      const int unit = Swizzle(Unit<kHeadDim, !kFp16>(lane, w));
-      cur_k[w] = k_rows[unit];
-      cur_v[w] = k_rows[kWarpRowUnits + unit];
+      const int unit = word0 ^ WordUnitXor<kHeadDim, !kFp16>(w);
+      cur_k[w] = warp_rows[unit];
+      cur_v[w] = warp_rows[kWarpRowUnits + unit];
     }
     // The slot of round u - 1 takes round u + kRingSlots - 1 (an empty group past the lane
     // group's rounds keeps the wait count uniform).
+    const int free_slot = read_slot == 0 ? kRingSlots - 1 : read_slot - 1;
     if (u + kRingSlots - 1 < kItemsPerLaneGroup) {
-      IssueRound<kHeadDim>(a, warp_first + (u + kRingSlots - 1) * lane_groups, ring, warp,
-                           (u + kRingSlots - 1) % kRingSlots);
+      IssueRound<kHeadDim>(a, warp_first + (u + kRingSlots - 1) * lane_groups,
+                           warp_rows + free_slot * kSlotUnits);
     } else {
       CpAsyncCommit();
     }
+    read_slot = read_slot == kRingSlots - 1 ? 0 : read_slot + 1;
     const int64_t next_slot = u + 1 < kItemsPerLaneGroup ? LoadSlot(a, pos) : -1;
     const bool write = slot >= 0;
     const int64_t block = slot >> a.geo.block_tokens_log2;
