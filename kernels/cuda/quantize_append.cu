@@ -51,15 +51,16 @@ struct QuantizeArgs {
 // lane (lane `chunk` of kHeadDim / 32 consecutive lanes of the warp): sign flip (word w's masks
 // at sign_masks[w * kHeadDim / 32], the lane's column of the block's table) and Hadamard
 // (HadamardMma32PerLane with `hadamard_b` from HadamardMmaFragments<kRot>) when kRot > 0,
-// per-group min / max (in-lane, then shuffles for groups wider than a lane), codes and meta stored
-// into token `offset` of `head_page` when `write`. kWideGroups: groups of at least 32 channels
-// (one {scale, zero} over each lane's channels), else groups of 8 or 16. Every lane of the warp
-// must call it.
+// per-group min / max (in-lane, then shuffles for groups wider than a lane), codes stored at
+// `codes_dst` (the lane's bytes of the token's code row) and meta at `meta_dst` (the meta of the
+// lane's first group) when `write`, the meta of a wide group by its first lane (`meta_lane`).
+// kWideGroups: groups of at least 32 channels (one {scale, zero} over each lane's channels), else
+// groups of 8 or 16. Every lane of the warp must call it.
 template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
 __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint4 (&raw)[4],
                                                const uint4* sign_masks,
-                                               const uint32_t (&hadamard_b)[4], uint8_t* head_page,
-                                               int offset, int chunk, bool write) {
+                                               const uint32_t (&hadamard_b)[4], uint8_t* codes_dst,
+                                               uint8_t* meta_dst, bool write, bool meta_lane) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp8 = kDtype == KvDtype::kFp8E4M3;
   // Integer codes of wide groups take the Hadamard's last butterfly stage into the encode
@@ -152,30 +153,18 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
     EncodeLane<kDtype, /*kOneMeta=*/false>(x, meta, mn, mx, norm, codes);
   }
   if (!write) return;
-  uint8_t* row = head_page + static_cast<size_t>(offset) * a.geo.code_bytes_per_token;
-  if constexpr (kDtype == KvDtype::kInt4) {
-    *reinterpret_cast<uint4*>(row + chunk * 16) =
-        make_uint4(codes[0], codes[1], codes[2], codes[3]);
-  } else {
-    *reinterpret_cast<uint4*>(row + chunk * 32) =
-        make_uint4(codes[0], codes[1], codes[2], codes[3]);
-    *reinterpret_cast<uint4*>(row + chunk * 32 + 16) =
-        make_uint4(codes[4], codes[5], codes[6], codes[7]);
+  *reinterpret_cast<uint4*>(codes_dst) = make_uint4(codes[0], codes[1], codes[2], codes[3]);
+  if constexpr (kDtype != KvDtype::kInt4) {
+    *reinterpret_cast<uint4*>(codes_dst + 16) = make_uint4(codes[4], codes[5], codes[6], codes[7]);
   }
-  uint8_t* meta_row =
-      head_page + a.geo.codes_bytes + static_cast<size_t>(offset) * a.geo.meta_bytes_per_token;
   if constexpr (kWideGroups) {
-    const int group_lanes_log2 = a.group_log2 - 5;  // lanes per group: 2^this
-    if ((chunk & ((1 << group_lanes_log2) - 1)) == 0) {
-      *reinterpret_cast<uint32_t*>(meta_row + (chunk >> group_lanes_log2) * 4) = meta[0].word;
-    }
+    if (meta_lane) *reinterpret_cast<uint32_t*>(meta_dst) = meta[0].word;
   } else {
     const int chunks_per_group = a.group_size / 8;  // 1 or 2
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       if (j % chunks_per_group == 0) {
-        const int group = (chunk * kChannels + 8 * j) >> a.group_log2;
-        *reinterpret_cast<uint32_t*>(meta_row + group * 4) = meta[j].word;
+        *reinterpret_cast<uint32_t*>(meta_dst + ((8 * j) >> a.group_log2) * 4) = meta[j].word;
       }
     }
   }
@@ -362,6 +351,12 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
                 "word units are the lane's unit XOR a constant, within the warp's rows");
   int lane_unit = Swizzle(Unit<kHeadDim, !kFp16>(lane, 0));
   asm volatile("" : "+r"(lane_unit));  // kept, not rebuilt from threadIdx in the loop
+  // The lane's bytes in a token's row of a head page: its codes, and the meta of its first group
+  // (channel 32 chunk), which it stores when it is its group's first lane (wide groups).
+  const uint32_t lane_codes = chunk * kChannels * DtypeBits(kDtype) / 8;
+  const uint32_t lane_meta = a.geo.codes_bytes + ((chunk * kChannels) >> a.group_log2) * 4;
+  const bool meta_lane = (chunk & ((1 << max(a.group_log2 - 5, 0)) - 1)) == 0;
+  const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
   int64_t slot = LoadSlot(a, pos);
 #pragma unroll 1
   for (int u = 0; u < kItemsPerLaneGroup; ++u) {
@@ -403,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
     const int offset = static_cast<int>(slot & ((1 << a.geo.block_tokens_log2) - 1));
     uint8_t* k_page = a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes +
                       static_cast<size_t>(head) * a.geo.head_page_bytes;
-    uint8_t* v_page = k_page + static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
+    uint8_t* v_page = k_page + v_minus_k;
     if (kSinks && write) {
       StoreSinks<kHeadDim, !kFp16>(a, token, head, block, chunk, cur_k, cur_v);
     }
@@ -418,10 +413,14 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
         }
       }
     } else {
+      const uint32_t codes_at = offset * a.geo.code_bytes_per_token + lane_codes;
+      const uint32_t meta_at = offset * a.geo.meta_bytes_per_token + lane_meta;
       EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(a, cur_k, sign_masks + chunk, hadamard_b,
-                                                          k_page, offset, chunk, write);
+                                                          k_page + codes_at, k_page + meta_at,
+                                                          write, meta_lane);
       EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(a, cur_v, sign_masks + chunk, hadamard_b,
-                                                          v_page, offset, chunk, write);
+                                                          v_page + codes_at, v_page + meta_at,
+                                                          write, meta_lane);
     }
     slot = next_slot;
   }
