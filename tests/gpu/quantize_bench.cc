@@ -15,10 +15,11 @@
 // Prints a table; --out writes JSON with the date, --commit, GPU name and command line.
 //
 // usage: quantize_bench --out=results.json --commit=$(git rev-parse HEAD) [--gib=1] [--runs=25]
-//        [--pairs=100]
+//        [--pairs=100] [--heat_ms=0]
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <ctime>
@@ -47,6 +48,9 @@ ABSL_FLAG(double, full_clock_fraction, 0.97,
           "a pair's rot128 launch counts as run at full clock when the SM clock probes before "
           "and after it read at least this fraction of the device's rated SM clock");
 ABSL_FLAG(int, clock_probe_ns, 20000, "window of each SM clock probe, ns of the global timer");
+ABSL_FLAG(int, heat_ms, 0,
+          "INT4 rot128 launches back to back for this long before the pairs: the sustained load "
+          "under which the SM clock may drop");
 
 namespace kvpool {
 namespace {
@@ -301,6 +305,19 @@ int Main(int argc, char** argv) {
   }
   // The same two kernels launched in turn, each pair timed back to back: both see the same state
   // of the GPU (clocks, power), which the cases above, measured one after the other, need not.
+  if (const int heat_ms = absl::GetFlag(FLAGS_heat_ms); heat_ms > 0) {
+    const QuantizeAppendParams p = params(KvDtype::kInt4, 128);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(heat_ms);
+    while (std::chrono::steady_clock::now() < until) {
+      for (int i = 0; i < 32; ++i) {
+        if (cuda::QuantizeAppend(p, nullptr) != KernelStatus::kOk) {
+          std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
+          return 1;
+        }
+      }
+      BENCH_CHECK(cudaDeviceSynchronize());
+    }
+  }
   const Interleaved interleaved =
       TimeInterleaved(std::max(1, absl::GetFlag(FLAGS_pairs)), params(KvDtype::kInt4, 0),
                       params(KvDtype::kInt4, 128), full_clock_mhz, probe_window_ns);
