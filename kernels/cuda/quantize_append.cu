@@ -49,8 +49,8 @@ struct QuantizeArgs {
 
 // Quantizes one row (K or V of an item) from its raw fp16 words, 32 consecutive channels per
 // lane (lane `chunk` of kHeadDim / 32 consecutive lanes of the warp): sign flip (word w's masks
-// at sign_masks[w * kHeadDim / 32], the lane's column of the block's table) and Hadamard
-// (HadamardMma32PerLane with `hadamard_b` from HadamardMmaFragments<kRot>) when kRot > 0,
+// at shared address sign_masks + 16 w kHeadDim / 32, the lane's column of the block's table) and
+// Hadamard (HadamardMma32PerLane with `hadamard_b` from HadamardMmaFragments<kRot>) when kRot > 0,
 // per-group min / max (in-lane, then shuffles for groups wider than a lane), codes stored at
 // `codes_dst` (the lane's bytes of the token's code row) and meta at `meta_dst` (the meta of the
 // lane's first group) when `write`, the meta of a wide group by its first lane (`meta_lane`).
@@ -58,9 +58,9 @@ struct QuantizeArgs {
 // groups of 8 or 16. Every lane of the warp must call it.
 template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
 __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint4 (&raw)[4],
-                                               const uint4* sign_masks,
-                                               const uint32_t (&hadamard_b)[4], uint8_t* codes_dst,
-                                               uint8_t* meta_dst, bool write, bool meta_lane) {
+                                               uint32_t sign_masks, const uint32_t (&hadamard_b)[4],
+                                               uint8_t* codes_dst, uint8_t* meta_dst, bool write,
+                                               bool meta_lane) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp8 = kDtype == KvDtype::kFp8E4M3;
   // Integer codes of wide groups take the Hadamard's last butterfly stage into the encode
@@ -75,7 +75,7 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
     uint4 flipped[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      const uint4 m = LoadSharedVolatile16(sign_masks + w * kLanes);
+      const uint4 m = LoadSharedVolatile16(sign_masks + w * kLanes * sizeof(uint4));
       flipped[w] = make_uint4(raw[w].x ^ m.x, raw[w].y ^ m.y, raw[w].z ^ m.z, raw[w].w ^ m.w);
     }
     HadamardMma32PerLane<kRot, /*kSkipLast=*/(kPairStride > 0)>(flipped, hadamard_b, x);
@@ -255,11 +255,13 @@ __device__ __forceinline__ void IssueRound(const QuantizeArgs& a, uint32_t first
   const int lane = threadIdx.x % 32;
   uint4* k_dst = rows + Swizzle(lane);
   uint4* v_dst = k_dst + kWarpRowUnits;
-  const size_t at = static_cast<size_t>(first) * kHeadDim + lane * 8;  // in fp16 values
-  const uint16_t* k_src = a.k + at;
-  const uint16_t* v_src = a.v + at;
-  // Items from that of the lane's unit of pass 0 to the end (not positive: none).
-  const int64_t left = static_cast<int64_t>(a.num_items) - first - lane / kUnitsPerItem;
+  const size_t at = static_cast<size_t>(first) * (kHeadDim * 2) + lane * 16;  // bytes
+  const uint8_t* k_src = reinterpret_cast<const uint8_t*>(a.k) + at;
+  const uint8_t* v_src = reinterpret_cast<const uint8_t*>(a.v) + at;
+  // Items from that of the lane's unit of pass 0 to the end (not positive: none). 32 bits hold
+  // it: num_items < 2^31, and a round's first item is below 4 lane_groups, which
+  // LaunchQuantizeAppend's grid keeps below num_items + 512, or below 8 x 128 per SM.
+  const int32_t left = static_cast<int32_t>(a.num_items - first) - lane / kUnitsPerItem;
   auto copy = [&](auto i) {
     constexpr int kI = decltype(i)::value;
     const bool valid = 32 * kI / kUnitsPerItem < left;
@@ -333,7 +335,9 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const int step_heads = static_cast<int>(lane_groups - step_tokens * heads);
   ItemPos pos{lane_group, lane_group / heads, 0};
   pos.head = static_cast<int>(lane_group - pos.token * heads);
-  extern __shared__ uint4 ring[];
+  // 128-byte aligned: a ring 16 bytes off (after a 16-byte static array) made every unrotated
+  // kernel 12% slower (results/experiments_2026-11-29.md, "Thirteenth session").
+  extern __shared__ __align__(128) uint4 ring[];
   const int warp = static_cast<int>(threadIdx.x / 32);
   const int lane = static_cast<int>(threadIdx.x % 32);
   // The warp's first item of round u: that of its lane 0.
@@ -357,6 +361,13 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const uint32_t lane_meta = a.geo.codes_bytes + ((chunk * kChannels) >> a.group_log2) * 4;
   const bool meta_lane = (chunk & ((1 << max(a.group_log2 - 5, 0)) - 1)) == 0;
   const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
+  // The shared address of the lane's column of the sign masks, kept (not rebuilt per row); only
+  // rotated builds have sign masks.
+  uint32_t lane_signs = 0;
+  if constexpr (kRot > 0) {
+    lane_signs = static_cast<uint32_t>(__cvta_generic_to_shared(sign_masks + chunk));
+    asm volatile("" : "+r"(lane_signs));
+  }
   int64_t slot = LoadSlot(a, pos);
 #pragma unroll 1
   for (int u = 0; u < kItemsPerLaneGroup; ++u) {
@@ -415,12 +426,10 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
     } else {
       const uint32_t codes_at = offset * a.geo.code_bytes_per_token + lane_codes;
       const uint32_t meta_at = offset * a.geo.meta_bytes_per_token + lane_meta;
-      EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(a, cur_k, sign_masks + chunk, hadamard_b,
-                                                          k_page + codes_at, k_page + meta_at,
-                                                          write, meta_lane);
-      EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(a, cur_v, sign_masks + chunk, hadamard_b,
-                                                          v_page + codes_at, v_page + meta_at,
-                                                          write, meta_lane);
+      EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(
+          a, cur_k, lane_signs, hadamard_b, k_page + codes_at, k_page + meta_at, write, meta_lane);
+      EncodeAndStore<kDtype, kHeadDim, kRot, kWideGroups>(
+          a, cur_v, lane_signs, hadamard_b, v_page + codes_at, v_page + meta_at, write, meta_lane);
     }
     slot = next_slot;
   }
