@@ -48,19 +48,18 @@ struct QuantizeArgs {
 };
 
 // Quantizes one row (K or V of an item) from its raw fp16 words, 32 consecutive channels per
-// lane (lane `chunk` of kHeadDim / 32 consecutive lanes of the warp): sign flip (word w's masks
-// at shared address sign_masks + 16 w kHeadDim / 32, the lane's column of the block's table) and
-// Hadamard (HadamardMma32PerLane with `hadamard_b` from HadamardMmaFragments<kRot>) when kRot > 0,
-// per-group min / max (in-lane, then shuffles for groups wider than a lane), codes stored at
-// `codes_dst` (the lane's bytes of the token's code row) and meta at `meta_dst` (the meta of the
-// lane's first group) when `write`, the meta of a wide group by its first lane (`meta_lane`).
-// kWideGroups: groups of at least 32 channels (one {scale, zero} over each lane's channels), else
-// groups of 8 or 16. Every lane of the warp must call it.
+// lane (lane `chunk` of kHeadDim / 32 consecutive lanes of the warp): sign flip (`sign_masks`,
+// the masks of the lane's 16 raw words) and Hadamard (HadamardMma32PerLane with `hadamard_b` from
+// HadamardMmaFragments<kRot>) when kRot > 0, per-group min / max (in-lane, then shuffles for groups
+// wider than a lane), codes stored at `codes_dst` (the lane's bytes of the token's code row) and
+// meta at `meta_dst` (the meta of the lane's first group) when `write`, the meta of a wide group by
+// its first lane (`meta_lane`). kWideGroups: groups of at least 32 channels (one {scale, zero} over
+// each lane's channels), else groups of 8 or 16. Every lane of the warp must call it.
 template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups>
 __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint4 (&raw)[4],
-                                               uint32_t sign_masks, const uint32_t (&hadamard_b)[4],
-                                               uint8_t* codes_dst, uint8_t* meta_dst, bool write,
-                                               bool meta_lane) {
+                                               const uint4 (&sign_masks)[4],
+                                               const uint32_t (&hadamard_b)[4], uint8_t* codes_dst,
+                                               uint8_t* meta_dst, bool write, bool meta_lane) {
   constexpr int kLanes = kHeadDim / kChannels;
   constexpr bool kFp8 = kDtype == KvDtype::kFp8E4M3;
   // Integer codes of wide groups take the Hadamard's last butterfly stage into the encode
@@ -75,7 +74,7 @@ __device__ __forceinline__ void EncodeAndStore(const QuantizeArgs& a, const uint
     uint4 flipped[4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
-      const uint4 m = LoadSharedVolatile16(sign_masks + w * kLanes * sizeof(uint4));
+      const uint4 m = sign_masks[w];
       flipped[w] = make_uint4(raw[w].x ^ m.x, raw[w].y ^ m.y, raw[w].z ^ m.z, raw[w].w ^ m.w);
     }
     HadamardMma32PerLane<kRot, /*kSkipLast=*/(kPairStride > 0)>(flipped, hadamard_b, x);
@@ -310,10 +309,9 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const uint32_t lane_group = (blockIdx.x * kThreads + threadIdx.x) / kLanes;
   const uint32_t lane_groups = gridDim.x * (kThreads / kLanes);
   const int chunk = static_cast<int>(threadIdx.x % kLanes);
-  // The sign masks (HalfSignMasks32) of every chunk, word w of chunk c at [w * kLanes + c]: a
-  // warp's 16-byte loads of word w read kLanes consecutive entries (no bank conflict). Kept in
-  // shared memory, not in 16 registers per thread: at the 128-register cap those spilled around
-  // the Hadamard's MMAs.
+  // The sign masks (HalfSignMasks32) of every chunk, word w of chunk c at [w * kLanes + c] (a
+  // warp's 16-byte loads of word w read kLanes consecutive entries: no bank conflict), built by
+  // the block's first kLanes threads; each thread then keeps its chunk's in registers.
   __shared__ uint4 sign_masks[kRot > 0 ? 4 * kLanes : 1];
   uint32_t hadamard_b[4] = {};
   if constexpr (kRot > 0) {
@@ -361,12 +359,18 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const uint32_t lane_meta = a.geo.codes_bytes + ((chunk * kChannels) >> a.group_log2) * 4;
   const bool meta_lane = (chunk & ((1 << max(a.group_log2 - 5, 0)) - 1)) == 0;
   const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
-  // The shared address of the lane's column of the sign masks, kept (not rebuilt per row); only
-  // rotated builds have sign masks.
-  uint32_t lane_signs = 0;
+  // The lane's sign masks, held in 16 registers (116 in all for INT4 rot128, no spills): the empty
+  // asm keeps the compiler from reloading them from shared memory for every row, which cost 8
+  // shared loads per item.
+  uint4 lane_signs[4] = {};
   if constexpr (kRot > 0) {
-    lane_signs = static_cast<uint32_t>(__cvta_generic_to_shared(sign_masks + chunk));
-    asm volatile("" : "+r"(lane_signs));
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      lane_signs[w] = sign_masks[w * kLanes + chunk];
+      asm volatile(""
+                   : "+r"(lane_signs[w].x), "+r"(lane_signs[w].y), "+r"(lane_signs[w].z),
+                     "+r"(lane_signs[w].w));
+    }
   }
   int64_t slot = LoadSlot(a, pos);
 #pragma unroll 1

@@ -38,18 +38,6 @@ __device__ __forceinline__ float ReciprocalOfHalf(float s) {
   return __fmaf_rn(y, __fmaf_rn(-s, y, 1.0f), y);
 }
 
-// A 16-byte shared-memory load from shared address `addr`, issued where it stands (volatile):
-// loads of the same address for the K and the V row of an item are not merged into one whose
-// value the V row would hold in registers through the K row's encode. The caller keeps the
-// 32-bit shared address, so no generic-to-shared conversion is rebuilt per row.
-__device__ __forceinline__ uint4 LoadSharedVolatile16(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.volatile.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr));
-  return v;
-}
-
 // Max (and min when kWithMin) over aligned groups of `lanes` lanes (a power of two <= kLanes,
 // the same in every lane of the warp, so the early exit is uniform).
 template <int kLanes, bool kWithMin>
