@@ -81,6 +81,19 @@ __device__ __forceinline__ uint4 LoadStreaming16(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
+// Returns x, computed once: the compiler cannot rebuild it inside a loop (from the kernel
+// parameters, threadIdx or shared memory, which it prefers to holding a register), as the value
+// comes out of an empty asm.
+template <typename T>
+__device__ __forceinline__ T* KeepInRegister(T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+__device__ __forceinline__ uint32_t KeepInRegister(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // ---- asynchronous copies into shared memory
 // ------------------------------------------------------
 

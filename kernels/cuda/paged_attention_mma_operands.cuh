@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/paged_attention.cuh"
 #include "kernels/kv_kernels.h"
 
@@ -29,13 +30,6 @@ __device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bi
   uint32_t r;
   asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
   return r;
-}
-// Returns p, computed once: the compiler cannot rebuild it from the kernel parameters inside a
-// loop (which it prefers to holding a register), as the value comes out of an empty asm.
-template <typename T>
-__device__ __forceinline__ T* KeepInRegister(T* p) {
-  asm volatile("" : "+l"(p));
-  return p;
 }
 // 2^x (MUFU.EX2, subnormal results flushed to 0; 2^-inf = 0).
 __device__ __forceinline__ float Exp2Ftz(float x) {

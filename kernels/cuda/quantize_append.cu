@@ -309,23 +309,20 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   const uint32_t lane_group = (blockIdx.x * kThreads + threadIdx.x) / kLanes;
   const uint32_t lane_groups = gridDim.x * (kThreads / kLanes);
   const int chunk = static_cast<int>(threadIdx.x % kLanes);
-  // The sign masks (HalfSignMasks32) of every chunk, word w of chunk c at [w * kLanes + c] (a
-  // warp's 16-byte loads of word w read kLanes consecutive entries: no bank conflict), built by
-  // the block's first kLanes threads; each thread then keeps its chunk's in registers.
-  __shared__ uint4 sign_masks[kRot > 0 ? 4 * kLanes : 1];
+  // The lane's sign masks (HalfSignMasks32 of its chunk) in 16 registers (116 in all for INT4
+  // rot128, no spills), kept: rebuilt or reloaded for every row they cost 8 or more instructions
+  // per item.
+  uint4 lane_signs[4] = {};
   uint32_t hadamard_b[4] = {};
   if constexpr (kRot > 0) {
-    if (threadIdx.x < kLanes) {
-      uint32_t m[16];
-      HalfSignMasks32(a.signs, static_cast<int>(threadIdx.x), m);
+    uint32_t m[16];
+    HalfSignMasks32(a.signs, chunk, m);
 #pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        sign_masks[w * kLanes + threadIdx.x] =
-            make_uint4(m[4 * w], m[4 * w + 1], m[4 * w + 2], m[4 * w + 3]);
-      }
+    for (int w = 0; w < 4; ++w) {
+      lane_signs[w] = make_uint4(KeepInRegister(m[4 * w]), KeepInRegister(m[4 * w + 1]),
+                                 KeepInRegister(m[4 * w + 2]), KeepInRegister(m[4 * w + 3]));
     }
     HadamardMmaFragments<kRot>(hadamard_b);
-    __syncthreads();
   }
 
   const uint32_t heads = static_cast<uint32_t>(a.num_kv_heads);
@@ -351,27 +348,13 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   int read_slot = 0;  // the ring slot of round u, u % kRingSlots
   static_assert(WordUnitXorHolds<kHeadDim, !kFp16>() && kSlotUnits % kWarpRowUnits == 0,
                 "word units are the lane's unit XOR a constant, within the warp's rows");
-  int lane_unit = Swizzle(Unit<kHeadDim, !kFp16>(lane, 0));
-  asm volatile("" : "+r"(lane_unit));  // kept, not rebuilt from threadIdx in the loop
+  const int lane_unit = static_cast<int>(KeepInRegister(Swizzle(Unit<kHeadDim, !kFp16>(lane, 0))));
   // The lane's bytes in a token's row of a head page: its codes, and the meta of its first group
   // (channel 32 chunk), which it stores when it is its group's first lane (wide groups).
   const uint32_t lane_codes = chunk * kChannels * DtypeBits(kDtype) / 8;
   const uint32_t lane_meta = a.geo.codes_bytes + ((chunk * kChannels) >> a.group_log2) * 4;
   const bool meta_lane = (chunk & ((1 << max(a.group_log2 - 5, 0)) - 1)) == 0;
   const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
-  // The lane's sign masks, held in 16 registers (116 in all for INT4 rot128, no spills): the empty
-  // asm keeps the compiler from reloading them from shared memory for every row, which cost 8
-  // shared loads per item.
-  uint4 lane_signs[4] = {};
-  if constexpr (kRot > 0) {
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      lane_signs[w] = sign_masks[w * kLanes + chunk];
-      asm volatile(""
-                   : "+r"(lane_signs[w].x), "+r"(lane_signs[w].y), "+r"(lane_signs[w].z),
-                     "+r"(lane_signs[w].w));
-    }
-  }
   int64_t slot = LoadSlot(a, pos);
 #pragma unroll 1
   for (int u = 0; u < kItemsPerLaneGroup; ++u) {
