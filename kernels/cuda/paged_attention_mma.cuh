@@ -38,6 +38,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/paged_attention.cuh"
@@ -148,12 +149,16 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   const int copy_chunk = (lane % T::kCodeChunks) * 16;
 
   // What a tile's copies need that does not change from tile to tile: the lane's source bytes in
-  // a page (K; V is v_minus_k further) and its destination offsets in a stage; lanes 0..7 also
-  // copy 4 tokens' meta each (K, then V).
-  const uint8_t* lane_src = KeepInRegister(a.pages + k_offset + lane * 16);
+  // a page (K and V) and its destination offsets in a stage; lanes 0..7 also copy 4 tokens' meta
+  // each (K, then V). A warp's tiles are kMmaWarps * kTileTokens = 64 tokens apart, a multiple
+  // of block_tokens (16, 32 or 64, as table_step assumes): each starts at row in_block of its
+  // block.
+  const int in_block = (first_token + warp * kTileTokens) & ((1 << bt_log2) - 1);
+  const uint8_t* k_src = KeepInRegister(a.pages + k_offset + in_block * T::kCodeBytes + lane * 16);
+  const uint8_t* v_src = KeepInRegister(k_src + v_minus_k);
   const int meta_row = (lane % 4) * 4;
   const uint8_t* meta_src = KeepInRegister(a.pages + k_offset + (lane / 4) * v_minus_k +
-                                           a.geo.codes_bytes + meta_row * 4);
+                                           a.geo.codes_bytes + (in_block + meta_row) * 4);
   const int meta_dst = T::kMetaArea + ((lane / 4) * kTileTokens + meta_row) * 4;
   // 32-bit products: PagedDecodeAttention rejects layer pages of 4 GiB or more.
   const uint32_t layer_page_bytes = static_cast<uint32_t>(a.geo.layer_page_bytes);
@@ -164,7 +169,6 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     copy_dst[j] = (j < kPassesPerKv ? row * T::kKStride : T::kVArea + row * T::kVStride) +
                   copy_chunk;
   }
-  const int bt_mask = (1 << bt_log2) - 1;
 
   // Enqueues this warp's local tile i (CTA tile warp + 4 i) into stage `stage`: K and V code
   // rows and their meta. `block` is the tile's block id (a tile never crosses a block:
@@ -176,14 +180,13 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     if (i < my_tiles) {
       const int t0 = first_token + (warp + kMmaWarps * i) * kTileTokens;
       uint8_t* base = my_stages + stage * T::kTileBytes;
-      const int in_block = t0 & bt_mask;
       const size_t page = static_cast<size_t>(block) * layer_page_bytes;
-      const uint8_t* src = lane_src + page + in_block * T::kCodeBytes;
+      const uint8_t* k = k_src + page;
+      const uint8_t* v = v_src + page;
       if (C::kIntCodes || (t0 >= begin && t0 + kTileTokens <= end)) {  // no predicate
 #pragma unroll
         for (int j = 0; j < T::kCodeChunks; ++j) {
-          CpAsync16(base + copy_dst[j],
-                    src + (j / kPassesPerKv) * v_minus_k + (j % kPassesPerKv) * 512);
+          CpAsync16(base + copy_dst[j], (j < kPassesPerKv ? k : v) + (j % kPassesPerKv) * 512);
         }
       } else {
         const int row_lo = begin - t0;  // rows of tokens in [begin, end): [row_lo, row_hi)
@@ -191,21 +194,18 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 #pragma unroll
         for (int j = 0; j < T::kCodeChunks; ++j) {
           const int row = copy_row + (j % kPassesPerKv) * kRowsPerPass;
-          CpAsync16OrZero(base + copy_dst[j],
-                          src + (j / kPassesPerKv) * v_minus_k + (j % kPassesPerKv) * 512,
+          CpAsync16OrZero(base + copy_dst[j], (j < kPassesPerKv ? k : v) + (j % kPassesPerKv) * 512,
                           row >= row_lo && row < row_hi);
         }
       }
       if constexpr (T::kQuantized) {
         if (lane < 8 && (C::kIntCodes || t0 + meta_row < end)) {
-          CpAsync16(base + meta_dst, meta_src + page + in_block * 4);
+          CpAsync16(base + meta_dst, meta_src + page);
         }
       }
     }
     CpAsyncCommit();
   };
-#pragma unroll
-  for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
   uint32_t next_blocks[kTPI];  // the block ids of the tiles the iteration queues
 #pragma unroll
   for (int t = 0; t < kTPI; ++t) next_blocks[t] = next_tile_block();
@@ -239,6 +239,11 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       }
     }
   }
+  // The first tiles go out once q has arrived: every CTA's first copies at once (tens of
+  // MiB at a small batch) delayed q, which the whole prologue waits for (Nsight Compute at
+  // 1 x 32K), while the copies' latency still overlaps the fragments built below.
+#pragma unroll
+  for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
   __syncthreads();
   constexpr int kFragsPerThread = T::kSlabs * 32 / kAttnThreads;
   uint4 frag[kFragsPerThread];
@@ -391,120 +396,142 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
         }
       }
     }
-    // This lane's tokens of each tile: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig. Rows outside
-    // [begin, end) hold finite codes (see issue) and any meta (possibly inf/NaN as floats): they
-    // are selected away, never multiplied by 0.
+    // This lane's tokens of each tile: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig.
     int tok[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
-    const uint32_t range = end - begin;
-    bool valid[kTPI][4];
-    float s[kTPI][4];
-    float tile_max = -INFINITY;
+    // The softmax update and the value MMAs of the iteration's tiles. Rows outside [begin, end)
+    // hold finite codes (see issue) and any meta (possibly inf/NaN as floats): their scores and
+    // P^T entries are selected away, never multiplied by 0. kFull: every token of the kTPI tiles
+    // lies in [begin, end), so there is nothing to select (all but a warp's first and last
+    // iterations of a split; warp-uniform).
+    auto update = [&](auto full) {
+      constexpr bool kFull = decltype(full)::value;
+      const uint32_t range = end - begin;
+      bool valid[kTPI][4];
+      float s[kTPI][4];
+      float tile_max;
 #pragma unroll
-    for (int t = 0; t < kTPI; ++t) {
+      for (int t = 0; t < kTPI; ++t) {
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        valid[t][u] = static_cast<uint32_t>(t0[t] + tok[u] - begin) < range;  // in [begin, end)
-        const float(&sa)[kChains][4] = s_acc[t][u / 2];
-        float dot = sa[0][u % 2] + sa[0][2 + u % 2];  // rows g (hi) + g + 8 (lo)
-        if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
-        if constexpr (T::kQuantized) {
-          const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
-          dot = sz.x * dot + sz.y * qsum;
+        for (int u = 0; u < 4; ++u) {
+          valid[t][u] = kFull || static_cast<uint32_t>(t0[t] + tok[u] - begin) < range;
+          const float(&sa)[kChains][4] = s_acc[t][u / 2];
+          float dot = sa[0][u % 2] + sa[0][2 + u % 2];  // rows g (hi) + g + 8 (lo)
+          if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
+          if constexpr (T::kQuantized) {
+            const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
+            dot = sz.x * dot + sz.y * qsum;
+          }
+          s[t][u] = valid[t][u] ? dot : -INFINITY;
         }
-        s[t][u] = valid[t][u] ? dot : -INFINITY;
+        // A tree, not a chain of dependent maxima.
+        const float m = fmaxf(fmaxf(s[t][0], s[t][1]), fmaxf(s[t][2], s[t][3]));
+        tile_max = t == 0 ? m : fmaxf(tile_max, m);
       }
-      // A tree, not a chain of dependent maxima.
-      tile_max = fmaxf(tile_max, fmaxf(fmaxf(s[t][0], s[t][1]), fmaxf(s[t][2], s[t][3])));
-    }
-    tile_max = GroupMax<4>(tile_max);
-    // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the V
-    // scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t overflow fp16.
-    const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
-    const float alpha = Exp2Ftz(m_run - m_new);
-    m_run = m_new;
-    l_run *= alpha;
-    z_run *= alpha;
-    if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
-      // Column 2 tig (+1) of acc holds the state of the group whose g is that column (kPT == 1:
-      // mod 4): its alpha, fetched from lane 4 * column.
-      float col_alpha[2];
+      tile_max = GroupMax<4>(tile_max);
+      // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the
+      // V scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t
+      // overflow fp16.
+      const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
+      const float alpha = Exp2Ftz(m_run - m_new);
+      m_run = m_new;
+      l_run *= alpha;
+      z_run *= alpha;
+      if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
+        // Column 2 tig (+1) of acc holds the state of the group whose g is that column (kPT == 1:
+        // mod 4): its alpha, fetched from lane 4 * column.
+        float col_alpha[2];
 #pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        col_alpha[c] = __shfl_sync(0xffffffffu, alpha, 4 * (2 * tig + c));
-      }
+        for (int c = 0; c < 2; ++c) {
+          col_alpha[c] = __shfl_sync(0xffffffffu, alpha, 4 * (2 * tig + c));
+        }
 #pragma unroll
-      for (int mt = 0; mt < T::kMTiles; ++mt) {
+        for (int mt = 0; mt < T::kMTiles; ++mt) {
 #pragma unroll
-        for (int j = 0; j < kPT; ++j) {
-          acc[mt][j][0] *= col_alpha[0];
-          acc[mt][j][1] *= col_alpha[1];
-          acc[mt][j][2] *= col_alpha[0];
-          acc[mt][j][3] *= col_alpha[1];
+          for (int j = 0; j < kPT; ++j) {
+            acc[mt][j][0] *= col_alpha[0];
+            acc[mt][j][1] *= col_alpha[1];
+            acc[mt][j][2] *= col_alpha[0];
+            acc[mt][j][3] *= col_alpha[1];
+          }
         }
       }
-    }
 #pragma unroll
-    for (int t = 0; t < kTPI; ++t) {
-      if (t > 0 && i + t >= my_tiles) break;  // past the warp's last tile (warp-uniform)
-      const uint8_t* v_codes = base[t] + T::kVArea;
-      const uint8_t* v_meta = base[t] + T::kMetaArea + kTileTokens * 4;
-      __half p_hi[4], p_lo[4];
+      for (int t = 0; t < kTPI; ++t) {
+        if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
+        const uint8_t* v_codes = base[t] + T::kVArea;
+        const uint8_t* v_meta = base[t] + T::kMetaArea + kTileTokens * 4;
+        float ps[4];  // p_t scale_t
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float p = Exp2Ftz(s[t][u] - m_new);
-        l_run += p;
-        float ps = p;
-        if constexpr (T::kQuantized) {
-          const float2 sz = LoadMeta(v_meta + tok[u] * 4, 0);
-          ps = valid[t][u] ? p * sz.x : 0.0f;
-          z_run += valid[t][u] ? p * sz.y : 0.0f;
+        for (int u = 0; u < 4; ++u) {
+          const float p = Exp2Ftz(s[t][u] - m_new);
+          l_run += p;
+          ps[u] = p;
+          if constexpr (T::kQuantized) {
+            const float2 sz = LoadMeta(v_meta + tok[u] * 4, 0);
+            ps[u] = valid[t][u] ? p * sz.x : 0.0f;
+            z_run += valid[t][u] ? p * sz.y : 0.0f;
+          }
         }
-        p_hi[u] = __float2half_rn(ps);
-        p_lo[u] = __float2half_rn(ps - __half2float(p_hi[u]));
-      }
-      // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 and 8 + 2 tig, 9 + 2 tig.
-      uint32_t pb0[kPT], pb1[kPT];
-      if constexpr (kPT == 1) {
-        __half p[4];
+        // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 (pb0) and 8 + 2 tig,
+        // 9 + 2 tig (pb1), each pair of tokens rounded to fp16 in one conversion: hi = fp16(ps),
+        // lo = fp16(ps - hi).
+        uint32_t hi[2], lo[2];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) p[u] = g < 4 ? p_hi[u] : p_lo[u];
-        pb0[0] = PackHalf2(p[0], p[1]);
-        pb1[0] = PackHalf2(p[2], p[3]);
-      } else {
-        pb0[0] = PackHalf2(p_hi[0], p_hi[1]);
-        pb1[0] = PackHalf2(p_hi[2], p_hi[3]);
-        pb0[1] = PackHalf2(p_lo[0], p_lo[1]);
-        pb1[1] = PackHalf2(p_lo[2], p_lo[3]);
-      }
+        for (int k = 0; k < 2; ++k) {
+          const __half2 h = __floats2half2_rn(ps[2 * k], ps[2 * k + 1]);
+          const float2 hf = __half22float2(h);
+          const __half2 l = __floats2half2_rn(ps[2 * k] - hf.x, ps[2 * k + 1] - hf.y);
+          hi[k] = *reinterpret_cast<const uint32_t*>(&h);
+          lo[k] = *reinterpret_cast<const uint32_t*>(&l);
+        }
+        uint32_t pb0[kPT], pb1[kPT];
+        if constexpr (kPT == 1) {
+          pb0[0] = g < 4 ? hi[0] : lo[0];
+          pb1[0] = g < 4 ? hi[1] : lo[1];
+        } else {
+          pb0[0] = hi[0];
+          pb1[0] = hi[1];
+          pb0[1] = lo[0];
+          pb1[1] = lo[1];
+        }
 
-      // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
-      // word of each row at a time; rows outside [begin, end) hold finite codes (see issue)
-      // against p = 0.
-      const uint32_t* vrow[4];
+        // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
+        // word of each row at a time; rows outside [begin, end) hold finite codes (see issue)
+        // against p = 0.
+        const uint32_t* vrow[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kVStride +
-                                                    g * (T::kVWords * 4));
-      }
+        for (int u = 0; u < 4; ++u) {
+          vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kVStride +
+                                                      g * (T::kVWords * 4));
+        }
 #pragma unroll
-      for (int w = 0; w < T::kVWords; ++w) {
-        uint32_t word[4];
+        for (int w = 0; w < T::kVWords; ++w) {
+          uint32_t word[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
-        uint32_t c01[C::kChPerWord], c23[C::kChPerWord];
-        C::PairWord(word[0], word[1], c01);
-        C::PairWord(word[2], word[3], c23);
+          for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
+          uint32_t c01[C::kChPerWord], c23[C::kChPerWord];
+          C::PairWord(word[0], word[1], c01);
+          C::PairWord(word[2], word[3], c23);
 #pragma unroll
-        for (int e = 0; e < C::kChPerWord; e += 2) {
-          // Channels e and e + 1 of the word are A rows g and g + 8 of m16 tile mt.
-          const int mt = (w * C::kChPerWord + e) / 2;
-          const uint4 va = make_uint4(c01[e], c01[e + 1], c23[e], c23[e + 1]);
+          for (int e = 0; e < C::kChPerWord; e += 2) {
+            // Channels e and e + 1 of the word are A rows g and g + 8 of m16 tile mt.
+            const int mt = (w * C::kChPerWord + e) / 2;
+            const uint4 va = make_uint4(c01[e], c01[e + 1], c23[e], c23[e + 1]);
 #pragma unroll
-          for (int j = 0; j < kPT; ++j) Mma16816(acc[mt][j], va, pb0[j], pb1[j]);
+            for (int j = 0; j < kPT; ++j) Mma16816(acc[mt][j], va, pb0[j], pb1[j]);
+          }
         }
       }
+    };
+    bool full = i + kTPI <= my_tiles;
+#pragma unroll
+    for (int t = 0; t < kTPI; ++t) full = full && t0[t] >= begin && t0[t] + kTileTokens <= end;
+    if (full) {
+      update(std::true_type{});
+    } else {
+      update(std::false_type{});
     }
   }
 

@@ -38,6 +38,10 @@ ABSL_FLAG(std::string, commit, "", "source revision recorded in the JSON");
 ABSL_FLAG(int, splits, 0,
           "split-K count per (sequence, KV head) for every case (0 = the kernel's automatic "
           "choice); for sweeps of the split heuristic");
+ABSL_FLAG(std::vector<std::string>, formats, {},
+          "formats to time (e.g. int4_rot128,fp8_rot128; default all): one kernel per process "
+          "for A/B runs whose cases should not heat the GPU for each other; fp16, the accuracy "
+          "reference, always runs");
 
 namespace kvpool {
 namespace {
@@ -177,7 +181,12 @@ void RunShape(const Shape& shape, int iters, double stream_tbps, const DeviceBuf
 
   std::vector<std::vector<float>> outputs;
   const size_t first = results->size();
+  const std::vector<std::string> wanted = absl::GetFlag(FLAGS_formats);
   for (const Format& f : kFormats) {
+    if (!wanted.empty() && f.dtype != KvDtype::kFp16 &&
+        std::find(wanted.begin(), wanted.end(), f.name) == wanted.end()) {
+      continue;
+    }
     const PageLayout l = MakeLayout(f);
     const DeviceBuffer pages = FillPages(l, shape, num_blocks, ids, blocks_per_seq);
     DeviceBuffer workspace(
