@@ -28,7 +28,7 @@
 //           sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
 // The thread that holds a score in the S^T accumulator holds the same entries of P^T as a B
 // operand, so scores never leave registers. At the end the four warps' states are merged in
-// shared memory into the split's {m, l} and o'.
+// shared memory into the split's {m, l} and o' (paged_attention_mma_merge.cuh).
 #ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
 #define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
 
@@ -42,6 +42,7 @@
 
 #include "kernels/cuda/cuda_common.cuh"
 #include "kernels/cuda/paged_attention.cuh"
+#include "kernels/cuda/paged_attention_mma_merge.cuh"
 #include "kernels/cuda/paged_attention_mma_operands.cuh"
 #include "kernels/cuda/paged_attention_split.cuh"
 
@@ -461,7 +462,6 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
       for (int t = 0; t < kTPI; ++t) {
         if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
         const uint8_t* v_codes = base[t] + T::kVArea;
-        const uint8_t* v_meta = base[t] + T::kMetaArea + kTileTokens * 4;
         float ps[4];  // p_t scale_t
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
@@ -469,7 +469,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
           l_run += p;
           ps[u] = p;
           if constexpr (T::kQuantized) {
-            const float2 sz = LoadMeta(v_meta + tok[u] * 4, 0);
+            const float2 sz = LoadMeta(base[t] + T::kMetaArea + (kTileTokens + tok[u]) * 4, 0);
             ps[u] = valid[t][u] ? p * sz.x : 0.0f;
             z_run += valid[t][u] ? p * sz.y : 0.0f;
           }
@@ -535,66 +535,9 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     }
   }
 
-  // Merge the warps: {m, l, z} [warp][head] then o [warp][P^T column][channel] in the freed
-  // tiles.
-  CpAsyncWait<0>();
-  __syncthreads();
-  float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][3]
-  float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][8 columns] rows of T::kORow
-  l_run = GroupSum<4>(l_run);
-  z_run = GroupSum<4>(z_run);
-  if (tig == 0 && g == head_g) {
-    ml_s[(warp * kH + g) * 3] = m_run;
-    ml_s[(warp * kH + g) * 3 + 1] = l_run;
-    ml_s[(warp * kH + g) * 3 + 2] = z_run;
-  }
-  // Column c of P^T tile j holds head c + 8 j - 8 (kPT == 2: hi / lo parts in tiles 0 / 1, summed
-  // here) or head c % 4 (kPT == 1: hi / lo parts in columns c < 4 / c >= 4, summed below).
-  if constexpr (kPT == 2) {
-#pragma unroll
-    for (int mt = 0; mt < T::kMTiles; ++mt) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[mt][0][r] += acc[mt][1][r];
-    }
-  }
-#pragma unroll
-  for (int mt = 0; mt < T::kMTiles; ++mt) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int column = 2 * tig + r % 2;
-      const int channel = T::kVChannels * g + 2 * mt + r / 2;
-      o_s[T::OIndex(warp * 8 + column, channel)] = acc[mt][0][r] * C::ChannelScale(r / 2 == 1);
-    }
-  }
-  __syncthreads();
-  constexpr int kQuads = kHeadDim / 4;  // each thread merges 4 channels of a head at a time
-  for (int i = tid; i < nh * kQuads; i += kAttnThreads) {
-    const int h = i / kQuads;
-    const int c = (i % kQuads) * 4;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, ml_s[(w * kH + h) * 3]);
-    float l = 0.0f;
-    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) {
-      const float* mlz = ml_s + (w * kH + h) * 3;
-      if (mlz[0] == -INFINITY) continue;  // a warp without tiles
-      const float wgt = exp2f(mlz[0] - m);
-      l += wgt * mlz[1];
-      float4 v = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h, c));
-      if constexpr (kPT == 1) {
-        const float4 lo = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h + 4, c));
-        v = make_float4(v.x + lo.x, v.y + lo.y, v.z + lo.z, v.w + lo.w);
-      }
-      o.x += wgt * (v.x + mlz[2]);
-      o.y += wgt * (v.y + mlz[2]);
-      o.z += wgt * (v.z + mlz[2]);
-      o.w += wgt * (v.w + mlz[2]);
-    }
-    *reinterpret_cast<float4*>(o_out + static_cast<size_t>(h) * num_splits * kHeadDim + c) = o;
-    if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
-  }
+  // The split's {m, l} and o' from the four warps' states (paged_attention_mma_merge.cuh).
+  MergeWarpsIntoSplit<kDtype, kHeadDim, kPT>(smem, acc, m_run, l_run, z_run, nh, num_splits, o_out,
+                                             ml_out);
 }
 
 }  // namespace attention_internal

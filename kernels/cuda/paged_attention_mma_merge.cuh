@@ -1,0 +1,103 @@
+// The end of the tensor-core split kernel (paged_attention_mma.cuh): its four warps' online-
+// softmax states merged in shared memory into the split's {m, l} and o', written for the merge
+// kernel.
+#ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_MERGE_CUH_
+#define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_MERGE_CUH_
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/cuda_common.cuh"
+#include "kernels/cuda/paged_attention.cuh"
+#include "kernels/cuda/paged_attention_mma_operands.cuh"
+
+namespace kvpool::cuda {
+namespace attention_internal {
+
+// Every thread of the CTA calls it once its loop is done, with its warp's state: m_run (head
+// head_g, log2 domain), l_run and z_run (sum p_t and sum p_t zero_t over this lane's tokens),
+// and acc, the O^T accumulators (rows g / g + 8 channels kVChannels g + 2 mt / + 1, columns
+// 2 tig and 2 tig + 1 of P^T tile j). The stage tiles in smem are reused. Writes nh heads'
+// o' (channels scaled back, sum p_t zero_t added) and {m, l}, num_splits apart.
+template <KvDtype kDtype, int kHeadDim, int kPT>
+__device__ __forceinline__ void MergeWarpsIntoSplit(
+    uint8_t* smem, float (&acc)[MmaTraits<kDtype, kHeadDim>::kMTiles][kPT][4], float m_run,
+    float l_run, float z_run, int nh, int num_splits, float* o_out, float2* ml_out) {
+  using T = MmaTraits<kDtype, kHeadDim>;
+  using C = MmaCodec<kDtype>;
+  constexpr int kH = T::kH;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int tig = lane % 4;
+  const int head_g = kPT == 1 ? g % 4 : g;
+  // Merge the warps: {m, l, z} [warp][head] then o [warp][P^T column][channel] in the freed
+  // tiles.
+  CpAsyncWait<0>();
+  __syncthreads();
+  float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][3]
+  float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][8 columns] rows of T::kORow
+  l_run = GroupSum<4>(l_run);
+  z_run = GroupSum<4>(z_run);
+  if (tig == 0 && g == head_g) {
+    ml_s[(warp * kH + g) * 3] = m_run;
+    ml_s[(warp * kH + g) * 3 + 1] = l_run;
+    ml_s[(warp * kH + g) * 3 + 2] = z_run;
+  }
+  // Column c of P^T tile j holds head c + 8 j - 8 (kPT == 2: hi / lo parts in tiles 0 / 1, summed
+  // here) or head c % 4 (kPT == 1: hi / lo parts in columns c < 4 / c >= 4, summed below).
+  if constexpr (kPT == 2) {
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc[mt][0][r] += acc[mt][1][r];
+    }
+  }
+#pragma unroll
+  for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int column = 2 * tig + r % 2;
+      const int channel = T::kVChannels * g + 2 * mt + r / 2;
+      o_s[T::OIndex(warp * 8 + column, channel)] = acc[mt][0][r] * C::ChannelScale(r / 2 == 1);
+    }
+  }
+  __syncthreads();
+  constexpr int kQuads = kHeadDim / 4;  // each thread merges 4 channels of a head at a time
+  for (int i = tid; i < nh * kQuads; i += kAttnThreads) {
+    const int h = i / kQuads;
+    const int c = (i % kQuads) * 4;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) m = fmaxf(m, ml_s[(w * kH + h) * 3]);
+    float l = 0.0f;
+    float4 o = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < kMmaWarps; ++w) {
+      const float* mlz = ml_s + (w * kH + h) * 3;
+      if (mlz[0] == -INFINITY) continue;  // a warp without tiles
+      const float wgt = exp2f(mlz[0] - m);
+      l += wgt * mlz[1];
+      float4 v = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h, c));
+      if constexpr (kPT == 1) {
+        const float4 lo = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h + 4, c));
+        v = make_float4(v.x + lo.x, v.y + lo.y, v.z + lo.z, v.w + lo.w);
+      }
+      o.x += wgt * (v.x + mlz[2]);
+      o.y += wgt * (v.y + mlz[2]);
+      o.z += wgt * (v.z + mlz[2]);
+      o.w += wgt * (v.w + mlz[2]);
+    }
+    *reinterpret_cast<float4*>(o_out + static_cast<size_t>(h) * num_splits * kHeadDim + c) = o;
+    if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
+  }
+}
+
+}  // namespace attention_internal
+}  // namespace kvpool::cuda
+
+#endif  // KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_MERGE_CUH_
