@@ -9,8 +9,9 @@
           expanded copy of K/V). This is the anchor.
         * flashinfer_fp16 / flashinfer_fp8: FlashInfer's paged decode, when `import flashinfer`
           works; otherwise the reason is recorded.
-      Timing as in the C++ benchmark: CUDA events around one call, L2 flushed before every run,
-      median of --iters runs after warm-up. Bytes: K/V read + q + out.
+      Timing as in the C++ benchmark: CUDA events around one call, L2 flushed before every run
+      (--l2_flush: a 256 MiB buffer read, or zeroed, as attention_bench's flag), median of
+      --iters runs after warm-up. Bytes: K/V read + q + out.
 
   attention_peer.py merge --kvpool kvpool.json --peer peer.json [--flashinfer fi.json]
                          --out attention_<date>.json
@@ -43,7 +44,7 @@ def time_ms(torch, fn, iters, flush):
         fn()
     times = []
     for _ in range(iters):
-        flush.zero_()
+        flush()
         start.record()
         fn()
         stop.record()
@@ -90,9 +91,13 @@ def run_flashinfer(torch, flashinfer, batch, context, kv_dtype, iters, flush):
 def cmd_run(args):
     import torch
 
-    flush = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
+    buffer = torch.zeros(256 << 20, device="cuda", dtype=torch.uint8)
+    words = buffer.view(torch.int32)
+    # "read": a reduction over the buffer leaves the L2 holding its clean lines; "write": zeroing
+    # it leaves dirty lines whose write-back falls inside the next timed run.
+    flush = buffer.zero_ if args.l2_flush == "write" else words.sum
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "iters": args.iters, "gqa": "enable_gqa=True (K/V not expanded)", "cases": []}
+              "iters": args.iters, "l2_flush": args.l2_flush, "gqa": "enable_gqa=True (K/V not expanded)", "cases": []}
     try:
         import flashinfer
         result["flashinfer"] = getattr(flashinfer, "__version__", "?")
@@ -124,15 +129,20 @@ def cmd_merge(args):
     with open(args.peer) as f:
         peer = json.load(f)
     anchors = {(c["batch"], c["context"]): c for c in peer["cases"]}
+    # Files from before the --l2_flush flag were timed after a zeroing flush.
+    flushes = {"kvpool": kv.get("l2_flush", "write"), "peer": peer.get("l2_flush", "write")}
     if args.flashinfer and peer.get("flashinfer") is None:
         with open(args.flashinfer) as f:
             fi = json.load(f)
+        flushes["flashinfer"] = fi.get("l2_flush", "write")
         peer["flashinfer"] = f"{fi['flashinfer']}, C++ kernels built into {fi['tool']}"
         peer.pop("flashinfer_unavailable", None)
         for c in fi["cases"]:
             case = anchors.get((c["batch"], c["context"]))
             if case is not None:
                 case.update({k: c[k] for k in FLASHINFER_VARIANTS if k in c})
+    if len(set(flushes.values())) > 1:
+        sys.exit(f"attention_peer.py merge: timed after different L2 flushes: {flushes}")
     rows = []
     for c in kv["cases"]:
         p = anchors.get((c["batch"], c["context"]))
@@ -174,6 +184,7 @@ def main():
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
     r.add_argument("--iters", type=int, default=25)
+    r.add_argument("--l2_flush", choices=("read", "write"), default="read")
     r.add_argument("--flashinfer-note", default="", help="why FlashInfer is absent, if known")
     m = sub.add_parser("merge")
     m.add_argument("--kvpool", required=True)

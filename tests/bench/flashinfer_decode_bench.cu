@@ -22,9 +22,9 @@
 // paths of one KV dtype run on the same batch (same q, pages and page ids), one after the other;
 // the output is set to NaN before each path's plan, so a path that writes nothing fails the check.
 //
-// Time: one run call (host dispatch included) between CUDA events, L2 flushed (256 MiB memset)
-// before each, 3 warm-up runs, the median of --iters. Bytes: K and V of every token + q + out;
-// split partials not counted.
+// Time: one run call (host dispatch included) between CUDA events, L2 flushed (--l2_flush, as in
+// attention_bench) before each, 3 warm-up runs, the median of --iters. Bytes: K and V of every
+// token + q + out; split partials not counted.
 //
 // Accuracy: per (sequence, q head) row, the relative L2 error of the output against a CPU
 // softmax(q K^T / sqrt(128)) V (fp32 values, fp64 sums) over the q/K/V read back from the device;
@@ -61,11 +61,14 @@
 #include "flashinfer/attention/prefill.cuh"
 #include "flashinfer/attention/scheduler.cuh"
 #include "flashinfer/attention/variants.cuh"
+#include "tests/gpu/attention_bench_kernels.h"
 #include "tests/gpu/attention_test_util.h"
 
 ABSL_FLAG(std::string, out, "", "write the results as JSON to this path");
 ABSL_FLAG(int, iters, 25, "timed runs per case; the median is reported");
 ABSL_FLAG(std::string, commit, "", "source revision recorded in the JSON");
+ABSL_FLAG(std::string, l2_flush, "read",
+          "the L2 flush before every timed run, as attention_bench's: read or write");
 
 namespace kvpool {
 namespace {
@@ -76,8 +79,7 @@ using testing::MedianMs;
 constexpr int kQHeads = 32, kKvHeads = 8, kGroup = kQHeads / kKvHeads, kPageSize = 16;
 constexpr uint32_t kHeadDim = 128;
 constexpr int64_t kTokenElems = kKvHeads * kHeadDim;
-constexpr int64_t kPageElems = 2 * kPageSize * kTokenElems;  // K then V
-constexpr size_t kFlushBytes = size_t{256} << 20;
+constexpr int64_t kPageElems = 2 * kPageSize * kTokenElems;                         // K then V
 constexpr size_t kFloatWsBytes = size_t{128} << 20, kIntWsBytes = size_t{8} << 20;  // as Python
 constexpr double kMaxRelErr = 1e-2;
 constexpr auto kNoRope = flashinfer::PosEncodingMode::kNone;
@@ -390,7 +392,7 @@ struct Timing {
 
 // One kernel path on one batch: output poisoned, planned once, timed, then sequence 0 checked.
 template <template <typename> class Path, typename KV>
-Timing TimeCase(const PagedBatch<KV>& b, int iters, const DeviceBuffer& flush) {
+Timing TimeCase(const PagedBatch<KV>& b, int iters, bench::L2Flush& flush) {
   b.PoisonOutput();
   Path<KV> path(b);
   const double ms = MedianMs(iters, flush, [&] { path.Run(); }), bytes = b.Bytes();
@@ -414,7 +416,7 @@ constexpr int kVariants = 4;
 const char* const kVariantNames[kVariants] = {"fp16", "fp8", "tc_fp16", "tc_fp8"};
 
 template <typename KV>
-void TimeBothPaths(const Shape& shape, int iters, const DeviceBuffer& flush, Timing* cuda_core,
+void TimeBothPaths(const Shape& shape, int iters, bench::L2Flush& flush, Timing* cuda_core,
                    Timing* tensor_core) {
   const PagedBatch<KV> b(std::vector<int>(shape.batch, shape.context),
                          shape.batch * 131 + shape.context);
@@ -446,7 +448,12 @@ int Main() {
     return 1;
   }
 
-  DeviceBuffer flush(kFlushBytes);
+  bool write_flush = false;
+  if (!bench::L2Flush::ParseWrite(absl::GetFlag(FLAGS_l2_flush), &write_flush)) {
+    std::fprintf(stderr, "flashinfer_decode_bench: --l2_flush must be read or write\n");
+    return 1;
+  }
+  bench::L2Flush flush(write_flush);
   std::vector<std::vector<Timing>> timings;
   std::printf("%5s %6s", "batch", "ctx");
   for (const char* name : kVariantNames) {
@@ -480,8 +487,9 @@ int Main() {
     std::fprintf(f,
                  "{\n  \"tool\": \"flashinfer_decode_bench\",\n  \"flashinfer\": \"0.2.14.post1\","
                  "\n  \"device\": \"%s\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-                 "  \"iters\": %d,\n  \"check\": {",
-                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, iters);
+                 "  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n  \"check\": {",
+                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, iters,
+                 absl::GetFlag(FLAGS_l2_flush).c_str());
     for (int v = 0; v < kVariants; ++v) {
       std::fprintf(f, "%s\"%s_max_rel_err\": %.3e", v ? ", " : "", kVariantNames[v], check[v]);
     }

@@ -70,6 +70,10 @@ def quantize():
               f"around the rot128 launch at >= {inter['full_clock_mhz']:.0f} MHz).\n")
 
 
+# attention_bench --l2_flush; files from before the flag were timed after a zeroing flush.
+FLUSH_NAMES = {"read": "a read of 256 MiB", "write": "zeroing 256 MiB"}
+
+
 def attention():
     files = sorted(RESULTS.glob("attention_2*.json"))
     if not files:
@@ -77,7 +81,8 @@ def attention():
     d = json.loads(files[-1].read_text())
     k = d["kvpool"]
     print(f"Decode attention, 32 q heads / {k['kv_heads']} KV heads, head_dim {k['head_dim']}, "
-          f"block_tokens {k['block_tokens']}, median of {k['iters']} runs; anchor PyTorch "
+          f"block_tokens {k['block_tokens']}, median of {k['iters']} runs, each after an L2 flush by "
+          f"{FLUSH_NAMES[k.get('l2_flush', 'write')]}; anchor PyTorch "
           f"{d['peer'].get('torch', '?')} SDPA flash fp16 ({d['peer'].get('gqa', '')}) in the same "
           f"file; streaming read {k['stream_read_tbps']:.2f} TB/s ({files[-1].name}, commit "
           f"{k['commit']}, {k['device']}):\n")

@@ -6,9 +6,10 @@
 // quantized by cuda::QuantizeAppend from the same synthetic K/V with outlier channels.
 //
 // Time: one cuda::PagedDecodeAttention call (all its kernels) between CUDA events, after
-// warm-up, with L2 flushed before every run; the median of --iters runs. Bytes: the kernel's own
-// traffic, pages read (codes + scale/zero of every token) + q (fp16) + out (fp32); the split
-// partials, a few percent, are not counted. The streaming-read ceiling is measured in the same run.
+// warm-up, with L2 flushed before every run (--l2_flush); the median of --iters runs. Bytes: the
+// kernel's own traffic, pages read (codes + scale/zero of every token) + q (fp16) + out (fp32); the
+// split partials, a few percent, are not counted. The streaming-read ceiling is measured in the
+// same run.
 //
 // Accuracy: the FP16-page output is attention over the original fp16 K/V (fp32 accumulation) and
 // is the reference; every other format reports the relative L2 error of each (sequence, head)
@@ -42,6 +43,10 @@ ABSL_FLAG(std::vector<std::string>, formats, {},
           "formats to time (e.g. int4_rot128,fp8_rot128; default all): one kernel per process "
           "for A/B runs whose cases should not heat the GPU for each other; fp16, the accuracy "
           "reference, always runs");
+ABSL_FLAG(std::string, l2_flush, "read",
+          "the L2 flush before every timed run: read (a 256 MiB buffer read into the L2, which "
+          "holds clean lines after it) or write (the buffer zeroed: the write-back of the dirty "
+          "lines it leaves falls inside the timed run); bench::L2Flush");
 
 namespace kvpool {
 namespace {
@@ -54,7 +59,6 @@ constexpr int kKvHeads = 8;
 constexpr int kHeadDim = 128;
 constexpr int kBlockTokens = 16;
 constexpr int kFillChunk = 8192;  // tokens generated and quantized per step
-constexpr size_t kFlushBytes = size_t{256} << 20;
 
 struct Shape {
   int batch, context;
@@ -100,7 +104,7 @@ void Check(KernelStatus s, const char* what) {
   }
 }
 
-double StreamingReadTbps(int iters, const DeviceBuffer& flush) {
+double StreamingReadTbps(int iters, bench::L2Flush& flush) {
   const size_t bytes = size_t{2} << 30;
   DeviceBuffer data(bytes), sink(4096 * sizeof(uint32_t));
   KVPOOL_CUDA_CHECK(cudaMemset(data.get(), 1, bytes));
@@ -164,7 +168,7 @@ std::pair<double, double> RowErrors(const std::vector<float>& got, const std::ve
   return {sum / rows, worst};
 }
 
-void RunShape(const Shape& shape, int iters, double stream_tbps, const DeviceBuffer& flush,
+void RunShape(const Shape& shape, int iters, double stream_tbps, bench::L2Flush& flush,
               std::vector<Result>* results) {
   const int blocks_per_seq = shape.context / kBlockTokens;
   const int splits = absl::GetFlag(FLAGS_splits);
@@ -236,10 +240,11 @@ void WriteJson(const std::string& path, const std::string& device, double stream
                "{\n  \"benchmark\": \"attention_bench\",\n  \"device\": \"%s\",\n"
                "  \"commit\": \"%s\",\n  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
                "\"block_tokens\": %d,\n  \"iters\": %d,\n  \"splits\": %d,\n"
-               "  \"stream_read_tbps\": %.4f,\n"
+               "  \"l2_flush\": \"%s\",\n  \"stream_read_tbps\": %.4f,\n"
                "  \"cases\": [\n",
                device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), kQHeads, kKvHeads, kHeadDim,
-               kBlockTokens, iters, absl::GetFlag(FLAGS_splits), stream_tbps);
+               kBlockTokens, iters, absl::GetFlag(FLAGS_splits),
+               absl::GetFlag(FLAGS_l2_flush).c_str(), stream_tbps);
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     std::fprintf(f,
@@ -261,9 +266,16 @@ int Main() {
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  DeviceBuffer flush(kFlushBytes);
+  const std::string flush_mode = absl::GetFlag(FLAGS_l2_flush);
+  bool write_flush = false;
+  if (!bench::L2Flush::ParseWrite(flush_mode, &write_flush)) {
+    std::fprintf(stderr, "attention_bench: --l2_flush must be read or write\n");
+    return 1;
+  }
+  bench::L2Flush flush(write_flush);
   const double stream_tbps = StreamingReadTbps(iters, flush);
-  std::printf("device %s, streaming read %.3f TB/s\n", prop.name, stream_tbps);
+  std::printf("device %s, streaming read %.3f TB/s (L2 flush: %s)\n", prop.name, stream_tbps,
+              flush_mode.c_str());
   std::vector<Result> results;
   for (const Shape& shape : kShapes) RunShape(shape, iters, stream_tbps, flush, &results);
 

@@ -4,12 +4,14 @@
 #include <cmath>
 
 #include "tests/gpu/attention_bench_kernels.h"
+#include "tests/gpu/attention_test_util.h"
 
 namespace kvpool::bench {
 namespace {
 
 constexpr int kStreamCtas = 4096;
 constexpr int kStreamThreads = 512;
+constexpr size_t kFlushBytes = size_t{256} << 20;  // several times the L2
 
 __device__ __forceinline__ uint64_t Mix(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
@@ -49,24 +51,33 @@ __global__ void FillSyntheticKvKernel(uint16_t* k, uint16_t* v, int first_token,
   }
 }
 
-// Grid kStreamCtas x kStreamThreads, grid-stride 16-byte streaming loads; lane 0 of each CTA's
-// first warp writes a checksum word.
+// Grid kStreamCtas x kStreamThreads, grid-stride 16-byte loads, streaming (evict first) or
+// kept in L2; lane 0 of each CTA's first warp writes a checksum word.
+template <bool kKeepInL2>
 __global__ void StreamReadKernel(const uint4* data, size_t n, uint32_t* sink) {
+  auto load = [](const uint4* p) { return kKeepInL2 ? __ldg(p) : __ldcs(p); };
   uint32_t acc = 0;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
   size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x;
   for (; i + 3 * stride < n; i += 4 * stride) {
-    const uint4 a = __ldcs(data + i), b = __ldcs(data + i + stride);
-    const uint4 c = __ldcs(data + i + 2 * stride), d = __ldcs(data + i + 3 * stride);
+    const uint4 a = load(data + i), b = load(data + i + stride);
+    const uint4 c = load(data + i + 2 * stride), d = load(data + i + 3 * stride);
     acc ^= a.x ^ a.y ^ a.z ^ a.w ^ b.x ^ b.y ^ b.z ^ b.w ^ c.x ^ c.y ^ c.z ^ c.w ^ d.x ^ d.y ^ d.z ^
            d.w;
   }
   for (; i < n; i += stride) {
-    const uint4 a = __ldcs(data + i);
+    const uint4 a = load(data + i);
     acc ^= a.x ^ a.y ^ a.z ^ a.w;
   }
   for (int m = 16; m > 0; m >>= 1) acc ^= __shfl_xor_sync(0xffffffffu, acc, m);
   if (threadIdx.x == 0) sink[blockIdx.x] = acc;
+}
+
+template <bool kKeepInL2>
+cudaError_t LaunchStreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
+  StreamReadKernel<kKeepInL2><<<kStreamCtas, kStreamThreads, 0, stream>>>(
+      static_cast<const uint4*>(data), bytes / 16, sink);
+  return cudaGetLastError();
 }
 
 }  // namespace
@@ -79,9 +90,31 @@ cudaError_t FillSyntheticKv(uint16_t* k, uint16_t* v, int first_token, int num_t
 }
 
 cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
-  StreamReadKernel<<<kStreamCtas, kStreamThreads, 0, stream>>>(static_cast<const uint4*>(data),
-                                                               bytes / 16, sink);
-  return cudaGetLastError();
+  return LaunchStreamRead<false>(data, bytes, sink, stream);
+}
+
+bool L2Flush::ParseWrite(const std::string& name, bool* write) {
+  *write = name == "write";
+  return name == "read" || name == "write";
+}
+
+L2Flush::L2Flush(bool write) : write_(write) {
+  KVPOOL_CUDA_CHECK(cudaMalloc(&buffer_, kFlushBytes));
+  KVPOOL_CUDA_CHECK(cudaMemset(buffer_, 0, kFlushBytes));
+  KVPOOL_CUDA_CHECK(cudaMalloc(&sink_, kStreamCtas * sizeof(uint32_t)));
+}
+
+L2Flush::~L2Flush() {
+  cudaFree(buffer_);
+  cudaFree(sink_);
+}
+
+void L2Flush::operator()() {
+  if (write_) {
+    KVPOOL_CUDA_CHECK(cudaMemsetAsync(buffer_, ++round_ & 0xff, kFlushBytes));
+  } else {
+    KVPOOL_CUDA_CHECK(LaunchStreamRead<true>(buffer_, kFlushBytes, sink_, nullptr));
+  }
 }
 
 }  // namespace kvpool::bench

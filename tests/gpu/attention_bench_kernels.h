@@ -1,5 +1,5 @@
 // Device helpers of the attention benchmark (attention_bench_kernels.cu): synthetic K/V with
-// outlier channels generated on the device, and the streaming-read ceiling kernel.
+// outlier channels generated on the device, the streaming-read ceiling kernel, and the L2 flush.
 #ifndef KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_
 #define KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_
 
@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace kvpool::bench {
 
@@ -21,6 +22,27 @@ cudaError_t FillSyntheticKv(uint16_t* k, uint16_t* v, int first_token, int num_t
 // Reads `bytes` (a multiple of 16) with 16-byte loads and writes one word per CTA into `sink`
 // (at least 4096 uint32 words) so that nothing is optimized away.
 cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream);
+
+// The L2 flush before every timed run of the attention benchmarks (--l2_flush), on the default
+// stream: a 256 MiB buffer read with loads that keep its lines in L2 ("read": the L2 is left full
+// of clean lines) or zeroed ("write": up to an L2 of dirty lines is left, whose write-back to
+// DRAM then falls inside the timed run).
+class L2Flush {
+ public:
+  // The mode named "read" or "write"; false for any other name.
+  static bool ParseWrite(const std::string& name, bool* write);
+  explicit L2Flush(bool write);
+  ~L2Flush();
+  L2Flush(const L2Flush&) = delete;
+  L2Flush& operator=(const L2Flush&) = delete;
+  void operator()();
+
+ private:
+  bool write_;
+  void* buffer_ = nullptr;
+  uint32_t* sink_ = nullptr;
+  int round_ = 0;
+};
 
 }  // namespace kvpool::bench
 

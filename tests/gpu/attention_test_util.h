@@ -69,17 +69,17 @@ class DeviceBuffer {
   size_t bytes_ = 0;
 };
 
-// Median of `iters` CUDA-event timings of `run` on the default stream, each after writing
-// `flush` (bigger than the L2), after 3 warm-up runs.
-template <typename F>
-double MedianMs(int iters, const DeviceBuffer& flush, F&& run) {
+// Median of `iters` CUDA-event timings of `run` on the default stream, each after `flush()`
+// (which leaves the L2 without the data `run` reads), after 3 warm-up runs.
+template <typename Flush, typename F>
+double MedianMs(int iters, Flush&& flush, F&& run) {
   cudaEvent_t start, stop;
   KVPOOL_CUDA_CHECK(cudaEventCreate(&start));
   KVPOOL_CUDA_CHECK(cudaEventCreate(&stop));
   for (int i = 0; i < 3; ++i) run();
   std::vector<double> ms;
   for (int i = 0; i < iters; ++i) {
-    KVPOOL_CUDA_CHECK(cudaMemsetAsync(flush.get(), i & 0xff, flush.bytes()));
+    flush();
     KVPOOL_CUDA_CHECK(cudaEventRecord(start));
     run();
     KVPOOL_CUDA_CHECK(cudaEventRecord(stop));
