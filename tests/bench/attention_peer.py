@@ -97,7 +97,8 @@ def cmd_run(args):
     # it leaves dirty lines whose write-back falls inside the next timed run.
     flush = buffer.zero_ if args.l2_flush == "write" else words.sum
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "iters": args.iters, "l2_flush": args.l2_flush, "gqa": "enable_gqa=True (K/V not expanded)", "cases": []}
+              "iters": args.iters, "l2_flush": args.l2_flush,
+              "gqa": "enable_gqa=True (K/V not expanded)", "cases": []}
     try:
         import flashinfer
         result["flashinfer"] = getattr(flashinfer, "__version__", "?")

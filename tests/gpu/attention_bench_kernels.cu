@@ -4,7 +4,6 @@
 #include <cmath>
 
 #include "tests/gpu/attention_bench_kernels.h"
-#include "tests/gpu/attention_test_util.h"
 
 namespace kvpool::bench {
 namespace {
@@ -98,22 +97,17 @@ bool L2Flush::ParseWrite(const std::string& name, bool* write) {
   return name == "read" || name == "write";
 }
 
-L2Flush::L2Flush(bool write) : write_(write) {
-  KVPOOL_CUDA_CHECK(cudaMalloc(&buffer_, kFlushBytes));
-  KVPOOL_CUDA_CHECK(cudaMemset(buffer_, 0, kFlushBytes));
-  KVPOOL_CUDA_CHECK(cudaMalloc(&sink_, kStreamCtas * sizeof(uint32_t)));
-}
-
-L2Flush::~L2Flush() {
-  cudaFree(buffer_);
-  cudaFree(sink_);
+L2Flush::L2Flush(bool write)
+    : write_(write), buffer_(kFlushBytes), sink_(kStreamCtas * sizeof(uint32_t)) {
+  KVPOOL_CUDA_CHECK(cudaMemset(buffer_.get(), 0, kFlushBytes));
 }
 
 void L2Flush::operator()() {
   if (write_) {
-    KVPOOL_CUDA_CHECK(cudaMemsetAsync(buffer_, ++round_ & 0xff, kFlushBytes));
+    KVPOOL_CUDA_CHECK(cudaMemsetAsync(buffer_.get(), ++round_ & 0xff, kFlushBytes));
   } else {
-    KVPOOL_CUDA_CHECK(LaunchStreamRead<true>(buffer_, kFlushBytes, sink_, nullptr));
+    KVPOOL_CUDA_CHECK(
+        LaunchStreamRead<true>(buffer_.get(), kFlushBytes, sink_.get<uint32_t>(), nullptr));
   }
 }
 

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <string>
 
+#include "tests/gpu/attention_test_util.h"
+
 namespace kvpool::bench {
 
 // Fills k and v [num_tokens][num_heads][head_dim] fp16 with hash-based N(0,1)-like values
@@ -32,15 +34,11 @@ class L2Flush {
   // The mode named "read" or "write"; false for any other name.
   static bool ParseWrite(const std::string& name, bool* write);
   explicit L2Flush(bool write);
-  ~L2Flush();
-  L2Flush(const L2Flush&) = delete;
-  L2Flush& operator=(const L2Flush&) = delete;
   void operator()();
 
  private:
   bool write_;
-  void* buffer_ = nullptr;
-  uint32_t* sink_ = nullptr;
+  testing::DeviceBuffer buffer_, sink_;
   int round_ = 0;
 };
 
