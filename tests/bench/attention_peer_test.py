@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""attention_peer.py merge on small files (no GPU): the speed-ups and target flags it derives, and
+its refusal to join timings taken after different L2 flushes (ctest attention_peer_merge)."""
+import json
+import pathlib
+import subprocess
+import sys
+import tempfile
+import unittest
+
+SCRIPT = pathlib.Path(__file__).resolve().parent / "attention_peer.py"
+
+
+def kvpool_file(flush):
+    cases = [{"batch": 1, "context": 32768, "format": "int4_rot128", "ms": 0.015,
+              "frac_stream": 0.82},
+             {"batch": 1, "context": 32768, "format": "fp8_rot128", "ms": 0.03,
+              "frac_stream": 0.6}]
+    d = {"cases": cases}
+    if flush is not None:
+        d["l2_flush"] = flush
+    return d
+
+
+def peer_file(flush):
+    d = {"flashinfer": "test", "cases": [
+        {"batch": 1, "context": 32768, "sdpa_flash_fp16": {"ms": 0.05},
+         "flashinfer_tc_fp16": {"ms": 0.04}}]}
+    if flush is not None:
+        d["l2_flush"] = flush
+    return d
+
+
+class MergeTest(unittest.TestCase):
+    def merge(self, kv, peer):
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = pathlib.Path(tmp)
+            (tmp / "kv.json").write_text(json.dumps(kv))
+            (tmp / "peer.json").write_text(json.dumps(peer))
+            r = subprocess.run([sys.executable, str(SCRIPT), "merge", "--kvpool",
+                                str(tmp / "kv.json"), "--peer", str(tmp / "peer.json"), "--out",
+                                str(tmp / "out.json")], capture_output=True, text=True)
+            out = json.loads((tmp / "out.json").read_text()) if r.returncode == 0 else None
+            return r, out
+
+    def test_speedups_and_targets(self):
+        r, out = self.merge(kvpool_file("read"), peer_file("read"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        int4, fp8 = out["cases"]
+        self.assertAlmostEqual(int4["speedup_vs_sdpa"], 0.05 / 0.015)
+        self.assertTrue(int4["speedup_met"])  # 3.33x >= 3.3x
+        self.assertTrue(int4["stream_met"])  # 82% >= 80%
+        self.assertAlmostEqual(int4["speedup_vs_flashinfer_tc_fp16"], 0.04 / 0.015)
+        self.assertAlmostEqual(fp8["speedup_vs_sdpa"], 0.05 / 0.03)
+        self.assertFalse(fp8["speedup_met"])  # 1.67x < 1.8x
+        self.assertEqual(out["kvpool"]["l2_flush"], "read")
+
+    def test_files_without_the_flag_count_as_zeroing_flush(self):
+        r, _ = self.merge(kvpool_file(None), peer_file("write"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+
+    def test_different_flushes_are_refused(self):
+        r, out = self.merge(kvpool_file("read"), peer_file(None))
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("different L2 flushes", r.stderr)
+        self.assertIsNone(out)
+
+
+if __name__ == "__main__":
+    unittest.main()
