@@ -130,18 +130,19 @@ def cmd_merge(args):
     with open(args.peer) as f:
         peer = json.load(f)
     anchors = {(c["batch"], c["context"]): c for c in peer["cases"]}
-    # Files from before the --l2_flush flag were timed after a zeroing flush.
-    flushes = {"kvpool": kv.get("l2_flush", "write"), "peer": peer.get("l2_flush", "write")}
+    timed = {"kvpool": kv, "peer": peer}
     if args.flashinfer and peer.get("flashinfer") is None:
         with open(args.flashinfer) as f:
             fi = json.load(f)
-        flushes["flashinfer"] = fi.get("l2_flush", "write")
+        timed["flashinfer"] = fi
         peer["flashinfer"] = f"{fi['flashinfer']}, C++ kernels built into {fi['tool']}"
         peer.pop("flashinfer_unavailable", None)
         for c in fi["cases"]:
             case = anchors.get((c["batch"], c["context"]))
             if case is not None:
                 case.update({k: c[k] for k in FLASHINFER_VARIANTS if k in c})
+    # Files from before the --l2_flush flag were timed after a zeroing flush.
+    flushes = {name: d.get("l2_flush", "write") for name, d in timed.items()}
     if len(set(flushes.values())) > 1:
         sys.exit(f"attention_peer.py merge: timed after different L2 flushes: {flushes}")
     rows = []

@@ -75,6 +75,14 @@ double Median(std::vector<double> x) {
   return x[x.size() / 2];
 }
 
+// Exits with the kernel's error unless `s` is kOk.
+void ExitIfFailed(KernelStatus s) {
+  if (s != KernelStatus::kOk) {
+    std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
+    std::exit(1);
+  }
+}
+
 // Slots in device memory for SM clock probes, enqueued on the default stream between timed
 // ranges and read back together.
 class ClockProbes {
@@ -123,12 +131,7 @@ Interleaved TimeInterleaved(int pairs, const QuantizeAppendParams& a, const Quan
                             double full_clock_mhz, int probe_window_ns) {
   cudaEvent_t e[4];
   for (cudaEvent_t& x : e) BENCH_CHECK(cudaEventCreate(&x));
-  auto launch = [](const QuantizeAppendParams& p) {
-    if (cuda::QuantizeAppend(p, nullptr) != KernelStatus::kOk) {
-      std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
-      std::exit(1);
-    }
-  };
+  auto launch = [](const QuantizeAppendParams& p) { ExitIfFailed(cuda::QuantizeAppend(p, nullptr)); };
   for (int i = 0; i < kWarmup; ++i) {
     launch(a);
     launch(b);
@@ -177,22 +180,14 @@ double MedianMs(int runs, const std::function<KernelStatus()>& fn) {
   cudaEvent_t start, stop;
   BENCH_CHECK(cudaEventCreate(&start));
   BENCH_CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < kWarmup; ++i) {
-    if (fn() != KernelStatus::kOk) {
-      std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
-      std::exit(1);
-    }
-  }
+  for (int i = 0; i < kWarmup; ++i) ExitIfFailed(fn());
   std::vector<double> ms;
   for (int i = 0; i < runs; ++i) {
     BENCH_CHECK(cudaEventRecord(start));
     const KernelStatus s = fn();
     BENCH_CHECK(cudaEventRecord(stop));
     BENCH_CHECK(cudaEventSynchronize(stop));
-    if (s != KernelStatus::kOk) {
-      std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
-      std::exit(1);
-    }
+    ExitIfFailed(s);
     float t = 0;
     BENCH_CHECK(cudaEventElapsedTime(&t, start, stop));
     ms.push_back(t);
@@ -309,12 +304,7 @@ int Main(int argc, char** argv) {
     const QuantizeAppendParams p = params(KvDtype::kInt4, 128);
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(heat_ms);
     while (std::chrono::steady_clock::now() < until) {
-      for (int i = 0; i < 32; ++i) {
-        if (cuda::QuantizeAppend(p, nullptr) != KernelStatus::kOk) {
-          std::fprintf(stderr, "kernel failed: %s\n", cuda::LastErrorMessage());
-          return 1;
-        }
-      }
+      for (int i = 0; i < 32; ++i) ExitIfFailed(cuda::QuantizeAppend(p, nullptr));
       BENCH_CHECK(cudaDeviceSynchronize());
     }
   }
