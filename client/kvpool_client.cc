@@ -24,6 +24,27 @@ std::string Bytes(const uint16_t* data, size_t elements) {
   return std::string(reinterpret_cast<const char*>(data), elements * sizeof(uint16_t));
 }
 
+using Clock = std::chrono::steady_clock;
+
+// The next event of `cq`: polled without sleeping until `spin` after `start`, then waited for.
+// False once `cq` is shut down and drained.
+bool NextEvent(grpc::CompletionQueue& cq, Clock::time_point start, std::chrono::nanoseconds spin,
+               void** tag, bool* ok) {
+  for (;;) {
+    const bool spinning = Clock::now() - start < spin;
+    switch (cq.AsyncNext(
+        tag, ok,
+        spinning ? gpr_time_0(GPR_CLOCK_MONOTONIC) : gpr_inf_future(GPR_CLOCK_MONOTONIC))) {
+      case grpc::CompletionQueue::GOT_EVENT:
+        return true;
+      case grpc::CompletionQueue::SHUTDOWN:
+        return false;
+      case grpc::CompletionQueue::TIMEOUT:
+        break;
+    }
+  }
+}
+
 // AttendStream on the async API so that Step can post the write and the read together and then
 // poll for both without sleeping for up to `spin` (ClientOptions::attend_spin). Only the thread
 // that calls Step / Finish touches the queue; every operation posted is awaited before returning.
@@ -85,17 +106,12 @@ class GrpcAttendSession final : public AttendSession {
 
   // Waits until no operation is pending; false if any of them failed (the stream is broken).
   bool AwaitAll() {
-    using Clock = std::chrono::steady_clock;
     const Clock::time_point start = Clock::now();
     bool all_ok = true;
     while (pending_ != 0) {
       void* tag;
       bool ok;
-      const bool spinning = Clock::now() - start < spin_;
-      const grpc::CompletionQueue::NextStatus status = cq_.AsyncNext(
-          &tag, &ok,
-          spinning ? gpr_time_0(GPR_CLOCK_MONOTONIC) : gpr_inf_future(GPR_CLOCK_MONOTONIC));
-      if (status != grpc::CompletionQueue::GOT_EVENT) continue;  // shut down only in ~
+      NextEvent(cq_, start, spin_, &tag, &ok);  // the queue is shut down only in ~
       pending_ &= ~static_cast<uint32_t>(reinterpret_cast<uintptr_t>(tag));
       all_ok = all_ok && ok;
     }
@@ -298,10 +314,23 @@ class GrpcKvPoolClient final : public KvPoolClient {
 
   absl::StatusOr<v1::AttendResponse> Attend(const v1::AttendRequest& request,
                                             const CallOptions& call) override {
+    // On the async API, polled like an AttendSession's step (ClientOptions::attend_spin).
     grpc::ClientContext ctx;
     Prepare(ctx, call);
     v1::AttendResponse resp;
-    absl::Status s = FromGrpc(stub_->Attend(&ctx, request, &resp));
+    grpc::Status status;
+    grpc::CompletionQueue cq;
+    const Clock::time_point start = Clock::now();
+    std::unique_ptr<grpc::ClientAsyncResponseReader<v1::AttendResponse>> rpc =
+        stub_->AsyncAttend(&ctx, request, &cq);
+    rpc->Finish(&resp, &status, &status);
+    void* tag;
+    bool ok;
+    NextEvent(cq, start, absl::ToChronoNanoseconds(options_.attend_spin), &tag, &ok);
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    absl::Status s = FromGrpc(status);
     if (!s.ok()) return s;
     return resp;
   }

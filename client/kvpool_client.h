@@ -36,8 +36,9 @@ struct ClientOptions {
   // gRPC wait_for_ready: a call made while the channel cannot connect waits for a connection
   // until its deadline instead of failing with UNAVAILABLE at once.
   bool wait_for_ready = false;
-  // How long an AttendSession::Step polls for its response without sleeping before it blocks:
-  // a decode step's response then lands without a thread wake-up. 0 = block at once.
+  // How long a unary Attend or an AttendSession::Step polls for its response without sleeping
+  // before it blocks: a decode step's response then lands without a thread wake-up. 0 = block at
+  // once.
   absl::Duration attend_spin = absl::Microseconds(500);
   // 0: AttendSessions are gRPC AttendStreams. Otherwise OpenAttendStream connects to this port
   // on the host of the client's "host:port" target (the server's --attend_socket_port) and runs

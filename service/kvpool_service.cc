@@ -7,7 +7,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
-#include "service/attend_runner.h"
 #include "service/proto_convert.h"
 #include "service/stream_reactors.h"
 
@@ -40,7 +39,6 @@ KvPoolService::KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceO
       match_(metrics->ForMethod("Match")),
       get_(metrics->ForMethod("Get")),
       append_(metrics->ForMethod("Append")),
-      attend_(metrics->ForMethod("Attend")),
       release_(metrics->ForMethod("Release")),
       stats_(metrics->ForMethod("Stats")) {}
 
@@ -121,15 +119,6 @@ grpc::ServerUnaryReactor* KvPoolService::Append(grpc::CallbackServerContext* ctx
     if (!tokens.ok()) return tokens.status();
     response->set_layer_tokens(*tokens);
     return absl::OkStatus();
-  });
-}
-
-grpc::ServerUnaryReactor* KvPoolService::Attend(grpc::CallbackServerContext* ctx,
-                                                const v1::AttendRequest* request,
-                                                v1::AttendResponse* response) {
-  return RunUnary(ctx, &attend_, *request, *response, [&] {
-    AttendRunner runner(store_);
-    return runner.Run(*request, response);
   });
 }
 

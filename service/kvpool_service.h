@@ -1,5 +1,5 @@
-// The kvpool.v1.KvPool gRPC service on the callback API, except AttendStream, which is async and
-// served by AttendStreamServer (attend_stream_server.h) on threads of its own. Handlers are thin:
+// The kvpool.v1.KvPool gRPC service on the callback API, except Attend and AttendStream, which are
+// async and served by AttendServer (attend_server.h) on threads of its own. Handlers are thin:
 // they check framing (byte lengths vs shapes, empty payloads, stream limits), convert proto <->
 // store types, call KvStore, and turn absl::Status into grpc::Status at this edge only. The other
 // streaming RPCs have one reactor class each (stream_reactors.h). Every call is recorded in
@@ -14,12 +14,13 @@
 
 namespace kvpool {
 
-// Every method on the callback API but AttendStream. The chain is spelled out because marking a
-// callback method async keeps its callback handler; an RPC missing here stays synchronous.
+// Every method on the callback API but Attend and AttendStream. The chain is spelled out because
+// marking a callback method async keeps its callback handler; an RPC missing here stays
+// synchronous.
 using KvPoolServiceBase = v1::KvPool::WithCallbackMethod_CreateNamespace<
     v1::KvPool::WithCallbackMethod_ListNamespaces<v1::KvPool::WithCallbackMethod_Put<
         v1::KvPool::WithCallbackMethod_Match<v1::KvPool::WithCallbackMethod_Get<
-            v1::KvPool::WithCallbackMethod_Append<v1::KvPool::WithCallbackMethod_Attend<
+            v1::KvPool::WithCallbackMethod_Append<v1::KvPool::WithAsyncMethod_Attend<
                 v1::KvPool::WithAsyncMethod_AttendStream<v1::KvPool::WithCallbackMethod_Release<
                     v1::KvPool::WithCallbackMethod_Stats<v1::KvPool::Service>>>>>>>>>>;
 
@@ -43,9 +44,6 @@ class KvPoolService final : public KvPoolServiceBase {
   grpc::ServerUnaryReactor* Append(grpc::CallbackServerContext* ctx,
                                    const v1::AppendRequest* request,
                                    v1::AppendResponse* response) override;
-  grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* ctx,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
   grpc::ServerUnaryReactor* Release(grpc::CallbackServerContext* ctx,
                                     const v1::ReleaseRequest* request,
                                     v1::ReleaseResponse* response) override;
@@ -61,7 +59,6 @@ class KvPoolService final : public KvPoolServiceBase {
   RpcMetrics::Method match_;
   RpcMetrics::Method get_;
   RpcMetrics::Method append_;
-  RpcMetrics::Method attend_;
   RpcMetrics::Method release_;
   RpcMetrics::Method stats_;
 };

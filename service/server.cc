@@ -39,8 +39,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   RegisterStoreMetrics(s->store_.get(), &s->registry_);
   s->service_ =
       std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(), options.service);
-  s->attend_streams_ = std::make_unique<AttendStreamServer>(
-      s->service_.get(), s->store_.get(), s->rpc_metrics_.get(), options.attend_stream);
+  s->attend_server_ = std::make_unique<AttendServer>(s->service_.get(), s->store_.get(),
+                                                     s->rpc_metrics_.get(), options.attend);
   if (s->backend_->name() == "cuda" && options.nccl_device >= 0) {
     absl::StatusOr<std::unique_ptr<PeerTransportFactory>> factory =
         NewNcclTransportFactory(options.nccl_device);
@@ -63,14 +63,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(s->service_.get());
-  s->attend_streams_->AddQueues(builder);
+  s->attend_server_->AddQueues(builder);
   if (s->transport_service_ != nullptr) builder.RegisterService(s->transport_service_.get());
   s->max_message_bytes_ = options.max_message_bytes;
   s->grpc_server_ = builder.BuildAndStart();
   if (s->grpc_server_ == nullptr || (!options.grpc_address.empty() && s->port_ == 0)) {
     return absl::UnavailableError(absl::StrCat("gRPC: cannot listen on ", options.grpc_address));
   }
-  s->attend_streams_->Start();
+  s->attend_server_->Start();
   if (!options.attend_socket.address.empty() || !options.attend_socket.unix_path.empty()) {
     absl::StatusOr<std::unique_ptr<AttendSocketServer>> socket = AttendSocketServer::Start(
         s->store_.get(), s->backend_.get(), s->rpc_metrics_.get(), options.attend_socket);
@@ -136,7 +136,7 @@ void Server::Shutdown(absl::Duration grace) {
     grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
     grpc_server_->Wait();
   }
-  if (attend_streams_ != nullptr) attend_streams_->Shutdown();
+  if (attend_server_ != nullptr) attend_server_->Shutdown();
   if (attend_socket_ != nullptr) attend_socket_->Shutdown();
   if (!stop_sweeper_.HasBeenNotified()) stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();

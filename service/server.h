@@ -20,8 +20,8 @@
 #include "absl/time/time.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/server.h"
+#include "service/attend_server.h"
 #include "service/attend_socket_server.h"
-#include "service/attend_stream_server.h"
 #include "service/kvpool_service.h"
 #include "service/metrics/metrics_exposer.h"
 #include "service/metrics/metrics_registry.h"
@@ -47,7 +47,7 @@ struct ServerOptions {
   // Namespaces created before the server starts serving (the first one is the default).
   std::vector<NamespaceConfig> namespaces;
   ServiceOptions service;
-  AttendStreamOptions attend_stream;
+  AttendServerOptions attend;
   // Attend over a plain TCP socket (kvpool-server: --attend_socket_port) or a Unix one
   // (--attend_unix_socket); both off by default here.
   AttendSocketOptions attend_socket;
@@ -97,7 +97,7 @@ class Server {
   metrics::Registry registry_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;
   std::unique_ptr<KvPoolService> service_;
-  std::unique_ptr<AttendStreamServer> attend_streams_;  // its queues outlive the gRPC server
+  std::unique_ptr<AttendServer> attend_server_;         // its queues outlive the gRPC server
   std::unique_ptr<AttendSocketServer> attend_socket_;   // null without its listener
   std::unique_ptr<PeerTransportFactory> transport_factory_;    // null without KvPoolTransport
   std::unique_ptr<KvPoolTransportService> transport_service_;  // null without KvPoolTransport

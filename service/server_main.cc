@@ -38,11 +38,12 @@ ABSL_FLAG(int, max_message_bytes, 64 << 20, "largest gRPC message, either direct
 ABSL_FLAG(uint64_t, max_put_stream_bytes, uint64_t{4} << 30, "largest Put stream");
 ABSL_FLAG(uint32_t, max_sequence_tokens, 1 << 20, "tokens per Put or lease sequence");
 ABSL_FLAG(uint32_t, max_attend_batch, 1024, "items per Attend request");
-ABSL_FLAG(int, attend_stream_threads, 4,
-          "threads (one completion queue each) that run AttendStream decode steps");
-ABSL_FLAG(int64_t, attend_stream_spin_us, 500,
-          "how long an AttendStream thread polls without sleeping after its last event (0 = "
-          "block; spinning saves a thread wake-up per decode step)");
+ABSL_FLAG(int, attend_threads, 4,
+          "threads (one completion queue each) that run unary Attend calls and AttendStream "
+          "decode steps");
+ABSL_FLAG(int64_t, attend_spin_us, 500,
+          "how long an Attend thread polls without sleeping after its last event (0 = block; "
+          "spinning saves a thread wake-up per call or decode step)");
 ABSL_FLAG(int, attend_socket_port, 50052,
           "AttendSocket port: Attend steps over plain TCP, without gRPC (0 = pick a free one, "
           "-1 = off)");
@@ -124,8 +125,8 @@ int Run() {
                                                    static_cast<double>(options.store.pool_bytes))));
   options.service.max_put_stream_bytes = absl::GetFlag(FLAGS_max_put_stream_bytes);
   options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
-  options.attend_stream.threads = absl::GetFlag(FLAGS_attend_stream_threads);
-  options.attend_stream.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_stream_spin_us));
+  options.attend.threads = absl::GetFlag(FLAGS_attend_threads);
+  options.attend.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_spin_us));
   const int attend_socket_port = absl::GetFlag(FLAGS_attend_socket_port);
   options.attend_socket.address =
       attend_socket_port < 0 ? "" : absl::StrCat("0.0.0.0:", attend_socket_port);

@@ -1,4 +1,4 @@
-// AttendStream on its own threads (service/attend_stream_server.h), driven through the C++
+// AttendStream on its own threads (service/attend_server.h), driven through the C++
 // client's AttendSession over an in-process channel with the CPU backend: more streams than
 // threads, spinning and blocking queues, a bad step that ends only its own stream, and a server
 // shutdown with streams still open.
@@ -20,8 +20,8 @@ namespace {
 // prompts, each under its own lease.
 AttendFixture Start(int threads, int spin_us, int sequences) {
   return StartAttendFixture(sequences, [&](ServerOptions* o) {
-    o->attend_stream.threads = threads;
-    o->attend_stream.spin = absl::Microseconds(spin_us);
+    o->attend.threads = threads;
+    o->attend.spin = absl::Microseconds(spin_us);
   });
 }
 
@@ -77,15 +77,15 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
   }
 }
 
-TEST(AttendStreamServer, MoreStreamsThanSpinningThreadsEachGetTheirOwnAnswers) {
+TEST(AttendServer, MoreStreamsThanSpinningThreadsEachGetTheirOwnAnswers) {
   ExpectStreamsMatchUnary(/*threads=*/2, /*spin_us=*/500);
 }
 
-TEST(AttendStreamServer, BlockingQueuesServeTheSameAnswers) {
+TEST(AttendServer, BlockingQueuesServeTheSameAnswers) {
   ExpectStreamsMatchUnary(/*threads=*/1, /*spin_us=*/0);
 }
 
-TEST(AttendStreamServer, BadStepEndsOnlyItsOwnStream) {
+TEST(AttendServer, BadStepEndsOnlyItsOwnStream) {
   AttendFixture f = Start(/*threads=*/1, /*spin_us=*/500, /*sequences=*/1);
   ASSERT_NE(f.server, nullptr);
   auto good = f.client->OpenAttendStream();
@@ -117,7 +117,7 @@ TEST(AttendStreamServer, BadStepEndsOnlyItsOwnStream) {
       << text;
 }
 
-TEST(AttendStreamServer, ShutdownEndsOpenStreamsWithoutHanging) {
+TEST(AttendServer, ShutdownEndsOpenStreamsWithoutHanging) {
   AttendFixture f = Start(/*threads=*/2, /*spin_us=*/500, /*sequences=*/2);
   ASSERT_NE(f.server, nullptr);
   std::vector<std::unique_ptr<client::AttendSession>> sessions;

@@ -1,0 +1,228 @@
+#include "service/attend_server.h"
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+
+#include "absl/time/clock.h"
+#include "service/proto_convert.h"
+
+namespace kvpool {
+namespace {
+
+// A call served on one AttendServer::Queue. Every operation it posts carries a Tag naming the
+// call and the operation; the queue's thread hands each completion to Proceed.
+class QueuedCall {
+ public:
+  struct Tag {
+    QueuedCall* call;
+    int op;
+  };
+  virtual ~QueuedCall() = default;
+  // `draining`: the queue is shut down, so nothing more may be posted; the call just ends.
+  virtual void Proceed(int op, bool ok, bool draining) = 0;
+};
+
+// One unary Attend: accepted, run inline on the queue's runner, finished, deleted.
+class AttendUnaryCall final : public QueuedCall {
+ public:
+  // Posts the accept of the next call on `queue`.
+  static void Listen(AttendServer::Queue* queue) { new AttendUnaryCall(queue); }
+
+  void Proceed(int op, bool ok, bool draining) override {
+    // The accept failed only when the server is shutting down; a finish ends the call either way.
+    if (draining || op == kFinished || !ok) {
+      delete this;
+      return;
+    }
+    Listen(queue_);
+    const absl::Time begin = absl::Now();
+    RpcMetrics::Method& method = queue_->metrics->unary;
+    method.Received(request_.ByteSizeLong());
+    const grpc::Status s = ToGrpcStatus(queue_->unary_runner.Run(request_, &response_));
+    if (s.ok()) method.Sent(response_.ByteSizeLong());
+    method.Finished(s.error_code(), absl::Now() - begin);
+    if (s.ok()) {
+      responder_.Finish(response_, s, &finished_);
+    } else {
+      responder_.FinishWithError(s, &finished_);
+    }
+  }
+
+ private:
+  enum Op : int { kAccepted, kFinished };
+
+  explicit AttendUnaryCall(AttendServer::Queue* queue) : queue_(queue) {
+    queue_->service->RequestAttend(&ctx_, &request_, &responder_, queue_->cq.get(),
+                                   queue_->cq.get(), &accepted_);
+  }
+
+  AttendServer::Queue* const queue_;
+  grpc::ServerContext ctx_;
+  grpc::ServerAsyncResponseWriter<v1::AttendResponse> responder_{&ctx_};
+  v1::AttendRequest request_;
+  v1::AttendResponse response_;
+  Tag accepted_{this, kAccepted};
+  Tag finished_{this, kFinished};
+};
+
+// One AttendStream call, from its accept to its final status. At most one operation is pending
+// at a time (accept, read, write or finish), all posted by the thread of the call's queue, which
+// deletes the call after the last one.
+class AttendStreamCall final : public QueuedCall {
+ public:
+  // Posts the accept of the next stream on `queue`.
+  static void Listen(AttendServer::Queue* queue) { new AttendStreamCall(queue); }
+
+  void Proceed(int op, bool ok, bool draining) override {
+    if (draining) {
+      if (op == kRead || op == kWritten) {
+        queue_->metrics->stream.Finished(grpc::StatusCode::CANCELLED, absl::Now() - start_);
+      }
+      delete this;
+      return;
+    }
+    switch (op) {
+      case kAccepted:
+        if (!ok) {  // the server is shutting down
+          delete this;
+          return;
+        }
+        Listen(queue_);
+        start_ = absl::Now();
+        stream_.Read(&request_, &read_);
+        return;
+      case kRead:
+        if (!ok) {  // the client half-closed, or the call is over
+          FinishWith(grpc::Status::OK);
+          return;
+        }
+        Step();
+        return;
+      case kWritten:
+        if (!ok) {
+          FinishWith(
+              grpc::Status(grpc::StatusCode::CANCELLED, "AttendStream closed by the client"));
+          return;
+        }
+        stream_.Read(&request_, &read_);
+        return;
+      case kFinished:
+        delete this;
+        return;
+    }
+  }
+
+ private:
+  enum Op : int { kAccepted, kRead, kWritten, kFinished };
+
+  explicit AttendStreamCall(AttendServer::Queue* queue) : queue_(queue), runner_(queue->store) {
+    queue_->service->RequestAttendStream(&ctx_, &stream_, queue_->cq.get(), queue_->cq.get(),
+                                         &accepted_);
+  }
+
+  void Step() {
+    const absl::Time begin = absl::Now();
+    AttendServer::Metrics& metrics = *queue_->metrics;
+    metrics.stream.Received(request_.ByteSizeLong());
+    const absl::Status s = runner_.Run(request_, &response_);
+    if (!s.ok()) {
+      const grpc::Status status = ToGrpcStatus(s);
+      metrics.step.Finished(status.error_code(), absl::Now() - begin);
+      FinishWith(status);
+      return;
+    }
+    metrics.stream.Sent(response_.ByteSizeLong());
+    metrics.step.Finished(grpc::StatusCode::OK, absl::Now() - begin);
+    stream_.Write(response_, &written_);
+  }
+
+  void FinishWith(const grpc::Status& s) {
+    // Recorded before Finish: a client that has the status also sees it counted.
+    queue_->metrics->stream.Finished(s.error_code(), absl::Now() - start_);
+    stream_.Finish(s, &finished_);
+  }
+
+  AttendServer::Queue* const queue_;
+  AttendRunner runner_;
+  grpc::ServerContext ctx_;
+  grpc::ServerAsyncReaderWriter<v1::AttendResponse, v1::AttendRequest> stream_{&ctx_};
+  absl::Time start_;
+  v1::AttendRequest request_;
+  v1::AttendResponse response_;
+  Tag accepted_{this, kAccepted};
+  Tag read_{this, kRead};
+  Tag written_{this, kWritten};
+  Tag finished_{this, kFinished};
+};
+
+}  // namespace
+
+AttendServer::AttendServer(KvPoolService* service, KvStore* store, RpcMetrics* metrics,
+                           const AttendServerOptions& options)
+    : service_(service),
+      store_(store),
+      metrics_{metrics->ForMethod("Attend"), metrics->ForMethod("AttendStream"),
+               metrics->ForMethod("AttendStream.step")},
+      options_(options) {}
+
+AttendServer::~AttendServer() { Shutdown(); }
+
+void AttendServer::AddQueues(grpc::ServerBuilder& builder) {
+  for (int i = 0; i < std::max(1, options_.threads); ++i) {
+    queues_.push_back(
+        std::make_unique<Queue>(service_, store_, &metrics_, builder.AddCompletionQueue()));
+  }
+}
+
+void AttendServer::Start() {
+  for (const std::unique_ptr<Queue>& queue : queues_) {
+    AttendUnaryCall::Listen(queue.get());
+    AttendStreamCall::Listen(queue.get());
+    queue->thread = std::thread([this, q = queue.get()] { Poll(q); });
+  }
+}
+
+void AttendServer::Shutdown() {
+  if (shut_down_) return;
+  shut_down_ = true;
+  for (const std::unique_ptr<Queue>& queue : queues_) {
+    if (queue->thread.joinable()) {
+      queue->stop.Set(queue->cq.get(), gpr_now(GPR_CLOCK_MONOTONIC), &queue->stop);
+      queue->thread.join();
+    } else {  // never started: nothing was posted but the queue still needs its shutdown
+      queue->cq->Shutdown();
+      void* tag;
+      bool ok;
+      while (queue->cq->Next(&tag, &ok)) {
+      }
+    }
+  }
+}
+
+void AttendServer::Poll(Queue* queue) {
+  using Clock = std::chrono::steady_clock;
+  const auto spin = absl::ToChronoNanoseconds(options_.spin);
+  bool draining = false;
+  Clock::time_point last_event = Clock::now();
+  for (;;) {
+    void* tag = nullptr;
+    bool ok = false;
+    const bool spinning = !draining && Clock::now() - last_event < spin;
+    const grpc::CompletionQueue::NextStatus status = queue->cq->AsyncNext(
+        &tag, &ok,
+        spinning ? gpr_time_0(GPR_CLOCK_MONOTONIC) : gpr_inf_future(GPR_CLOCK_MONOTONIC));
+    if (status == grpc::CompletionQueue::SHUTDOWN) return;
+    if (status == grpc::CompletionQueue::TIMEOUT) continue;
+    last_event = Clock::now();
+    if (tag == &queue->stop) {
+      draining = true;
+      queue->cq->Shutdown();
+      continue;
+    }
+    auto* t = static_cast<QueuedCall::Tag*>(tag);
+    t->call->Proceed(t->op, ok, draining);
+  }
+}
+
+}  // namespace kvpool
