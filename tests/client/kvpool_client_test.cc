@@ -21,9 +21,11 @@ namespace kvpool::client {
 namespace {
 
 constexpr uint32_t kHeads = 2, kDim = 16;
+constexpr uint32_t kBlockingLayer = 99;
 
-// Records Put chunks; serves scripted Get messages; echoes AttendStream; blocks Stats until
-// released (for deadlines); fails Match with INVALID_ARGUMENT.
+// Records Put chunks; serves scripted Get messages; echoes Attend and AttendStream (a unary
+// Attend without items fails with INVALID_ARGUMENT, one on layer kBlockingLayer blocks like
+// Stats); blocks Stats until released (for deadlines); fails Match with INVALID_ARGUMENT.
 class FakeKvPool final : public v1::KvPool::Service {
  public:
   grpc::Status Put(grpc::ServerContext*, grpc::ServerReader<v1::PutRequest>* reader,
@@ -49,6 +51,16 @@ class FakeKvPool final : public v1::KvPool::Service {
   grpc::Status Match(grpc::ServerContext*, const v1::MatchRequest*,
                      v1::MatchResponse*) override {
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "token ids must be non-negative");
+  }
+  grpc::Status Attend(grpc::ServerContext*, const v1::AttendRequest* req,
+                      v1::AttendResponse* resp) override {
+    if (req->items_size() == 0) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "Attend needs at least one item");
+    }
+    if (req->layer() == kBlockingLayer) stats_release_.WaitForNotification();
+    resp->add_context_tokens(req->layer());
+    resp->set_out(req->items(0).q());
+    return grpc::Status::OK;
   }
   grpc::Status AttendStream(
       grpc::ServerContext*,
@@ -190,6 +202,40 @@ TEST_F(KvPoolClientTest, CallDeadlineEndsACallTheServerNeverAnswers) {
   call.deadline = absl::Milliseconds(20);
   absl::StatusOr<v1::StatsResponse> r = Client(1 << 20)->Stats(call);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// Unary Attend polls its own completion queue (ClientOptions::attend_spin) or blocks at once:
+// either way the response, the server's status and the call's deadline reach the caller.
+void ExpectUnaryAttend(KvPoolClient& client) {
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    v1::AttendRequest req;
+    req.set_layer(layer);
+    req.add_items()->set_q("q of layer " + std::to_string(layer));
+    absl::StatusOr<v1::AttendResponse> r = client.Attend(req);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->out(), req.items(0).q());
+    EXPECT_THAT(r->context_tokens(), ::testing::ElementsAre(layer));
+  }
+  absl::StatusOr<v1::AttendResponse> bad = client.Attend(v1::AttendRequest());
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "Attend needs at least one item");
+  v1::AttendRequest blocking;
+  blocking.set_layer(kBlockingLayer);
+  blocking.add_items();
+  CallOptions call;
+  call.deadline = absl::Milliseconds(20);
+  EXPECT_EQ(client.Attend(blocking, call).status().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+TEST_F(KvPoolClientTest, UnaryAttendPollingAnswersAndEndsAtItsDeadline) {
+  ExpectUnaryAttend(*Client(1 << 20));
+}
+
+TEST_F(KvPoolClientTest, UnaryAttendBlockingAnswersAndEndsAtItsDeadline) {
+  ClientOptions options;
+  options.attend_spin = absl::ZeroDuration();
+  ExpectUnaryAttend(
+      *KvPoolClient::Create(server_->InProcessChannel(grpc::ChannelArguments()), options));
 }
 
 // A port nothing listens on: taken from a server that is shut down again.
