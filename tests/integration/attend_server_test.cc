@@ -1,6 +1,7 @@
-// AttendStream on its own threads (service/attend_server.h), driven through the C++
-// client's AttendSession over an in-process channel with the CPU backend: more streams than
-// threads, spinning and blocking queues, a bad step that ends only its own stream, and a server
+// Attend and AttendStream on their own threads (service/attend_server.h), driven through the C++
+// client (unary Attend and AttendSession) over an in-process channel with the CPU backend: more
+// streams and concurrent unary callers than threads, spinning and blocking queues, a bad step
+// that ends only its own stream, a bad unary call that leaves its queue serving, and a server
 // shutdown with streams still open.
 #include <atomic>
 #include <cstdint>
@@ -25,8 +26,9 @@ AttendFixture Start(int threads, int spin_us, int sequences) {
   });
 }
 
-// Every stream's every step equals the unary Attend of the same request (no append, so the
-// context does not change): responses are neither mixed up between streams nor reordered.
+// Every stream's every step, and every unary call made from other threads at the same time,
+// equals the unary Attend of the same request made alone (no append, so the context does not
+// change): responses are neither mixed up between calls nor reordered.
 void ExpectStreamsMatchUnary(int threads, int spin_us) {
   constexpr int kStreams = 6;
   constexpr int kSteps = 12;
@@ -45,6 +47,17 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
   std::vector<std::thread> workers;
   std::atomic<int> mismatches{0}, failures{0};
   for (int s = 0; s < kStreams; ++s) {
+    workers.emplace_back([&, s] {
+      for (int step = 0; step < kSteps; ++step) {
+        absl::StatusOr<v1::AttendResponse> r =
+            f.client->Attend(AttendRequestFor(f, f.leases[s], 100 * s + step));
+        if (!r.ok()) {
+          ++failures;
+          return;
+        }
+        if (r->out() != want[s][step] || r->context_tokens(0) != kAttendPromptTokens) ++mismatches;
+      }
+    });
     workers.emplace_back([&, s] {
       absl::StatusOr<std::unique_ptr<client::AttendSession>> session = f.client->OpenAttendStream();
       if (!session.ok()) {
@@ -72,6 +85,8 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
                std::to_string(kStreams) + "\n",
            "kvpool_rpc_duration_seconds_count{method=\"AttendStream.step\",code=\"OK\"} " +
                std::to_string(kStreams * kSteps) + "\n",
+           "kvpool_rpc_duration_seconds_count{method=\"Attend\",code=\"OK\"} " +
+               std::to_string(2 * kStreams * kSteps) + "\n",
        }) {
     EXPECT_NE(text.find(want), std::string::npos) << want << "\nin:\n" << text;
   }
@@ -115,6 +130,32 @@ TEST(AttendServer, BadStepEndsOnlyItsOwnStream) {
                       "ARGUMENT\"} 1\n"),
             std::string::npos)
       << text;
+}
+
+TEST(AttendServer, BadUnaryCallLeavesItsQueueServing) {
+  AttendFixture f = Start(/*threads=*/1, /*spin_us=*/500, /*sequences=*/2);
+  ASSERT_NE(f.server, nullptr);
+  absl::StatusOr<v1::AttendResponse> want = f.client->Attend(AttendRequestFor(f, f.leases[1], 5));
+  ASSERT_TRUE(want.ok()) << want.status();
+  v1::AttendRequest wrong = AttendRequestFor(f, f.leases[0], 2);
+  wrong.mutable_items(0)->set_q("short");
+  EXPECT_EQ(f.client->Attend(wrong).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(f.client->Attend(AttendRequestFor(f, f.leases[0] + 1000, 3)).status().code(),
+            absl::StatusCode::kNotFound);
+  // The queue's one thread serves the next calls, for either lease, as before.
+  absl::StatusOr<v1::AttendResponse> again = f.client->Attend(AttendRequestFor(f, f.leases[1], 5));
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(again->out(), want->out());
+  EXPECT_TRUE(f.client->Attend(AttendRequestFor(f, f.leases[0], 4)).ok());
+  const std::string text = f.server->server->registry()->Serialize();
+  for (const char* series :
+       {"{method=\"Attend\",code=\"INVALID_ARGUMENT\"} 1\n",
+        "{method=\"Attend\",code=\"NOT_FOUND\"} 1\n", "{method=\"Attend\",code=\"OK\"} 3\n"}) {
+    EXPECT_NE(text.find(std::string("kvpool_rpc_duration_seconds_count") + series),
+              std::string::npos)
+        << series << "\nin:\n"
+        << text;
+  }
 }
 
 TEST(AttendServer, ShutdownEndsOpenStreamsWithoutHanging) {
