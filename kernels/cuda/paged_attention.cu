@@ -25,7 +25,6 @@ constexpr int kCtaFixedTokens = 256;
 // faster than with three (results/experiments_2026-11-29.md, "Seventh session").
 constexpr int64_t kBandwidthCtasPerSm = 2;
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
 
 // Workspace carving: q' [num_seqs][num_q_heads][head_dim] fp32 (CUDA-core split kernel only),
 // then the split partials.
@@ -227,20 +226,7 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
     }
   }
 
-  if (vec == 0) {
-    const float inv = 1.0f / l;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) o[i] *= inv;
-    const size_t first = static_cast<size_t>(head_row) * kHeadDim + chunk * 8;
-    if (a.out_fp16 != nullptr) {
-      *reinterpret_cast<uint4*>(a.out_fp16 + first) = PackHalf8(o);
-    } else {
-      float4* dst = reinterpret_cast<float4*>(a.out + first);
-      dst[0] = make_float4(o[0], o[1], o[2], o[3]);
-      dst[1] = make_float4(o[4], o[5], o[6], o[7]);
-    }
-    if (a.lse != nullptr && chunk == 0) a.lse[head_row] = (m + log2f(l)) * kLn2;
-  }
+  if (vec == 0) StoreAttentionRow(o, m, l, head_row, chunk, kHeadDim, a.out, a.out_fp16, a.lse);
 }
 
 // Beyond the CPU reference's checks (except the device-resident lengths and block ids): group
@@ -378,6 +364,13 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
   split.plan = plan;
   split.part_o = w.part_o;
   split.part_ml = w.part_ml;
+  // One split of the tensor-core kernel and no sink segment: nothing to merge.
+  const bool merge_splits = !plan.mma || plan.num_splits > 1 || l.sink_tokens > 0;
+  if (!merge_splits) {
+    split.out = p.out;
+    split.out_fp16 = p.out_fp16;
+    split.lse = p.lse;
+  }
 
   MergeArgs merge;
   merge.part_o = w.part_o;
@@ -416,7 +409,7 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
         }
         split.rot_block = kRot;  // the effective rotation: 0 for FP16 pages
         const KernelStatus st = LaunchAttentionSplits<kDtype, kHeadDim>(split, p.num_seqs, s);
-        if (st != KernelStatus::kOk) return st;
+        if (st != KernelStatus::kOk || !merge_splits) return st;
         return CheckCuda(
             LaunchDependent(MergeSplitsKernel<kHeadDim, kRot>, dim3(p.num_seqs, p.num_q_heads),
                             dim3(kAttnThreads), 0, s, merge),

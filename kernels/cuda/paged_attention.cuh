@@ -13,7 +13,8 @@
 //      accumulator o' = sum_t 2^(s_t - m) v'_t in the ROTATED space.
 //   3. MergeSplitsKernel<head_dim, rot_block>: log-sum-exp merge of the splits, one un-rotation
 //      of the merged accumulator, merge with the fp16 sink segment, normalization; writes out and
-//      lse.
+//      lse. Skipped when the tensor-core split kernel runs one split and the layout keeps no sink
+//      tokens: that kernel then un-rotates, normalizes and writes out and lse itself.
 #ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_CUH_
 #define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_CUH_
 
@@ -32,6 +33,7 @@ namespace kvpool::cuda {
 // ceil(ratio / 8) CTAs, each reading the KV head's pages.
 inline constexpr int kAttnMaxHeadsPerCta = 8;
 inline constexpr int kAttnThreads = 128;
+inline constexpr float kLn2 = 0.6931471805599453f;
 // cp.async stages in flight per split CTA.
 inline constexpr int kAttnStages = 4;
 
@@ -98,7 +100,32 @@ struct AttnSplitArgs {
   AttnSplitPlan plan;
   float* part_o = nullptr;    // [num_seqs][num_q_heads][num_splits][head_dim] o', rotated
   float2* part_ml = nullptr;  // [num_seqs][num_q_heads][num_splits] {m, l}, log2 domain
+  // Set (out or out_fp16, and lse when wanted) only when the tensor-core kernel finishes the
+  // call itself (one split, no sink tokens); part_o and part_ml are then not written.
+  float* out = nullptr;          // [num_seqs][num_q_heads][head_dim] fp32, or
+  uint16_t* out_fp16 = nullptr;  // fp16
+  float* lse = nullptr;          // [num_seqs][num_q_heads] or null
 };
+
+// Normalizes channels [8 chunk, 8 chunk + 8) of query-head row `head_row`'s accumulator o (in
+// the original space; m and l in the log2 domain) by l, stores them into out (fp32) or out_fp16,
+// and, from chunk 0, the row's natural-log log-sum-exp into lse (when not null).
+__device__ __forceinline__ void StoreAttentionRow(float (&o)[8], float m, float l, size_t head_row,
+                                                  int chunk, int head_dim, float* out,
+                                                  uint16_t* out_fp16, float* lse) {
+  const float inv = 1.0f / l;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] *= inv;
+  const size_t first = head_row * head_dim + chunk * 8;
+  if (out_fp16 != nullptr) {
+    *reinterpret_cast<uint4*>(out_fp16 + first) = PackHalf8(o);
+  } else {
+    float4* dst = reinterpret_cast<float4*>(out + first);
+    dst[0] = make_float4(o[0], o[1], o[2], o[3]);
+    dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+  }
+  if (lse != nullptr && chunk == 0) lse[head_row] = (m + log2f(l)) * kLn2;
+}
 
 // Launches the split kernel over grid (num_splits, num_kv_heads * head_groups, num_seqs):
 // AttentionSplitMmaKernel (tensor cores, paged_attention_mma.cuh) when args.plan.mma, else

@@ -122,6 +122,17 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   float2* ml_out = a.part_ml + head_row * num_splits + split;
   float* o_out = a.part_o + (head_row * num_splits + split) * kHeadDim;
   if (begin >= end) {  // nothing quantized here: an empty state (weight 0 in the merge)
+    // The call's only split (AttnSplitArgs::out): a zero-length sequence (outside the contract)
+    // gets what the merge kernel would write for it.
+    if (a.out != nullptr || a.out_fp16 != nullptr) {
+      using V = LaneVector<kHeadDim>;
+      for (int h = tid / V::kLanes; h < nh; h += V::kVecs) {
+        float o[8] = {};
+        StoreAttentionRow(o, -INFINITY, 0.0f, head_row + h, tid % V::kLanes, kHeadDim, a.out,
+                          a.out_fp16, a.lse);
+      }
+      return;
+    }
     for (int i = tid; i < nh * kHeadDim; i += kAttnThreads) {
       o_out[static_cast<size_t>(i / kHeadDim) * num_splits * kHeadDim + i % kHeadDim] = 0.0f;
     }
@@ -535,9 +546,10 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     }
   }
 
-  // The split's {m, l} and o' from the four warps' states (paged_attention_mma_merge.cuh).
+  // The split's {m, l} and o' from the four warps' states, or the call's output
+  // (paged_attention_mma_merge.cuh).
   MergeWarpsIntoSplit<kDtype, kHeadDim, kPT>(smem, acc, m_run, l_run, z_run, nh, num_splits, o_out,
-                                             ml_out);
+                                             ml_out, a, head_row);
 }
 
 }  // namespace attention_internal

@@ -1,6 +1,7 @@
 // The end of the tensor-core split kernel (paged_attention_mma.cuh): its four warps' online-
 // softmax states merged in shared memory into the split's {m, l} and o', written for the merge
-// kernel.
+// kernel, or, when the CTA's split is the call's only one and there are no sink tokens
+// (AttnSplitArgs::out set), un-rotated, normalized and written as the call's output.
 #ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_MERGE_CUH_
 #define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_MERGE_CUH_
 
@@ -21,11 +22,13 @@ namespace attention_internal {
 // head_g, log2 domain), l_run and z_run (sum p_t and sum p_t zero_t over this lane's tokens),
 // and acc, the O^T accumulators (rows g / g + 8 channels kVChannels g + 2 mt / + 1, columns
 // 2 tig and 2 tig + 1 of P^T tile j). The stage tiles in smem are reused. Writes nh heads'
-// o' (channels scaled back, sum p_t zero_t added) and {m, l}, num_splits apart.
+// o' (channels scaled back, sum p_t zero_t added) and {m, l}, num_splits apart, or with a.out or
+// a.out_fp16 set the rows head_row .. head_row + nh - 1 of the output (and of a.lse).
 template <KvDtype kDtype, int kHeadDim, int kPT>
 __device__ __forceinline__ void MergeWarpsIntoSplit(
     uint8_t* smem, float (&acc)[MmaTraits<kDtype, kHeadDim>::kMTiles][kPT][4], float m_run,
-    float l_run, float z_run, int nh, int num_splits, float* o_out, float2* ml_out) {
+    float l_run, float z_run, int nh, int num_splits, float* o_out, float2* ml_out,
+    const AttnSplitArgs& a, size_t head_row) {
   using T = MmaTraits<kDtype, kHeadDim>;
   using C = MmaCodec<kDtype>;
   constexpr int kH = T::kH;
@@ -41,6 +44,9 @@ __device__ __forceinline__ void MergeWarpsIntoSplit(
   __syncthreads();
   float* ml_s = reinterpret_cast<float*>(smem);  // [kMmaWarps][kH][3]
   float* o_s = ml_s + kMmaWarps * kH * 3;        // [kMmaWarps][8 columns] rows of T::kORow
+  float* fin_o = o_s + kMmaWarps * 8 * T::kORow;  // [kH][kHeadDim], when finishing
+  float2* fin_ml = reinterpret_cast<float2*>(fin_o + kH * kHeadDim);  // [kH]
+  const bool finish = a.out != nullptr || a.out_fp16 != nullptr;
   l_run = GroupSum<4>(l_run);
   z_run = GroupSum<4>(z_run);
   if (tig == 0 && g == head_g) {
@@ -92,8 +98,39 @@ __device__ __forceinline__ void MergeWarpsIntoSplit(
       o.z += wgt * (v.z + mlz[2]);
       o.w += wgt * (v.w + mlz[2]);
     }
-    *reinterpret_cast<float4*>(o_out + static_cast<size_t>(h) * num_splits * kHeadDim + c) = o;
-    if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
+    if (finish) {
+      *reinterpret_cast<float4*>(fin_o + h * kHeadDim + c) = o;
+      if (c == 0) fin_ml[h] = make_float2(m, l);
+    } else {
+      *reinterpret_cast<float4*>(o_out + static_cast<size_t>(h) * num_splits * kHeadDim + c) = o;
+      if (c == 0) ml_out[h * num_splits] = make_float2(m, l);
+    }
+  }
+  if (!finish) return;
+  // What MergeSplitsKernel does with a single split and no sinks: o = sign . H o', normalized.
+  // Every lane takes part in each pass (the rotation shuffles across the warp); rows past nh are
+  // rotated but not stored.
+  __syncthreads();
+  using V = LaneVector<kHeadDim>;
+  const int chunk = tid % V::kLanes;
+#pragma unroll
+  for (int h0 = 0; h0 < kH; h0 += V::kVecs) {
+    const int h = h0 + tid / V::kLanes;
+    float o[8] = {};
+    if (h < nh) {
+      const float4* src = reinterpret_cast<const float4*>(fin_o + h * kHeadDim + chunk * 8);
+      const float4 lo = src[0], hi = src[1];
+      o[0] = lo.x, o[1] = lo.y, o[2] = lo.z, o[3] = lo.w;
+      o[4] = hi.x, o[5] = hi.y, o[6] = hi.z, o[7] = hi.w;
+    }
+    if (a.rot_block > 0) {
+      Hadamard8PerLane(o, chunk, a.rot_block);
+      ApplySigns8(SignByte(a.signs, chunk), o);
+    }
+    if (h < nh) {
+      const float2 ml = fin_ml[h];
+      StoreAttentionRow(o, ml.x, ml.y, head_row + h, chunk, kHeadDim, a.out, a.out_fp16, a.lse);
+    }
   }
 }
 

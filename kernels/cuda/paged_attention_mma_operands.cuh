@@ -179,7 +179,10 @@ struct MmaTraits {
   __device__ static int OIndex(int row, int channel) {
     return row * kORow + channel + (channel / 16) * 4;
   }
-  static constexpr size_t kMergeBytes = static_cast<size_t>(kMmaWarps) * kH * (kORow + 3) * 4;
+  // A CTA that finishes its rows (AttnSplitArgs::out) also keeps the merged o' [kH][kHeadDim]
+  // and {m, l} [kH] there, after the o rows (MergeWarpsIntoSplit).
+  static constexpr size_t kMergeBytes =
+      (static_cast<size_t>(kMmaWarps) * kH * (kORow + 3) + kH * (kHeadDim + 2)) * 4;
   static constexpr size_t kTilesArea = kStageArea > kMergeBytes ? kStageArea : kMergeBytes;
   static constexpr size_t kSharedBytes = kTilesArea + kQBytes;
 };

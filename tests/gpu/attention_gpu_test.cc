@@ -200,6 +200,27 @@ TEST(CudaPagedAttention, ExplicitSplitCountsAgreeWithTheReference) {
   }
 }
 
+// One split and no sinks: the tensor-core kernel un-rotates, normalizes and writes the output
+// itself, with no merge kernel; every head_dim (rows of 8 channels over 8, 16 or 32 lanes), a
+// partial second CTA of query heads (ratio 12) and rotation blocks below head_dim.
+TEST(CudaPagedAttention, OneSplitCallsFinishInTheSplitKernel) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  uint64_t seed = 550;
+  for (KvDtype dtype : kAllDtypes) {
+    for (int head_dim : {64, 128, 256}) {
+      for (int ratio : {4, 12}) {
+        ExpectMatchesReference(Layout(dtype, head_dim, 16), ratio, {1, 300, 2000},
+                               Outliers::kSpikes, ++seed, /*num_splits=*/1);
+      }
+    }
+  }
+  for (int rot : {16, 32, 64}) {
+    PageLayout l = Layout(KvDtype::kInt4, 128, 32);
+    l.rot_block = rot;
+    ExpectMatchesReference(l, 8, {5, 1500}, Outliers::kOffset, ++seed, /*num_splits=*/1);
+  }
+}
+
 TEST(CudaPagedAttention, LongContextsUpTo64K) {
   KVPOOL_SKIP_WITHOUT_GPU();
   PageLayout l = Layout(KvDtype::kInt4, 128, 16, 1);
