@@ -13,10 +13,9 @@
 //   scores  S^T[16 x 8 tokens] = Q'[16 x D] . codes^T: rows 0..7 are the hi parts of the 8 query
 //           heads' q' (fp16), rows 8..15 the lo parts (q' - hi in fp16), so row g + row g + 8 is
 //           q' . codes to ~2^-22; q' enters times sm_scale (log2 domain). Codes (INT4/INT8
-//           integers, e4m3 values, fp16 values) are exact in fp16. Integer codes enter as
-//           1024 + c (INT4 high nibbles 1024 + 16 c, against q' / 16), unpacked without a
-//           subtraction: the accumulators start at minus 1024 times the sum of their A row.
-//           score = scale_t * dot + zero_t * sum(q').
+//           integers, e4m3 values, fp16 values) are exact in fp16. Integer codes enter as fp16
+//           subnormals c 2^-24 (INT4 high nibbles 16 c 2^-24, against q' / 16), their bits
+//           masked in place: dot = 2^24 times the sum. score = scale_t * dot + zero_t * sum(q').
 //   values  O^T[D x 8 kPT] += codes^T[D x 16 tokens] . P^T[16 tokens x 8 kPT]: the codes are
 //           the A operand (16 channels per m16 tile), and the columns of P^T carry the hi / lo
 //           parts of p_t * scale_t: with kPT == 1 (at most 4 query heads) columns 0..3 are the
@@ -143,7 +142,6 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   uint8_t* my_stages = smem + static_cast<size_t>(warp) * T::kStages * T::kTileBytes;
   uint4* qfrag = reinterpret_cast<uint4*>(smem + T::kTilesArea);  // [kSlabs][32]
   float* qsum_s = reinterpret_cast<float*>(qfrag + T::kSlabs * 32);
-  float2* rowsum_s = reinterpret_cast<float2*>(qsum_s + kH);  // [kMmaWarps][8 rows]
 
   const size_t k_offset = static_cast<size_t>(kv_head) * a.geo.head_page_bytes;
   const size_t v_minus_k = static_cast<size_t>(a.num_kv_heads) * a.geo.head_page_bytes;
@@ -259,7 +257,6 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   __syncthreads();
   constexpr int kFragsPerThread = T::kSlabs * 32 / kAttnThreads;
   uint4 frag[kFragsPerThread];
-  float row_hi = 0.0f, row_lo = 0.0f;  // sums of the hi / lo entries of this thread's fragments
 #pragma unroll
   for (int f = 0; f < kFragsPerThread; ++f) {
     const int i = tid + f * kAttnThreads;
@@ -280,8 +277,6 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     for (int e = 0; e < 4; ++e) {
       hi[e] = __float2half_rn(x[e]);
       lo[e] = __float2half_rn(x[e] - __half2float(hi[e]));
-      row_hi += __half2float(hi[e]);
-      row_lo += __half2float(lo[e]);
     }
     frag[f] = make_uint4(PackHalf2(hi[0], hi[1]), PackHalf2(lo[0], lo[1]), PackHalf2(hi[2], hi[3]),
                          PackHalf2(lo[2], lo[3]));
@@ -297,32 +292,11 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     sum = GroupSum<kSumLanes>(sum);
     if (tid % kSumLanes == 0) qsum_s[h] = sum * a.score_scale;
   }
-  // A row g's entries over every slab are built by lanes 4 g .. 4 g + 3 of every warp: the
-  // warp's share of the row's hi and lo sums, summed in a fixed order (deterministic).
-  if constexpr (C::kIntCodes) {
-    row_hi = GroupSum<4>(row_hi);
-    row_lo = GroupSum<4>(row_lo);
-    if (tig == 0) rowsum_s[warp * 8 + g] = make_float2(row_hi, row_lo);
-  }
   __syncthreads();  // q' read: its bytes take the fragments
 #pragma unroll
   for (int f = 0; f < kFragsPerThread; ++f) qfrag[tid + f * kAttnThreads] = frag[f];
   __syncthreads();
   const float qsum = qsum_s[head_g];
-  // kCodeBias * the sum of this lane's A rows g (hi) and g + 8 (lo) over every slab: the first
-  // score chain of each n8 tile starts at minus it, so the chains end at the code dot product.
-  float bias_hi = 0.0f, bias_lo = 0.0f;
-  if constexpr (C::kIntCodes) {
-#pragma unroll
-    for (int w = 0; w < kMmaWarps; ++w) {
-      const float2 part = rowsum_s[w * 8 + g];
-      bias_hi += part.x;
-      bias_lo += part.y;
-    }
-    bias_hi *= -C::kCodeBias;
-    bias_lo *= -C::kCodeBias;
-  }
-  const float bias_start[4] = {bias_hi, bias_hi, bias_lo, bias_lo};
   constexpr float kZeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
   float m_run = -INFINITY;  // head head_g, log2 domain; the same in the 4 lanes of the group
@@ -357,8 +331,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 
     // Scores: per tile two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and
     // 8 + g. Each n8 tile accumulates in kChains independent chains (with one tile per
-    // iteration, the two slabs of a unit, for ILP). The first chain starts at minus the code
-    // bias of rows g / g + 8 (bias_start), a second one at 0. A tile past the warp's last
+    // iteration, the two slabs of a unit, for ILP), each from 0. A tile past the warp's last
     // is scored on whatever its stage holds and selected away below.
     constexpr int kChains = kTPI == 1 ? 2 : 1;
     uint32_t kw[kTPI][2][T::kKSlice / 4];  // this lane's slice of K rows g and 8 + g
@@ -393,9 +366,9 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           uint32_t pairs[4];
-          C::UnpackUnitBiased(&kw[t][nt][cc * (C::kUnitBytes / 4)], pairs);
+          C::UnpackUnit(&kw[t][nt][cc * (C::kUnitBytes / 4)], pairs);
           if (cc == 0) {
-            Mma16816From(s_acc[t][nt][0], qa, pairs[0], pairs[1], bias_start);
+            Mma16816From(s_acc[t][nt][0], qa, pairs[0], pairs[1], kZeros);
             if constexpr (kChains == 2) {
               Mma16816From(s_acc[t][nt][1], qb, pairs[2], pairs[3], kZeros);
             } else {
@@ -433,7 +406,7 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
           if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
           if constexpr (T::kQuantized) {
             const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
-            dot = sz.x * dot + sz.y * qsum;
+            dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
           }
           s[t][u] = valid[t][u] ? dot : -INFINITY;
         }

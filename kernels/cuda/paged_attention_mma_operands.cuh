@@ -25,12 +25,6 @@ __device__ __forceinline__ uint32_t PackHalf2(__half lo, __half hi) {
   return static_cast<uint32_t>(__half_as_ushort(lo)) |
          (static_cast<uint32_t>(__half_as_ushort(hi)) << 16);
 }
-// (x & mask) | bits in one LOP3 (written as two when both constants are immediates).
-__device__ __forceinline__ uint32_t AndOr(uint32_t x, uint32_t mask, uint32_t bits) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(r) : "r"(x), "r"(mask), "r"(bits));
-  return r;
-}
 // 2^x (MUFU.EX2, subnormal results flushed to 0; 2^-inf = 0).
 __device__ __forceinline__ float Exp2Ftz(float x) {
   float r;
@@ -47,36 +41,39 @@ template <KvDtype kDtype>
 struct MmaCodec {
   static constexpr int kBits = DtypeBits(kDtype);
   static constexpr int kUnitBytes = kBits;  // 8 channels
-  // Channel (within a unit of 8) of each k-pair element UnpackUnitBiased returns: pair i holds
+  // Channel (within a unit of 8) of each k-pair element UnpackUnit returns: pair i holds
   // channels kPerm[2i] (low half) and kPerm[2i + 1] (high half).
   __device__ static constexpr int Perm(int i) {
     return kDtype == KvDtype::kInt4 ? (i % 2 == 0 ? i / 2 : 4 + i / 2) : i;
   }
-  // Integer codes reach the score MMA biased, as the fp16 values their unpack makes without the
-  // subtraction: pair i holds 1024 + c, except INT4 high nibbles (odd pairs), 1024 + 16 c. With
-  // the A weights of pair i multiplied by PairWeight(i), sum_k a_k b_k is the code dot product
-  // plus kCodeBias * sum_k a_k, which the caller cancels.
+  // Integer codes reach the score MMA as fp16 subnormals, their bits masked in place: pair i
+  // holds c 2^-24, except INT4 high nibbles (odd pairs), 16 c 2^-24. With the A weights of pair
+  // i multiplied by PairWeight(i), sum_k a_k b_k is the code dot product times 2^-24, which
+  // kDotScale undoes. (Codes biased to normal fp16 values, 1024 + c, left the dot product as
+  // the small difference of two sums near 1024 sum_k a_k: scores of tokens with large scales,
+  // such as outlier tokens, lost up to 8e-3 to the cancellation.)
   static constexpr bool kIntCodes = kDtype == KvDtype::kInt4 || kDtype == KvDtype::kInt8;
-  static constexpr float kCodeBias = kIntCodes ? 1024.0f : 0.0f;
+  static constexpr float kDotScale = kIntCodes ? 16777216.0f : 1.0f;
   __device__ static constexpr float PairWeight(int pair) {
     return kDtype == KvDtype::kInt4 && pair % 2 == 1 ? 1.0f / 16.0f : 1.0f;
   }
   // The 8 channels of one unit of a page row (its kUnitBytes / 4 words w[0], ...) as 4 half2
-  // k-pairs (see Perm), biased (kCodeBias).
-  __device__ static void UnpackUnitBiased(const uint32_t* u, uint32_t (&out)[4]) {
+  // k-pairs (see Perm); integer codes as subnormals (kDotScale).
+  __device__ static void UnpackUnit(const uint32_t* u, uint32_t (&out)[4]) {
     if constexpr (kDtype == KvDtype::kInt4) {
       const uint32_t w = u[0];
       const uint32_t w8 = w >> 8;
-      out[0] = AndOr(w, 0x000F000Fu, 0x64006400u);
-      out[1] = AndOr(w, 0x00F000F0u, 0x64006400u);
-      out[2] = AndOr(w8, 0x000F000Fu, 0x64006400u);
-      out[3] = AndOr(w8, 0x00F000F0u, 0x64006400u);
+      out[0] = w & 0x000F000Fu;
+      out[1] = w & 0x00F000F0u;
+      out[2] = w8 & 0x000F000Fu;
+      out[3] = w8 & 0x00F000F0u;
     } else if constexpr (kDtype == KvDtype::kInt8) {
+      // Bytes 0 / 1 (2 / 3) of a word into the low bytes of the two halves, zeros above.
       const uint2 w = make_uint2(u[0], u[1]);
-      out[0] = AndOr(__byte_perm(w.x, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
-      out[1] = AndOr(__byte_perm(w.x, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
-      out[2] = AndOr(__byte_perm(w.y, 0, 0x1100), 0x00FF00FFu, 0x64006400u);
-      out[3] = AndOr(__byte_perm(w.y, 0, 0x3322), 0x00FF00FFu, 0x64006400u);
+      out[0] = __byte_perm(w.x, 0, 0x4140);
+      out[1] = __byte_perm(w.x, 0, 0x4342);
+      out[2] = __byte_perm(w.y, 0, 0x4140);
+      out[3] = __byte_perm(w.y, 0, 0x4342);
     } else if constexpr (kDtype == KvDtype::kFp8E4M3) {
       const uint2 w = make_uint2(u[0], u[1]);
       out[0] = Fp8PairToHalf2(w.x & 0xFFFFu);
@@ -162,10 +159,10 @@ struct MmaTraits {
   static constexpr int kVWords = kVChannels * DtypeBits(kDtype) / 32;
   static constexpr int kH = kAttnMaxHeadsPerCta;
   // Shared memory: per warp kStages tiles; the q' A fragments [kSlabs][32 lanes] uint4; the
-  // sums of q' [kH]; each warp's share of the fragment rows' hi and lo sums [warps][8] float2.
+  // sums of q' [kH].
   // The end-of-CTA merge reuses the tiles: {m, l, z} [warps][kH] and o [warps][kH][kHeadDim]
   // floats.
-  static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4 + kMmaWarps * 8 * 8;
+  static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4;
   // Tile stages per warp: as many as fit (at most 8, at least 2: one loading while one is used)
   // when kMinCtasPerSm CTAs share an SM's 228 KiB of shared memory, 1 KiB of it reserved per CTA.
   static constexpr int kFitStages =
