@@ -27,7 +27,8 @@
 //           sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
 // The thread that holds a score in the S^T accumulator holds the same entries of P^T as a B
 // operand, so scores never leave registers. At the end the four warps' states are merged in
-// shared memory into the split's {m, l} and o' (paged_attention_mma_merge.cuh).
+// shared memory into the split's {m, l} and o', or, for a call of one split without sinks, into
+// its output (paged_attention_mma_merge.cuh).
 #ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
 #define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
 
