@@ -448,12 +448,7 @@ int Main() {
     return 1;
   }
 
-  bool write_flush = false;
-  if (!bench::L2Flush::ParseWrite(absl::GetFlag(FLAGS_l2_flush), &write_flush)) {
-    std::fprintf(stderr, "flashinfer_decode_bench: --l2_flush must be read or write\n");
-    return 1;
-  }
-  bench::L2Flush flush(write_flush);
+  bench::L2Flush flush(absl::GetFlag(FLAGS_l2_flush));
   std::vector<std::vector<Timing>> timings;
   std::printf("%5s %6s", "batch", "ctx");
   for (const char* name : kVariantNames) {

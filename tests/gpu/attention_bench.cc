@@ -267,12 +267,7 @@ int Main() {
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string flush_mode = absl::GetFlag(FLAGS_l2_flush);
-  bool write_flush = false;
-  if (!bench::L2Flush::ParseWrite(flush_mode, &write_flush)) {
-    std::fprintf(stderr, "attention_bench: --l2_flush must be read or write\n");
-    return 1;
-  }
-  bench::L2Flush flush(write_flush);
+  bench::L2Flush flush(flush_mode);
   const double stream_tbps = StreamingReadTbps(iters, flush);
   std::printf("device %s, streaming read %.3f TB/s (L2 flush: %s)\n", prop.name, stream_tbps,
               flush_mode.c_str());

@@ -2,6 +2,9 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
 
 #include "tests/gpu/attention_bench_kernels.h"
 
@@ -72,6 +75,15 @@ __global__ void StreamReadKernel(const uint4* data, size_t n, uint32_t* sink) {
   if (threadIdx.x == 0) sink[blockIdx.x] = acc;
 }
 
+// Whether the L2Flush mode is "write"; exits on a mode other than "read" and "write".
+bool IsWriteFlush(const std::string& mode) {
+  if (mode != "read" && mode != "write") {
+    std::fprintf(stderr, "--l2_flush must be read or write, not \"%s\"\n", mode.c_str());
+    std::exit(2);
+  }
+  return mode == "write";
+}
+
 template <bool kKeepInL2>
 cudaError_t LaunchStreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
   StreamReadKernel<kKeepInL2><<<kStreamCtas, kStreamThreads, 0, stream>>>(
@@ -92,13 +104,8 @@ cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStrea
   return LaunchStreamRead<false>(data, bytes, sink, stream);
 }
 
-bool L2Flush::ParseWrite(const std::string& name, bool* write) {
-  *write = name == "write";
-  return name == "read" || name == "write";
-}
-
-L2Flush::L2Flush(bool write)
-    : write_(write), buffer_(kFlushBytes), sink_(kStreamCtas * sizeof(uint32_t)) {
+L2Flush::L2Flush(const std::string& mode)
+    : write_(IsWriteFlush(mode)), buffer_(kFlushBytes), sink_(kStreamCtas * sizeof(uint32_t)) {
   KVPOOL_CUDA_CHECK(cudaMemset(buffer_.get(), 0, kFlushBytes));
 }
 

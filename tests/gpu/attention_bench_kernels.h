@@ -31,9 +31,9 @@ cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStrea
 // DRAM then falls inside the timed run).
 class L2Flush {
  public:
-  // The mode named "read" or "write"; false for any other name.
-  static bool ParseWrite(const std::string& name, bool* write);
-  explicit L2Flush(bool write);
+  // `mode`: "read" or "write" (the --l2_flush value); any other exits the benchmark with a
+  // message on stderr.
+  explicit L2Flush(const std::string& mode);
   void operator()();
 
  private:
