@@ -1,9 +1,10 @@
 // Paged decode attention on the GPU: time, effective bandwidth and accuracy per page format.
 //
 // For (batch, context) in {(1,32K), (8,8K), (8,32K), (32,4K), (32,16K), (64,8K)}, 32 query heads,
-// 8 KV heads, head_dim 128, block_tokens 16, scattered block tables (a random permutation of the
-// arena): INT4 rotated (rot 128), INT4 naive (no rotation), INT8 and FP8 rotated, FP16 pages, all
-// quantized by cuda::QuantizeAppend from the same synthetic K/V with outlier channels.
+// 8 KV heads, head_dim 128, block_tokens 16 (--block_tokens), scattered block tables (a random
+// permutation of the arena; --block_order): INT4 rotated (rot 128), INT4 naive (no rotation), INT8
+// and FP8 rotated, FP16 pages, all quantized by cuda::QuantizeAppend from the same synthetic K/V
+// with outlier channels.
 //
 // Time: one cuda::PagedDecodeAttention call (all its kernels) between CUDA events, after
 // warm-up, with L2 flushed before every run (--l2_flush); the median of --iters runs. Bytes: the
@@ -48,6 +49,11 @@ ABSL_FLAG(std::string, l2_flush, "read",
           "holds clean lines after it) or write (the buffer zeroed: the write-back of the dirty "
           "lines it leaves falls inside the timed run); bench::L2Flush");
 
+ABSL_FLAG(int, block_tokens, 16, "tokens per block: 16 (vLLM's default), 32 or 64");
+ABSL_FLAG(std::string, block_order, "shuffled",
+          "block ids of the tables: shuffled (a random permutation of the arena, as a pool hands "
+          "them out after churn) or sequential (each sequence's blocks consecutive in the arena)");
+
 namespace kvpool {
 namespace {
 
@@ -57,7 +63,6 @@ using testing::MedianMs;
 constexpr int kQHeads = 32;
 constexpr int kKvHeads = 8;
 constexpr int kHeadDim = 128;
-constexpr int kBlockTokens = 16;
 constexpr int kFillChunk = 8192;  // tokens generated and quantized per step
 
 struct Shape {
@@ -82,7 +87,7 @@ PageLayout MakeLayout(const Format& f) {
   PageLayout l;
   l.num_kv_heads = kKvHeads;
   l.head_dim = kHeadDim;
-  l.block_tokens = kBlockTokens;
+  l.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   l.dtype = f.dtype;
   l.group_size = kHeadDim;
   l.rot_block = f.rot_block;
@@ -128,8 +133,8 @@ DeviceBuffer FillPages(const PageLayout& l, const Shape& shape, int64_t num_bloc
       for (int i = 0; i < n; ++i) {
         const int t = t0 + i;
         host_slots[i] =
-            static_cast<int64_t>(tables[s * blocks_per_seq + t / kBlockTokens]) * kBlockTokens +
-            t % kBlockTokens;
+            static_cast<int64_t>(tables[s * blocks_per_seq + t / l.block_tokens]) * l.block_tokens +
+            t % l.block_tokens;
       }
       KVPOOL_CUDA_CHECK(
           cudaMemcpy(slots.get(), host_slots.data(), n * sizeof(int64_t), cudaMemcpyHostToDevice));
@@ -170,13 +175,15 @@ std::pair<double, double> RowErrors(const std::vector<float>& got, const std::ve
 
 void RunShape(const Shape& shape, int iters, double stream_tbps, bench::L2Flush& flush,
               std::vector<Result>* results) {
-  const int blocks_per_seq = shape.context / kBlockTokens;
+  const int blocks_per_seq = shape.context / absl::GetFlag(FLAGS_block_tokens);
   const int splits = absl::GetFlag(FLAGS_splits);
   const int64_t num_blocks = static_cast<int64_t>(shape.batch) * blocks_per_seq + 64;
   std::vector<int32_t> ids(num_blocks);
   std::iota(ids.begin(), ids.end(), 0);
-  std::mt19937_64 rng(shape.batch * 131 + shape.context);
-  std::shuffle(ids.begin(), ids.end(), rng);
+  if (absl::GetFlag(FLAGS_block_order) == "shuffled") {
+    std::mt19937_64 rng(shape.batch * 131 + shape.context);
+    std::shuffle(ids.begin(), ids.end(), rng);
+  }
   ids.resize(static_cast<size_t>(shape.batch) * blocks_per_seq);
   const std::vector<int32_t> lens(shape.batch, shape.context);
   const size_t rows = static_cast<size_t>(shape.batch) * kQHeads;
@@ -236,15 +243,16 @@ void WriteJson(const std::string& path, const std::string& device, double stream
     std::perror(path.c_str());
     std::exit(1);
   }
-  std::fprintf(f,
-               "{\n  \"benchmark\": \"attention_bench\",\n  \"device\": \"%s\",\n"
-               "  \"commit\": \"%s\",\n  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
-               "\"block_tokens\": %d,\n  \"iters\": %d,\n  \"splits\": %d,\n"
-               "  \"l2_flush\": \"%s\",\n  \"stream_read_tbps\": %.4f,\n"
-               "  \"cases\": [\n",
-               device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), kQHeads, kKvHeads, kHeadDim,
-               kBlockTokens, iters, absl::GetFlag(FLAGS_splits),
-               absl::GetFlag(FLAGS_l2_flush).c_str(), stream_tbps);
+  std::fprintf(
+      f,
+      "{\n  \"benchmark\": \"attention_bench\",\n  \"device\": \"%s\",\n"
+      "  \"commit\": \"%s\",\n  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
+      "\"block_tokens\": %d, \"block_order\": \"%s\",\n  \"iters\": %d,\n  \"splits\": %d,\n"
+      "  \"l2_flush\": \"%s\",\n  \"stream_read_tbps\": %.4f,\n"
+      "  \"cases\": [\n",
+      device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), kQHeads, kKvHeads, kHeadDim,
+      absl::GetFlag(FLAGS_block_tokens), absl::GetFlag(FLAGS_block_order).c_str(), iters,
+      absl::GetFlag(FLAGS_splits), absl::GetFlag(FLAGS_l2_flush).c_str(), stream_tbps);
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     std::fprintf(f,
@@ -264,6 +272,15 @@ int Main() {
     return 1;
   }
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
+  const int block_tokens = absl::GetFlag(FLAGS_block_tokens);
+  const std::string order = absl::GetFlag(FLAGS_block_order);
+  if ((block_tokens != 16 && block_tokens != 32 && block_tokens != 64) ||
+      (order != "shuffled" && order != "sequential")) {
+    std::fprintf(stderr,
+                 "attention_bench: --block_tokens is 16, 32 or 64 and --block_order "
+                 "shuffled or sequential\n");
+    return 2;
+  }
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string flush_mode = absl::GetFlag(FLAGS_l2_flush);
