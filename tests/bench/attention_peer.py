@@ -23,6 +23,7 @@
       binary, for a GPU machine without its Python package) where `run` had none.
 """
 import argparse
+import datetime
 import json
 import statistics
 import sys
@@ -166,7 +167,9 @@ def cmd_merge(args):
             row["stream_target"] = INT4_STREAM_TARGET
             row["stream_met"] = c["frac_stream"] >= INT4_STREAM_TARGET
         rows.append(row)
-    merged = {"kvpool": {k: v for k, v in kv.items() if k != "cases"},
+    # When the file was made: render_tables.py shows the newest.
+    merged = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "kvpool": {k: v for k, v in kv.items() if k != "cases"},
               "peer": {k: v for k, v in peer.items() if k != "cases"},
               "anchor": "sdpa_flash_fp16", "cases": rows}
     with open(args.out, "w") as f:

@@ -75,16 +75,20 @@ FLUSH_NAMES = {"read": "a read of 256 MiB", "write": "zeroing 256 MiB"}
 
 
 def attention():
-    files = sorted(RESULTS.glob("attention_2*.json"))
-    if not files:
+    # The newest merged file: by its "date" (attention_peer.py merge), then by name (files from
+    # before the date was written).
+    dated = [(json.loads(p.read_text()).get("date", ""), p.name, p)
+             for p in RESULTS.glob("attention_2*.json")]
+    if not dated:
         return
-    d = json.loads(files[-1].read_text())
+    *_, path = max(dated)
+    d = json.loads(path.read_text())
     k = d["kvpool"]
     print(f"Decode attention, 32 q heads / {k['kv_heads']} KV heads, head_dim {k['head_dim']}, "
           f"block_tokens {k['block_tokens']}, median of {k['iters']} runs, each after an L2 flush by "
           f"{FLUSH_NAMES[k.get('l2_flush', 'write')]}; anchor PyTorch "
           f"{d['peer'].get('torch', '?')} SDPA flash fp16 ({d['peer'].get('gqa', '')}) in the same "
-          f"file; streaming read {k['stream_read_tbps']:.2f} TB/s ({files[-1].name}, commit "
+          f"file; streaming read {k['stream_read_tbps']:.2f} TB/s ({path.name}, commit "
           f"{k['commit']}, {k['device']}):\n")
     rows = {}
     for c in d["cases"]:
