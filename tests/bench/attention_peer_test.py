@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""attention_peer.py merge on small files (no GPU): the speed-ups and target flags it derives, and
-its refusal to join timings taken after different L2 flushes (ctest attention_peer_merge)."""
+"""attention_peer.py merge on small files (no GPU): the speed-ups and target flags it derives, the
+date it stamps, and its refusal to join timings taken after different L2 flushes (ctest
+attention_peer_merge)."""
 import json
 import pathlib
 import subprocess
@@ -54,6 +55,8 @@ class MergeTest(unittest.TestCase):
         self.assertAlmostEqual(fp8["speedup_vs_sdpa"], 0.05 / 0.03)
         self.assertFalse(fp8["speedup_met"])  # 1.67x < 1.8x
         self.assertEqual(out["kvpool"]["l2_flush"], "read")
+        # render_tables.py shows the newest merged file by this date.
+        self.assertRegex(out["date"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ$")
 
     def test_files_without_the_flag_count_as_zeroing_flush(self):
         r, _ = self.merge(kvpool_file(None), peer_file("write"))
