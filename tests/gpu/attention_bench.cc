@@ -109,16 +109,6 @@ void Check(KernelStatus s, const char* what) {
   }
 }
 
-double StreamingReadTbps(int iters, bench::L2Flush& flush) {
-  const size_t bytes = size_t{2} << 30;
-  DeviceBuffer data(bytes), sink(4096 * sizeof(uint32_t));
-  KVPOOL_CUDA_CHECK(cudaMemset(data.get(), 1, bytes));
-  const double ms = MedianMs(iters, flush, [&] {
-    KVPOOL_CUDA_CHECK(bench::StreamRead(data.get(), bytes, sink.get<uint32_t>(), nullptr));
-  });
-  return bytes / (ms * 1e-3) / 1e12;
-}
-
 // Pages of one format for a whole batch: every sequence's tokens generated on the device and
 // quantized into the scattered blocks of its table.
 DeviceBuffer FillPages(const PageLayout& l, const Shape& shape, int64_t num_blocks,
@@ -285,7 +275,7 @@ int Main() {
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   const std::string flush_mode = absl::GetFlag(FLAGS_l2_flush);
   bench::L2Flush flush(flush_mode);
-  const double stream_tbps = StreamingReadTbps(iters, flush);
+  const double stream_tbps = bench::StreamingReadTbps(iters, flush);
   std::printf("device %s, streaming read %.3f TB/s (L2 flush: %s)\n", prop.name, stream_tbps,
               flush_mode.c_str());
   std::vector<Result> results;

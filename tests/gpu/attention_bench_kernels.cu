@@ -100,8 +100,14 @@ cudaError_t FillSyntheticKv(uint16_t* k, uint16_t* v, int first_token, int num_t
   return cudaGetLastError();
 }
 
-cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
-  return LaunchStreamRead<false>(data, bytes, sink, stream);
+double StreamingReadTbps(int iters, L2Flush& flush) {
+  const size_t bytes = size_t{2} << 30;
+  testing::DeviceBuffer data(bytes), sink(kStreamCtas * sizeof(uint32_t));
+  KVPOOL_CUDA_CHECK(cudaMemset(data.get(), 1, bytes));
+  const double ms = testing::MedianMs(iters, flush, [&] {
+    KVPOOL_CUDA_CHECK(LaunchStreamRead<false>(data.get(), bytes, sink.get<uint32_t>(), nullptr));
+  });
+  return bytes / (ms * 1e-3) / 1e12;
 }
 
 L2Flush::L2Flush(const std::string& mode)

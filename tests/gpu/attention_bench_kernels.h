@@ -1,5 +1,5 @@
-// Device helpers of the attention benchmark (attention_bench_kernels.cu): synthetic K/V with
-// outlier channels generated on the device, the streaming-read ceiling kernel, and the L2 flush.
+// Device helpers of the attention benchmarks (attention_bench_kernels.cu): synthetic K/V with
+// outlier channels generated on the device, the L2 flush, and the streaming-read ceiling.
 #ifndef KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_
 #define KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_
 
@@ -21,10 +21,6 @@ namespace kvpool::bench {
 cudaError_t FillSyntheticKv(uint16_t* k, uint16_t* v, int first_token, int num_tokens,
                             int num_heads, int head_dim, uint64_t seed, cudaStream_t stream);
 
-// Reads `bytes` (a multiple of 16) with 16-byte loads and writes one word per CTA into `sink`
-// (at least 4096 uint32 words) so that nothing is optimized away.
-cudaError_t StreamRead(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream);
-
 // The L2 flush before every timed run of the attention benchmarks (--l2_flush), on the default
 // stream: a 256 MiB buffer read with loads that keep its lines in L2 ("read": the L2 is left full
 // of clean lines) or zeroed ("write": up to an L2 of dirty lines is left, whose write-back to
@@ -41,6 +37,10 @@ class L2Flush {
   testing::DeviceBuffer buffer_, sink_;
   int round_ = 0;
 };
+
+// The streaming-read ceiling in TB/s: a 2 GiB buffer read with 16-byte loads, timed as the
+// benchmarks time their cases (the median of `iters` runs, each after `flush`).
+double StreamingReadTbps(int iters, L2Flush& flush);
 
 }  // namespace kvpool::bench
 

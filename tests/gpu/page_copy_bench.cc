@@ -87,17 +87,8 @@ int Main() {
   bench::L2Flush flush(absl::GetFlag(FLAGS_l2_flush));
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  DeviceBuffer sink(size_t{1} << 20);
-  double stream_tbps = 0;
-  {
-    const size_t bytes = size_t{2} << 30;
-    DeviceBuffer data(bytes);
-    KVPOOL_CUDA_CHECK(cudaMemset(data.get(), 1, bytes));
-    const double ms = testing::MedianMs(iters, flush, [&] {
-      KVPOOL_CUDA_CHECK(bench::StreamRead(data.get(), bytes, sink.get<uint32_t>(), nullptr));
-    });
-    stream_tbps = bytes / (ms * 1e-3) / 1e12;
-  }
+  const double stream_tbps = bench::StreamingReadTbps(iters, flush);
+  DeviceBuffer sink(size_t{1} << 20);  // a word per CTA
   std::printf("%s, streaming read %.3f TB/s\n", prop.name, stream_tbps);
   std::printf("%5s %6s %6s %-5s %-9s %9s %8s %7s\n", "batch", "ctx", "splits", "pages", "way", "us",
               "TB/s", "stream");
