@@ -57,55 +57,24 @@ __device__ uint32_t Touch(const uint8_t* stage, int bytes, int lane) {
   return w.x ^ w.y ^ w.z ^ w.w;
 }
 
-template <int kStages>
-__global__ void __launch_bounds__(kThreads) CpAsyncKernel(const PageCopyArgs a) {
-  extern __shared__ __align__(16) uint8_t smem[];
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const WarpTiles wt(a, warp);
-  const int page = a.head_page_bytes, tile_bytes = 2 * page;
-  uint8_t* stages = smem + static_cast<size_t>(warp) * kStages * tile_bytes;
-  auto issue = [&](int tile, int stage) {
-    if (tile < wt.end_tile) {
-      const uint8_t* k = wt.KPage(a, tile);
-      uint8_t* dst = stages + stage * tile_bytes;
-      for (int off = lane * 16; off < page; off += 512) {
-        CpAsync16(dst + off, k + off);
-        CpAsync16(dst + page + off, k + wt.v_minus_k + off);
-      }
-    }
-    CpAsyncCommit();
-  };
-  constexpr int kLead = kStages - 1;
-  for (int i = 0; i < kLead; ++i) issue(wt.first_tile + i * kWarps, i);
-  uint32_t acc = 0;
-  int use = 0;
-  for (int tile = wt.first_tile; tile < wt.end_tile; tile += kWarps) {
-    issue(tile + kLead * kWarps, (use + kLead) % kStages);
-    CpAsyncWait<kLead>();  // this tile's group, the kLead - 1 after it still in flight
-    __syncwarp();
-    acc ^= Touch(stages + use * tile_bytes, tile_bytes, lane);
-    __syncwarp();
-    use = use + 1 == kStages ? 0 : use + 1;
-  }
-  CpAsyncWait<0>();
-  FoldIntoSink(a, acc);
-}
-
 __device__ __forceinline__ uint32_t SharedAddress(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <int kStages>
-__global__ void __launch_bounds__(kThreads) BulkKernel(const PageCopyArgs a) {
+// Warp w's tiles through kStages stages of its own (kStages - 1 in flight), either by the
+// lanes' 16-byte cp.async copies (cp.async groups) or by two bulk copies from lane 0 per tile,
+// counted on the stage's mbarrier (kBulk). Shared memory: with kBulk the [kWarps][kStages]
+// mbarriers, then the stages [kWarps][kStages][K page, V page].
+template <int kStages, bool kBulk>
+__global__ void __launch_bounds__(kThreads) StagedKernel(const PageCopyArgs a) {
   extern __shared__ __align__(16) uint8_t smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const WarpTiles wt(a, warp);
   const int page = a.head_page_bytes, tile_bytes = 2 * page;
-  // [kWarps][stages] mbarriers first, then the stages.
+  const size_t bar_bytes = kBulk ? kWarps * kStages * sizeof(uint64_t) : 0;
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem) + warp * kStages;
-  uint8_t* stages =
-      smem + kWarps * kStages * sizeof(uint64_t) + static_cast<size_t>(warp) * kStages * tile_bytes;
-  if (lane == 0) {
+  uint8_t* stages = smem + bar_bytes + static_cast<size_t>(warp) * kStages * tile_bytes;
+  if (kBulk && lane == 0) {
     for (int s = 0; s < kStages; ++s) {
       asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(SharedAddress(bars + s)));
     }
@@ -113,36 +82,50 @@ __global__ void __launch_bounds__(kThreads) BulkKernel(const PageCopyArgs a) {
   }
   __syncwarp();
   auto issue = [&](int tile, int stage) {
-    if (tile < wt.end_tile && lane == 0) {
+    uint8_t* dst = stages + stage * tile_bytes;
+    if constexpr (kBulk) {
+      if (tile >= wt.end_tile || lane != 0) return;
       const uint8_t* k = wt.KPage(a, tile);
-      uint8_t* dst = stages + stage * tile_bytes;
       const uint32_t bar = SharedAddress(bars + stage);
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
       asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar),
                    "r"(tile_bytes)
                    : "memory");
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-          "[%3];\n" ::"r"(SharedAddress(dst)),
-          "l"(k), "r"(page), "r"(bar)
-          : "memory");
-      asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
-          "[%3];\n" ::"r"(SharedAddress(dst + page)),
-          "l"(k + wt.v_minus_k), "r"(page), "r"(bar)
-          : "memory");
+      for (int kv = 0; kv < 2; ++kv) {
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+            "[%3];\n" ::"r"(SharedAddress(dst + kv * page)),
+            "l"(k + kv * wt.v_minus_k), "r"(page), "r"(bar)
+            : "memory");
+      }
+    } else {
+      if (tile < wt.end_tile) {
+        const uint8_t* k = wt.KPage(a, tile);
+        for (int off = lane * 16; off < page; off += 512) {
+          CpAsync16(dst + off, k + off);
+          CpAsync16(dst + page + off, k + wt.v_minus_k + off);
+        }
+      }
+      CpAsyncCommit();
     }
   };
-  auto wait = [&](int stage, uint32_t parity) {
-    const uint32_t bar = SharedAddress(bars + stage);
-    uint32_t done = 0;
-    while (!done) {
-      asm volatile(
-          "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-          " selp.u32 %0, 1, 0, p;\n}\n"
-          : "=r"(done)
-          : "r"(bar), "r"(parity)
-          : "memory");
+  // Until the warp's `local`-th tile has landed in stage `stage`.
+  auto wait = [&](int stage, int local) {
+    if constexpr (kBulk) {
+      const uint32_t bar = SharedAddress(bars + stage);
+      const uint32_t parity = (local / kStages) & 1;  // the stage's (local / kStages)-th fill
+      uint32_t done = 0;
+      while (!done) {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+            " selp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+      }
+    } else {
+      CpAsyncWait<kStages - 1>();  // this tile's group; the kStages - 1 after it in flight
+      __syncwarp();
     }
   };
   constexpr int kLead = kStages - 1;
@@ -151,11 +134,12 @@ __global__ void __launch_bounds__(kThreads) BulkKernel(const PageCopyArgs a) {
   int use = 0, local = 0;
   for (int tile = wt.first_tile; tile < wt.end_tile; tile += kWarps, ++local) {
     issue(tile + kLead * kWarps, (use + kLead) % kStages);
-    wait(use, (local / kStages) & 1);  // the stage's (local / kStages)-th fill
+    wait(use, local);
     acc ^= Touch(stages + use * tile_bytes, tile_bytes, lane);
-    __syncwarp();
+    __syncwarp();  // the stage is read before it is refilled
     use = use + 1 == kStages ? 0 : use + 1;
   }
+  if constexpr (!kBulk) CpAsyncWait<0>();
   FoldIntoSink(a, acc);
 }
 
@@ -176,33 +160,31 @@ __global__ void __launch_bounds__(kThreads) LoadKernel(const PageCopyArgs a) {
   FoldIntoSink(a, acc);
 }
 
+template <int kStages, bool kBulk>
+cudaError_t LaunchStaged(const PageCopyArgs& a, cudaStream_t stream) {
+  const dim3 grid(a.num_splits, a.num_kv_heads, a.num_seqs);
+  const size_t bytes = (kBulk ? kWarps * kStages * sizeof(uint64_t) : 0) +
+                       static_cast<size_t>(kWarps) * kStages * 2 * a.head_page_bytes;
+  const cudaError_t e =
+      cudaFuncSetAttribute(StagedKernel<kStages, kBulk>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+  if (e != cudaSuccess) return e;
+  StagedKernel<kStages, kBulk><<<grid, kThreads, bytes, stream>>>(a);
+  return cudaGetLastError();
+}
+
 template <int kStages>
 cudaError_t Launch(PageCopy how, const PageCopyArgs& a, cudaStream_t stream) {
-  const dim3 grid(a.num_splits, a.num_kv_heads, a.num_seqs);
-  const size_t stage_bytes = static_cast<size_t>(kWarps) * kStages * 2 * a.head_page_bytes;
   switch (how) {
-    case PageCopy::kCpAsync: {
-      const cudaError_t e =
-          cudaFuncSetAttribute(CpAsyncKernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(stage_bytes));
-      if (e != cudaSuccess) return e;
-      CpAsyncKernel<kStages><<<grid, kThreads, stage_bytes, stream>>>(a);
-      break;
-    }
-    case PageCopy::kBulk: {
-      const size_t bytes = stage_bytes + kWarps * kStages * sizeof(uint64_t);
-      const cudaError_t e =
-          cudaFuncSetAttribute(BulkKernel<kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(bytes));
-      if (e != cudaSuccess) return e;
-      BulkKernel<kStages><<<grid, kThreads, bytes, stream>>>(a);
-      break;
-    }
+    case PageCopy::kCpAsync:
+      return LaunchStaged<kStages, false>(a, stream);
+    case PageCopy::kBulk:
+      return LaunchStaged<kStages, true>(a, stream);
     case PageCopy::kLoad:
-      LoadKernel<<<grid, kThreads, 0, stream>>>(a);
-      break;
+      LoadKernel<<<dim3(a.num_splits, a.num_kv_heads, a.num_seqs), kThreads, 0, stream>>>(a);
+      return cudaGetLastError();
   }
-  return cudaGetLastError();
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace
