@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
 """Peer decode-attention timings for tests/gpu/attention_bench, and the merge of both.
 
-  attention_peer.py run --out peer.json
-      On the GPU machine, with PyTorch: for the benchmark's shapes (32 q heads, 8 KV heads,
-      head_dim 128), times
+  attention_peer.py run --out peer.json [--q_heads 32 --kv_heads 8 --head_dim 128]
+                        [--shapes 1x32768,8x8192,...]
+      On the GPU machine, with PyTorch: for the benchmark's shapes (by default the six of the
+      issue, 32 q heads, 8 KV heads, head_dim 128; the flags take attention_bench's geometry
+      flags' values), times
         * sdpa_flash_fp16: torch SDPA restricted to the FLASH_ATTENTION backend on contiguous fp16
-          K/V [batch, 8, context, 128], q [batch, 32, 1, 128], GQA through enable_gqa=True (no
-          expanded copy of K/V). This is the anchor.
+          K/V [batch, kv_heads, context, head_dim], q [batch, q_heads, 1, head_dim], GQA through
+          enable_gqa=True (no expanded copy of K/V). This is the anchor.
         * flashinfer_fp16 / flashinfer_fp8: FlashInfer's paged decode, when `import flashinfer`
           works; otherwise the reason is recorded.
       Timing as in the C++ benchmark: CUDA events around one call, L2 flushed before every run
@@ -17,10 +19,12 @@
                          --out attention_<date>.json
       Joins the files per (batch, context) and adds each kvpool format's speed-up over the anchor
       and its fraction of the streaming-read bandwidth, with the targets (INT4 >= 3.3x and >= 80%
-      of streaming bandwidth, FP8 >= 1.8x, FP16 paged >= 1.0x) marked met or missed, and its
-      speed-up over each of FlashInfer's paged decode paths measured. --flashinfer takes the
-      timings of tests/bench/flashinfer_decode_bench.cu (FlashInfer's C++ kernels built into a
-      binary, for a GPU machine without its Python package) where `run` had none.
+      of streaming bandwidth, FP8 >= 1.8x, FP16 paged >= 1.0x; set for the issue's geometry
+      only) marked met or missed, and its speed-up over each of FlashInfer's paged decode paths
+      measured. --flashinfer takes the timings of tests/bench/flashinfer_decode_bench.cu
+      (FlashInfer's C++ kernels built into a binary, for a GPU machine without its Python
+      package, at the issue's geometry) where `run` had none. Files of different geometries are
+      refused.
 """
 import argparse
 import datetime
@@ -28,8 +32,11 @@ import json
 import statistics
 import sys
 
-SHAPES = [(1, 32768), (8, 8192), (8, 32768), (32, 4096), (32, 16384), (64, 8192)]
-Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS = 32, 8, 128, 16
+SHAPES = "1x32768,8x8192,8x32768,32x4096,32x16384,64x8192"
+# The issue's geometry (q heads, KV heads, head_dim): files without geometry fields were timed at
+# it, and the targets are set for it.
+ISSUE_GEOMETRY = (32, 8, 128)
+BLOCK_TOKENS = 16
 TARGETS = {"int4_rot128": 3.3, "fp8_rot128": 1.8, "fp16": 1.0}
 INT4_STREAM_TARGET = 0.80
 # FlashInfer's paged decode: CUDA-core kernel (the wrapper's default) and tensor-core path
@@ -54,12 +61,22 @@ def time_ms(torch, fn, iters, flush):
     return statistics.median(times)
 
 
-def run_sdpa(torch, batch, context, iters, flush):
+def geometry(d):
+    """(q heads, KV heads, head_dim) of a results file."""
+    return tuple(d.get(k, v) for k, v in zip(("q_heads", "kv_heads", "head_dim"), ISSUE_GEOMETRY))
+
+
+def parse_shapes(text):
+    return [tuple(int(x) for x in item.split("x")) for item in text.split(",")]
+
+
+def run_sdpa(torch, geo, batch, context, iters, flush):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
 
-    q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.float16)
-    k = torch.randn(batch, KV_HEADS, context, HEAD_DIM, device="cuda", dtype=torch.float16)
+    q_heads, kv_heads, head_dim = geo
+    q = torch.randn(batch, q_heads, 1, head_dim, device="cuda", dtype=torch.float16)
+    k = torch.randn(batch, kv_heads, context, head_dim, device="cuda", dtype=torch.float16)
     v = torch.randn_like(k)
 
     def call():
@@ -71,19 +88,20 @@ def run_sdpa(torch, batch, context, iters, flush):
     return {"ms": ms, "bytes": nbytes, "tbps": nbytes / (ms * 1e-3) / 1e12}
 
 
-def run_flashinfer(torch, flashinfer, batch, context, kv_dtype, iters, flush):
+def run_flashinfer(torch, flashinfer, geo, batch, context, kv_dtype, iters, flush):
+    q_heads, kv_heads, head_dim = geo
     pages_per_seq = context // BLOCK_TOKENS
     num_pages = batch * pages_per_seq
-    cache = torch.randn(num_pages, 2, BLOCK_TOKENS, KV_HEADS, HEAD_DIM, device="cuda",
+    cache = torch.randn(num_pages, 2, BLOCK_TOKENS, kv_heads, head_dim, device="cuda",
                         dtype=torch.float16).to(kv_dtype)
     indices = torch.randperm(num_pages, device="cuda", dtype=torch.int32)  # scattered pages
     indptr = torch.arange(0, num_pages + 1, pages_per_seq, device="cuda", dtype=torch.int32)
     last_len = torch.full((batch,), BLOCK_TOKENS, device="cuda", dtype=torch.int32)
     workspace = torch.empty(256 << 20, device="cuda", dtype=torch.uint8)
     wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
-    wrapper.plan(indptr, indices, last_len, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK_TOKENS,
+    wrapper.plan(indptr, indices, last_len, q_heads, kv_heads, head_dim, BLOCK_TOKENS,
                  q_data_type=torch.float16, kv_data_type=kv_dtype)
-    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device="cuda", dtype=torch.float16)
+    q = torch.randn(batch, q_heads, head_dim, device="cuda", dtype=torch.float16)
     ms = time_ms(torch, lambda: wrapper.run(q, cache), iters, flush)
     nbytes = cache.numel() * cache.element_size() + q.numel() * 2 * 2
     return {"ms": ms, "bytes": nbytes, "tbps": nbytes / (ms * 1e-3) / 1e12}
@@ -97,7 +115,9 @@ def cmd_run(args):
     # "read": a reduction over the buffer leaves the L2 holding its clean lines; "write": zeroing
     # it leaves dirty lines whose write-back falls inside the next timed run.
     flush = buffer.zero_ if args.l2_flush == "write" else words.sum
+    geo = (args.q_heads, args.kv_heads, args.head_dim)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "q_heads": geo[0], "kv_heads": geo[1], "head_dim": geo[2],
               "iters": args.iters, "l2_flush": args.l2_flush,
               "gqa": "enable_gqa=True (K/V not expanded)", "cases": []}
     try:
@@ -107,14 +127,14 @@ def cmd_run(args):
         flashinfer = None
         result["flashinfer"] = None
         result["flashinfer_unavailable"] = f"{type(e).__name__}: {e}; " + args.flashinfer_note
-    for batch, context in SHAPES:
+    for batch, context in parse_shapes(args.shapes):
         case = {"batch": batch, "context": context,
-                "sdpa_flash_fp16": run_sdpa(torch, batch, context, args.iters, flush)}
+                "sdpa_flash_fp16": run_sdpa(torch, geo, batch, context, args.iters, flush)}
         if flashinfer is not None:
             for name, dt in (("flashinfer_fp16", torch.float16),
                              ("flashinfer_fp8", torch.float8_e4m3fn)):
                 try:
-                    case[name] = run_flashinfer(torch, flashinfer, batch, context, dt,
+                    case[name] = run_flashinfer(torch, flashinfer, geo, batch, context, dt,
                                                 args.iters, flush)
                 except Exception as e:
                     case[name] = {"error": f"{type(e).__name__}: {e}"}
@@ -146,6 +166,11 @@ def cmd_merge(args):
     flushes = {name: d.get("l2_flush", "write") for name, d in timed.items()}
     if len(set(flushes.values())) > 1:
         sys.exit(f"attention_peer.py merge: timed after different L2 flushes: {flushes}")
+    geometries = {name: geometry(d) for name, d in timed.items()}
+    if len(set(geometries.values())) > 1:
+        sys.exit(f"attention_peer.py merge: different geometries (q heads, KV heads, head_dim): "
+                 f"{geometries}")
+    with_targets = geometry(kv) == ISSUE_GEOMETRY
     rows = []
     for c in kv["cases"]:
         p = anchors.get((c["batch"], c["context"]))
@@ -159,11 +184,11 @@ def cmd_merge(args):
             if "ms" in p.get(peer_name, {}):
                 row[peer_name + "_ms"] = p[peer_name]["ms"]
                 row["speedup_vs_" + peer_name] = p[peer_name]["ms"] / c["ms"]
-        target = TARGETS.get(c["format"])
+        target = TARGETS.get(c["format"]) if with_targets else None
         if target is not None:
             row["speedup_target"] = target
             row["speedup_met"] = row["speedup_vs_sdpa"] >= target
-        if c["format"] == "int4_rot128":
+        if with_targets and c["format"] == "int4_rot128":
             row["stream_target"] = INT4_STREAM_TARGET
             row["stream_met"] = c["frac_stream"] >= INT4_STREAM_TARGET
         rows.append(row)
@@ -190,6 +215,10 @@ def main():
     r.add_argument("--out", required=True)
     r.add_argument("--iters", type=int, default=25)
     r.add_argument("--l2_flush", choices=("read", "write"), default="read")
+    r.add_argument("--q_heads", type=int, default=ISSUE_GEOMETRY[0])
+    r.add_argument("--kv_heads", type=int, default=ISSUE_GEOMETRY[1])
+    r.add_argument("--head_dim", type=int, default=ISSUE_GEOMETRY[2])
+    r.add_argument("--shapes", default=SHAPES, help="<batch>x<context>, comma-separated")
     r.add_argument("--flashinfer-note", default="", help="why FlashInfer is absent, if known")
     m = sub.add_parser("merge")
     m.add_argument("--kvpool", required=True)

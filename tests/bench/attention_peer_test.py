@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """attention_peer.py merge on small files (no GPU): the speed-ups and target flags it derives, the
-date it stamps, and its refusal to join timings taken after different L2 flushes (ctest
-attention_peer_merge)."""
+date it stamps, and its refusal to join timings taken after different L2 flushes or at different
+geometries (ctest attention_peer_merge)."""
 import json
 import pathlib
 import subprocess
@@ -67,6 +67,23 @@ class MergeTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("different L2 flushes", r.stderr)
         self.assertIsNone(out)
+
+    def test_different_geometries_are_refused(self):
+        kv = dict(kvpool_file("read"), q_heads=64, kv_heads=8, head_dim=128)
+        r, out = self.merge(kv, peer_file("read"))  # the peer file: the issue's geometry
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("different geometries", r.stderr)
+        self.assertIsNone(out)
+
+    def test_targets_only_at_the_issue_geometry(self):
+        geo = {"q_heads": 64, "kv_heads": 8, "head_dim": 128}
+        r, out = self.merge(dict(kvpool_file("read"), **geo), dict(peer_file("read"), **geo))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        int4, _ = out["cases"]
+        self.assertAlmostEqual(int4["speedup_vs_sdpa"], 0.05 / 0.015)
+        self.assertNotIn("speedup_met", int4)
+        self.assertNotIn("stream_met", int4)
+        self.assertEqual(out["kvpool"]["q_heads"], 64)
 
 
 if __name__ == "__main__":

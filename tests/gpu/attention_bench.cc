@@ -1,10 +1,11 @@
 // Paged decode attention on the GPU: time, effective bandwidth and accuracy per page format.
 //
-// For (batch, context) in {(1,32K), (8,8K), (8,32K), (32,4K), (32,16K), (64,8K)}, 32 query heads,
-// 8 KV heads, head_dim 128, block_tokens 16 (--block_tokens), scattered block tables (a random
-// permutation of the arena; --block_order): INT4 rotated (rot 128), INT4 naive (no rotation), INT8
-// and FP8 rotated, FP16 pages, all quantized by cuda::QuantizeAppend from the same synthetic K/V
-// with outlier channels.
+// For (batch, context) in {(1,32K), (8,8K), (8,32K), (32,4K), (32,16K), (64,8K)} (--shapes), 32
+// query heads, 8 KV heads, head_dim 128 (--q_heads, --kv_heads, --head_dim: other models'
+// geometries), block_tokens 16 (--block_tokens), scattered block tables (a random permutation of
+// the arena; --block_order): INT4 rotated (rotation block min(128, head_dim)), INT4 naive (no
+// rotation), INT8 and FP8 rotated, FP16 pages, all quantized by cuda::QuantizeAppend from the same
+// synthetic K/V with outlier channels.
 //
 // Time: one cuda::PagedDecodeAttention call (all its kernels) between CUDA events, after
 // warm-up, with L2 flushed before every run (--l2_flush); the median of --iters runs. Bytes: the
@@ -50,6 +51,13 @@ ABSL_FLAG(std::string, l2_flush, "read",
           "lines it leaves falls inside the timed run); bench::L2Flush");
 
 ABSL_FLAG(int, block_tokens, 16, "tokens per block: 16 (vLLM's default), 32 or 64");
+ABSL_FLAG(int, q_heads, 32, "query heads per sequence (a multiple of --kv_heads)");
+ABSL_FLAG(int, kv_heads, 8, "KV heads");
+ABSL_FLAG(int, head_dim, 128, "channels per head: 64, 128 or 256");
+ABSL_FLAG(std::vector<std::string>, shapes,
+          std::vector<std::string>({"1x32768", "8x8192", "8x32768", "32x4096", "32x16384",
+                                    "64x8192"}),
+          "cases as <batch>x<context tokens>, context a multiple of --block_tokens");
 ABSL_FLAG(std::string, block_order, "shuffled",
           "block ids of the tables: shuffled (a random permutation of the arena, as a pool hands "
           "them out after churn) or sequential (each sequence's blocks consecutive in the arena)");
@@ -60,44 +68,56 @@ namespace {
 using testing::DeviceBuffer;
 using testing::MedianMs;
 
-constexpr int kQHeads = 32;
-constexpr int kKvHeads = 8;
-constexpr int kHeadDim = 128;
 constexpr int kFillChunk = 8192;  // tokens generated and quantized per step
+
+// The model geometry every case shares (--q_heads, --kv_heads, --head_dim).
+struct Geometry {
+  int q_heads, kv_heads, head_dim;
+};
 
 struct Shape {
   int batch, context;
 };
-constexpr Shape kShapes[] = {{1, 32768}, {8, 8192},   {8, 32768},
-                             {32, 4096}, {32, 16384}, {64, 8192}};
 
 struct Format {
-  const char* name;
+  const char* dtype_name;
   KvDtype dtype;
-  int rot_block;
+  bool rotated;
 };
 // The FP16 format comes last: it is the accuracy reference of the others.
-constexpr Format kFormats[] = {{"int4_rot128", KvDtype::kInt4, 128},
-                               {"int4_naive", KvDtype::kInt4, 0},
-                               {"int8_rot128", KvDtype::kInt8, 128},
-                               {"fp8_rot128", KvDtype::kFp8E4M3, 128},
-                               {"fp16", KvDtype::kFp16, 0}};
+constexpr Format kFormats[] = {{"int4", KvDtype::kInt4, true},
+                               {"int4", KvDtype::kInt4, false},
+                               {"int8", KvDtype::kInt8, true},
+                               {"fp8", KvDtype::kFp8E4M3, true},
+                               {"fp16", KvDtype::kFp16, false}};
 
-PageLayout MakeLayout(const Format& f) {
+// Rotated formats use the largest rotation block the pool allows, min(128, head_dim).
+int RotBlock(const Format& f, const Geometry& g) {
+  return f.rotated ? std::min(128, g.head_dim) : 0;
+}
+
+// int4_rot128, int4_naive, ..., fp16: the names --formats selects and the results carry.
+std::string FormatName(const Format& f, const Geometry& g) {
+  if (f.dtype == KvDtype::kFp16) return f.dtype_name;
+  return std::string(f.dtype_name) +
+         (f.rotated ? "_rot" + std::to_string(RotBlock(f, g)) : std::string("_naive"));
+}
+
+PageLayout MakeLayout(const Format& f, const Geometry& g) {
   PageLayout l;
-  l.num_kv_heads = kKvHeads;
-  l.head_dim = kHeadDim;
+  l.num_kv_heads = g.kv_heads;
+  l.head_dim = g.head_dim;
   l.block_tokens = absl::GetFlag(FLAGS_block_tokens);
   l.dtype = f.dtype;
-  l.group_size = kHeadDim;
-  l.rot_block = f.rot_block;
-  l.sign_seed = f.rot_block > 0 ? 0x5167ull : 0;
+  l.group_size = g.head_dim;
+  l.rot_block = RotBlock(f, g);
+  l.sign_seed = l.rot_block > 0 ? 0x5167ull : 0;
   return l;
 }
 
 struct Result {
   Shape shape;
-  const char* format;
+  std::string format;
   double ms = 0, bytes = 0, tbps = 0, frac_stream = 0;
   double err_mean = 0, err_max = 0;  // vs the FP16 pages; 0 for FP16 itself
 };
@@ -114,7 +134,7 @@ void Check(KernelStatus s, const char* what) {
 DeviceBuffer FillPages(const PageLayout& l, const Shape& shape, int64_t num_blocks,
                        const std::vector<int32_t>& tables, int blocks_per_seq) {
   DeviceBuffer pages(static_cast<size_t>(num_blocks) * l.layer_page_bytes());
-  const size_t chunk_elems = static_cast<size_t>(kFillChunk) * kKvHeads * kHeadDim;
+  const size_t chunk_elems = static_cast<size_t>(kFillChunk) * l.num_kv_heads * l.head_dim;
   DeviceBuffer k(chunk_elems * 2), v(chunk_elems * 2), slots(kFillChunk * sizeof(int64_t));
   std::vector<int64_t> host_slots(kFillChunk);
   for (int s = 0; s < shape.batch; ++s) {
@@ -129,7 +149,7 @@ DeviceBuffer FillPages(const PageLayout& l, const Shape& shape, int64_t num_bloc
       KVPOOL_CUDA_CHECK(
           cudaMemcpy(slots.get(), host_slots.data(), n * sizeof(int64_t), cudaMemcpyHostToDevice));
       KVPOOL_CUDA_CHECK(bench::FillSyntheticKv(k.get<uint16_t>(), v.get<uint16_t>(), t0, n,
-                                               kKvHeads, kHeadDim, 1000 + s, nullptr));
+                                               l.num_kv_heads, l.head_dim, 1000 + s, nullptr));
       QuantizeAppendParams qp;
       qp.layout = l;
       qp.k = k.get<uint16_t>();
@@ -146,15 +166,16 @@ DeviceBuffer FillPages(const PageLayout& l, const Shape& shape, int64_t num_bloc
 }
 
 // Relative L2 error of each output row against the reference: {mean, max}.
-std::pair<double, double> RowErrors(const std::vector<float>& got, const std::vector<float>& ref) {
+std::pair<double, double> RowErrors(const std::vector<float>& got, const std::vector<float>& ref,
+                                    int head_dim) {
   double sum = 0, worst = 0;
-  const size_t rows = ref.size() / kHeadDim;
+  const size_t rows = ref.size() / head_dim;
   for (size_t r = 0; r < rows; ++r) {
     double num = 0, den = 0;
-    for (int c = 0; c < kHeadDim; ++c) {
-      const double d = got[r * kHeadDim + c] - ref[r * kHeadDim + c];
+    for (int c = 0; c < head_dim; ++c) {
+      const double d = got[r * head_dim + c] - ref[r * head_dim + c];
       num += d * d;
-      den += static_cast<double>(ref[r * kHeadDim + c]) * ref[r * kHeadDim + c];
+      den += static_cast<double>(ref[r * head_dim + c]) * ref[r * head_dim + c];
     }
     const double e = std::sqrt(num / den);
     sum += e;
@@ -163,8 +184,8 @@ std::pair<double, double> RowErrors(const std::vector<float>& got, const std::ve
   return {sum / rows, worst};
 }
 
-void RunShape(const Shape& shape, int iters, double stream_tbps, bench::L2Flush& flush,
-              std::vector<Result>* results) {
+void RunShape(const Geometry& g, const Shape& shape, int iters, double stream_tbps,
+              bench::L2Flush& flush, std::vector<Result>* results) {
   const int blocks_per_seq = shape.context / absl::GetFlag(FLAGS_block_tokens);
   const int splits = absl::GetFlag(FLAGS_splits);
   const int64_t num_blocks = static_cast<int64_t>(shape.batch) * blocks_per_seq + 64;
@@ -176,32 +197,33 @@ void RunShape(const Shape& shape, int iters, double stream_tbps, bench::L2Flush&
   }
   ids.resize(static_cast<size_t>(shape.batch) * blocks_per_seq);
   const std::vector<int32_t> lens(shape.batch, shape.context);
-  const size_t rows = static_cast<size_t>(shape.batch) * kQHeads;
-  DeviceBuffer tables(ids), seq_lens(lens), out(rows * kHeadDim * sizeof(float));
-  DeviceBuffer q(testing::ToHalf(testing::MakeNormal(rows * kHeadDim, shape.context + 7)));
+  const size_t rows = static_cast<size_t>(shape.batch) * g.q_heads;
+  DeviceBuffer tables(ids), seq_lens(lens), out(rows * g.head_dim * sizeof(float));
+  DeviceBuffer q(testing::ToHalf(testing::MakeNormal(rows * g.head_dim, shape.context + 7)));
 
   std::vector<std::vector<float>> outputs;
   const size_t first = results->size();
   const std::vector<std::string> wanted = absl::GetFlag(FLAGS_formats);
   for (const Format& f : kFormats) {
+    const std::string name = FormatName(f, g);
     if (!wanted.empty() && f.dtype != KvDtype::kFp16 &&
-        std::find(wanted.begin(), wanted.end(), f.name) == wanted.end()) {
+        std::find(wanted.begin(), wanted.end(), name) == wanted.end()) {
       continue;
     }
-    const PageLayout l = MakeLayout(f);
+    const PageLayout l = MakeLayout(f, g);
     const DeviceBuffer pages = FillPages(l, shape, num_blocks, ids, blocks_per_seq);
     DeviceBuffer workspace(
-        cuda::AttentionWorkspaceBytes(l, shape.batch, kQHeads, blocks_per_seq, splits));
+        cuda::AttentionWorkspaceBytes(l, shape.batch, g.q_heads, blocks_per_seq, splits));
     PagedDecodeAttentionParams p;
     p.layout = l;
     p.pages = pages.get<uint8_t>();
     p.q = q.get<uint16_t>();
     p.num_seqs = shape.batch;
-    p.num_q_heads = kQHeads;
+    p.num_q_heads = g.q_heads;
     p.block_tables = tables.get<int32_t>();
     p.max_blocks_per_seq = blocks_per_seq;
     p.seq_lens = seq_lens.get<int32_t>();
-    p.sm_scale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
+    p.sm_scale = 1.0f / std::sqrt(static_cast<float>(g.head_dim));
     p.out = out.get<float>();
     p.num_blocks = num_blocks;
     p.workspace = workspace.get();
@@ -209,25 +231,26 @@ void RunShape(const Shape& shape, int iters, double stream_tbps, bench::L2Flush&
     p.num_splits = splits;
     Result r;
     r.shape = shape;
-    r.format = f.name;
-    r.ms = MedianMs(iters, flush, [&] { Check(cuda::PagedDecodeAttention(p, nullptr), f.name); });
-    const double page_bytes = static_cast<double>(shape.batch) * shape.context * kKvHeads * 2 *
+    r.format = name;
+    r.ms = MedianMs(iters, flush,
+                    [&] { Check(cuda::PagedDecodeAttention(p, nullptr), name.c_str()); });
+    const double page_bytes = static_cast<double>(shape.batch) * shape.context * g.kv_heads * 2 *
                               (l.code_bytes_per_token() + l.meta_bytes_per_token());
-    r.bytes = page_bytes + rows * kHeadDim * (2.0 + 4.0);
+    r.bytes = page_bytes + rows * g.head_dim * (2.0 + 4.0);
     r.tbps = r.bytes / (r.ms * 1e-3) / 1e12;
     r.frac_stream = r.tbps / stream_tbps;
     outputs.push_back(out.ToHost<float>());
     results->push_back(r);
   }
   for (size_t i = 0; i + 1 < outputs.size(); ++i) {
-    const auto [mean, worst] = RowErrors(outputs[i], outputs.back());
+    const auto [mean, worst] = RowErrors(outputs[i], outputs.back(), g.head_dim);
     (*results)[first + i].err_mean = mean;
     (*results)[first + i].err_max = worst;
   }
 }
 
-void WriteJson(const std::string& path, const std::string& device, double stream_tbps, int iters,
-               const std::vector<Result>& results) {
+void WriteJson(const std::string& path, const std::string& device, const Geometry& g,
+               double stream_tbps, int iters, const std::vector<Result>& results) {
   FILE* f = std::fopen(path.c_str(), "w");
   if (f == nullptr) {
     std::perror(path.c_str());
@@ -240,7 +263,7 @@ void WriteJson(const std::string& path, const std::string& device, double stream
       "\"block_tokens\": %d, \"block_order\": \"%s\",\n  \"iters\": %d,\n  \"splits\": %d,\n"
       "  \"l2_flush\": \"%s\",\n  \"stream_read_tbps\": %.4f,\n"
       "  \"cases\": [\n",
-      device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), kQHeads, kKvHeads, kHeadDim,
+      device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), g.q_heads, g.kv_heads, g.head_dim,
       absl::GetFlag(FLAGS_block_tokens), absl::GetFlag(FLAGS_block_order).c_str(), iters,
       absl::GetFlag(FLAGS_splits), absl::GetFlag(FLAGS_l2_flush).c_str(), stream_tbps);
   for (size_t i = 0; i < results.size(); ++i) {
@@ -249,27 +272,49 @@ void WriteJson(const std::string& path, const std::string& device, double stream
                  "    {\"batch\": %d, \"context\": %d, \"format\": \"%s\", \"ms\": %.5f, "
                  "\"bytes\": %.0f, \"tbps\": %.4f, \"frac_stream\": %.4f, "
                  "\"rel_err_vs_fp16_mean\": %.6f, \"rel_err_vs_fp16_max\": %.6f}%s\n",
-                 r.shape.batch, r.shape.context, r.format, r.ms, r.bytes, r.tbps, r.frac_stream,
-                 r.err_mean, r.err_max, i + 1 < results.size() ? "," : "");
+                 r.shape.batch, r.shape.context, r.format.c_str(), r.ms, r.bytes, r.tbps,
+                 r.frac_stream, r.err_mean, r.err_max, i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "  ]\n}\n");
   std::fclose(f);
 }
 
-int Main() {
-  if (!cuda::Available()) {
-    std::fprintf(stderr, "attention_bench: no CUDA device visible\n");
-    return 1;
+// --shapes: "<batch>x<context>" items, each context a positive multiple of block_tokens.
+bool ParseShapes(int block_tokens, std::vector<Shape>* shapes) {
+  for (const std::string& item : absl::GetFlag(FLAGS_shapes)) {
+    Shape s{};
+    char rest = 0;
+    if (std::sscanf(item.c_str(), "%dx%d%c", &s.batch, &s.context, &rest) != 2 || s.batch < 1 ||
+        s.context < block_tokens || s.context % block_tokens != 0) {
+      return false;
+    }
+    shapes->push_back(s);
   }
+  return !shapes->empty();
+}
+
+int Main() {
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
   const int block_tokens = absl::GetFlag(FLAGS_block_tokens);
   const std::string order = absl::GetFlag(FLAGS_block_order);
+  const Geometry g{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads),
+                   absl::GetFlag(FLAGS_head_dim)};
+  std::vector<Shape> shapes;
   if ((block_tokens != 16 && block_tokens != 32 && block_tokens != 64) ||
-      (order != "shuffled" && order != "sequential")) {
+      (order != "shuffled" && order != "sequential") ||
+      (g.head_dim != 64 && g.head_dim != 128 && g.head_dim != 256) || g.kv_heads < 1 ||
+      g.q_heads < g.kv_heads || g.q_heads % g.kv_heads != 0 ||
+      !ParseShapes(block_tokens, &shapes)) {
     std::fprintf(stderr,
-                 "attention_bench: --block_tokens is 16, 32 or 64 and --block_order "
-                 "shuffled or sequential\n");
+                 "attention_bench: --block_tokens is 16, 32 or 64, --block_order shuffled or "
+                 "sequential, --head_dim 64, 128 or 256, --q_heads a multiple of --kv_heads, "
+                 "--shapes <batch>x<context> items with contexts that are multiples of "
+                 "--block_tokens\n");
     return 2;
+  }
+  if (!cuda::Available()) {
+    std::fprintf(stderr, "attention_bench: no CUDA device visible\n");
+    return 1;
   }
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -279,16 +324,17 @@ int Main() {
   std::printf("device %s, streaming read %.3f TB/s (L2 flush: %s)\n", prop.name, stream_tbps,
               flush_mode.c_str());
   std::vector<Result> results;
-  for (const Shape& shape : kShapes) RunShape(shape, iters, stream_tbps, flush, &results);
+  std::printf("%d q heads, %d KV heads, head_dim %d\n", g.q_heads, g.kv_heads, g.head_dim);
+  for (const Shape& shape : shapes) RunShape(g, shape, iters, stream_tbps, flush, &results);
 
   std::printf("%5s %6s %-12s %9s %8s %7s %10s %10s\n", "batch", "ctx", "format", "ms", "TB/s",
               "stream", "err_mean", "err_max");
   for (const Result& r : results) {
     std::printf("%5d %6d %-12s %9.4f %8.3f %6.1f%% %10.2e %10.2e\n", r.shape.batch, r.shape.context,
-                r.format, r.ms, r.tbps, 100 * r.frac_stream, r.err_mean, r.err_max);
+                r.format.c_str(), r.ms, r.tbps, 100 * r.frac_stream, r.err_mean, r.err_max);
   }
   const std::string out = absl::GetFlag(FLAGS_out);
-  if (!out.empty()) WriteJson(out, prop.name, stream_tbps, iters, results);
+  if (!out.empty()) WriteJson(out, prop.name, g, stream_tbps, iters, results);
   return 0;
 }
 

@@ -154,7 +154,9 @@ TEST(CudaPagedAttention, SharesPagesAcrossGqaRatios) {
   KVPOOL_SKIP_WITHOUT_GPU();
   uint64_t seed = 200;
   for (KvDtype dtype : kAllDtypes) {
-    for (int ratio : {1, 4, 8, 12}) {  // 12: two CTAs per KV head, the second one partial
+    // 2 and 7 as in Gemma-2 and Qwen2.5-7B (7: 8-head CTAs with one head unused); 12: two CTAs
+    // per KV head, the second one partial.
+    for (int ratio : {1, 2, 4, 7, 8, 12}) {
       ExpectMatchesReference(Layout(dtype, 128, 16, 2), ratio, {513, 64, 1000}, Outliers::kRope,
                              ++seed);
     }
