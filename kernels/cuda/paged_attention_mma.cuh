@@ -108,11 +108,15 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
     return block;
   };
   // The loop takes kTPI tiles per iteration (tiles i .. i + kTPI - 1 of this warp, tile x in
-  // stage x % kStages) while the next kStages - kTPI tiles load: 2 (one softmax update, twice
-  // the independent MMA chains) when two more can load meanwhile, else 1. With two P^T tiles
-  // (GQA > 4) head_dim 256 keeps 1: its scores' longer single MMA chains moved the GQA-12
-  // log-sum-exp past attention_gpu_test's bound (results/experiments_2026-11-29.md).
-  constexpr int kTPI = T::kStages >= 4 && (kPT == 1 || kHeadDim <= 128) ? 2 : 1;
+  // stage x % kStages) while the next kStages - kTPI tiles load: more tiles per iteration mean
+  // one softmax update and more independent MMA chains for all of them. 4 at head_dim 64 where
+  // eight stages fit (INT4: the four tiles load while the previous four are scored), else 2
+  // when two more can load meanwhile, else 1. With two P^T tiles (GQA > 4) head_dim 256 keeps 1:
+  // its scores' longer single MMA chains moved the GQA-12 log-sum-exp past attention_gpu_test's
+  // bound (results/experiments_2026-11-29.md).
+  constexpr int kTPI = T::kStages >= 8 && kHeadDim == 64                  ? 4
+                       : T::kStages >= 4 && (kPT == 1 || kHeadDim <= 128) ? 2
+                                                                          : 1;
   constexpr int kLead = T::kStages - kTPI;
   uint32_t first_blocks[kLead];
 #pragma unroll
