@@ -124,6 +124,51 @@ def attention():
     print()
 
 
+# attention_geometries.sh: the model each file's geometry comes from.
+GEOMETRY_MODELS = {"llama3_70b": "Llama-3-70B", "qwen25_7b": "Qwen2.5-7B",
+                   "llama2_7b": "Llama-2-7B", "llama32_1b": "Llama-3.2-1B",
+                   "gemma2_9b": "Gemma-2-9B"}
+
+
+def geometries():
+    def name(path):
+        return path.stem[len("attention_geometry_"):]
+    order = list(GEOMETRY_MODELS)
+    files = sorted(RESULTS.glob("attention_geometry_*.json"),
+                   key=lambda p: (order.index(name(p)) if name(p) in order else len(order), name(p)))
+    if not files:
+        return
+    ds = [(p, json.loads(p.read_text())) for p in files]
+    k0 = ds[0][1]["kvpool"]
+    print(f"Decode attention at other models' geometries (`tests/bench/attention_geometries.sh`): "
+          f"the six shapes above, block_tokens {k0['block_tokens']}, median of {k0['iters']} runs "
+          f"after L2 flushes, anchor SDPA flash fp16 at the same geometry in the same run; rotated "
+          f"formats rotate blocks of min(128, head_dim). Files "
+          + ", ".join(f"{p.name} ({d['date']}, commit {d['kvpool']['commit']})" for p, d in ds)
+          + f", {k0['device']}:\n")
+    print("| model (q / KV heads, head_dim) | batch x context | SDPA fp16 ms | INT4 ms | INT4 x SDPA "
+          "| INT4 of stream. read | INT8 x SDPA | FP8 x SDPA | FP16 paged x SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p, d in ds:
+        k = d["kvpool"]
+        model = (f"{GEOMETRY_MODELS.get(name(p), name(p))} ({k['q_heads']} / {k['kv_heads']}, "
+                 f"{k['head_dim']})")
+        rows = {}
+        for c in d["cases"]:
+            fmt = c["format"].split("_")[0] if "_rot" in c["format"] or c["format"] == "fp16" \
+                else None
+            if fmt:
+                rows.setdefault((c["batch"], c["context"]), {})[fmt] = c
+        for (batch, ctx), f in rows.items():
+            i4 = f["int4"]
+            print(f"| {model} | {batch} x {ctx // 1024}K | {i4['sdpa_flash_fp16_ms']:.3f} | "
+                  f"{i4['ms']:.4f} | {i4['speedup_vs_sdpa']:.2f}x | {100 * i4['frac_stream']:.0f}% | "
+                  f"{f['int8']['speedup_vs_sdpa']:.2f}x | {f['fp8']['speedup_vs_sdpa']:.2f}x | "
+                  f"{f['fp16']['speedup_vs_sdpa']:.2f}x |")
+            model = ""
+    print()
+
+
 def attend_latency():
     d = load("attend_latency_h200.json")
     if not d:
@@ -194,6 +239,7 @@ if __name__ == "__main__":
     accuracy()
     quantize()
     attention()
+    geometries()
     attend_latency()
     nccl()
     grpc()

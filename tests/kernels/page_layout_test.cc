@@ -148,13 +148,15 @@ TEST(AttentionSplitCount, PassedBackGivesTheSameCountAndWorkspace) {
     for (int seqs : {1, 3, 8, 32, 64, 200}) {
       for (int blocks : {1, 7, 64, 513, 2048, 4096}) {
         for (int requested : {0, 5, 64}) {
-          const int splits = cuda::AttentionSplitCount(l, seqs, 32, blocks, requested);
-          ASSERT_GE(splits, 1);
-          EXPECT_EQ(cuda::AttentionSplitCount(l, seqs, 32, blocks, splits), splits)
-              << seqs << " x " << blocks << " blocks, requested " << requested;
-          EXPECT_EQ(cuda::AttentionWorkspaceBytes(l, seqs, 32, blocks, splits),
-                    cuda::AttentionWorkspaceBytes(l, seqs, 32, blocks, requested))
-              << seqs << " x " << blocks << " blocks, requested " << requested;
+          for (int q_heads : {32, 64}) {  // GQA 4 and 8
+            const int splits = cuda::AttentionSplitCount(l, seqs, q_heads, blocks, requested);
+            ASSERT_GE(splits, 1);
+            EXPECT_EQ(cuda::AttentionSplitCount(l, seqs, q_heads, blocks, splits), splits)
+                << seqs << " x " << blocks << " blocks, requested " << requested;
+            EXPECT_EQ(cuda::AttentionWorkspaceBytes(l, seqs, q_heads, blocks, splits),
+                      cuda::AttentionWorkspaceBytes(l, seqs, q_heads, blocks, requested))
+                << seqs << " x " << blocks << " blocks, requested " << requested;
+          }
         }
       }
     }
