@@ -257,16 +257,23 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   return KernelStatus::kOk;
 }
 
-// The split count that minimizes the modelled time of the split kernel. The busiest SM runs
-// per_sm = min(ceil(CTAs / SMs), resident) CTAs at once (AttnMmaCtasPerSm resident for the
-// tensor-core kernel, 4 assumed for the other one), in ceil(CTAs / (SMs * per_sm)) rounds; a
-// round's CTAs each do their tokens plus kCtaFixedTokens of work, and share the SM's throughput,
-// which kBandwidthCtasPerSm of them already draw. Equal-length sequences make CTAs of one round
-// finish together, so a partial last round costs a whole one. Counts beyond 4 rounds' worth of
-// CTAs are not tried; ties go to fewer splits.
-int AutoSplits(const PageLayout& layout, int64_t ctas, int max_tokens, int stage_tokens) {
-  const int64_t resident =
-      AttnUsesMma(layout) ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4;
+// The busiest SM runs min(ceil(CTAs / SMs), resident) CTAs at once.
+int64_t CtasPerSmAtOnce(int64_t ctas, int64_t resident) {
+  return std::min(CeilDiv(ctas, kNumSms), resident);
+}
+// Rounds of `ctas` CTAs with `resident` of them per SM.
+int64_t Rounds(int64_t ctas, int64_t resident) {
+  return CeilDiv(ctas, kNumSms * CtasPerSmAtOnce(ctas, resident));
+}
+
+// The split count that minimizes the modelled time of the split kernel for `resident` CTAs per SM
+// (the tensor-core kernel's build, 4 assumed for the other one): the busiest SM runs per_sm CTAs
+// at once (CtasPerSmAtOnce), in Rounds rounds; a round's CTAs each do their tokens plus
+// kCtaFixedTokens of work, and share the SM's throughput, which kBandwidthCtasPerSm of them
+// already draw. Equal-length sequences make CTAs of one round finish together, so a partial last
+// round costs a whole one. Counts beyond 4 rounds' worth of CTAs are not tried; ties go to fewer
+// splits.
+int AutoSplits(int64_t resident, int64_t ctas, int max_tokens, int stage_tokens) {
   const int64_t max_splits =
       std::min<int64_t>(CeilDiv(max_tokens, stage_tokens), CeilDiv(4 * kNumSms * resident, ctas));
   int best = 1;
@@ -274,8 +281,8 @@ int AutoSplits(const PageLayout& layout, int64_t ctas, int max_tokens, int stage
   for (int s = 1; s <= max_splits; ++s) {
     const int64_t tokens = CeilDiv(CeilDiv(max_tokens, s), stage_tokens) * stage_tokens;
     const int64_t n = ctas * CeilDiv(max_tokens, tokens);
-    const int64_t per_sm = std::min(CeilDiv(n, kNumSms), resident);
-    const int64_t rounds = CeilDiv(n, kNumSms * per_sm);
+    const int64_t per_sm = CtasPerSmAtOnce(n, resident);
+    const int64_t rounds = Rounds(n, resident);
     const double cost = static_cast<double>(rounds * per_sm * (tokens + kCtaFixedTokens)) /
                         static_cast<double>(std::min(per_sm, kBandwidthCtasPerSm));
     if (s == 1 || cost < best_cost) {
@@ -294,18 +301,25 @@ AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int nu
   plan.mma = AttnUsesMma(layout);
   const int stage_tokens = AttnStageTokens(layout.dtype, layout.head_dim);
   const int max_tokens = max_blocks_per_seq * layout.block_tokens;
-  plan.head_groups =
-      static_cast<int>(CeilDiv(num_q_heads / layout.num_kv_heads, kAttnMaxHeadsPerCta));
+  const int ratio = num_q_heads / layout.num_kv_heads;
+  plan.head_groups = static_cast<int>(CeilDiv(ratio, kAttnMaxHeadsPerCta));
+  plan.ctas_per_sm = plan.mma ? AttnMmaCtasPerSm(layout.dtype, layout.head_dim) : 4;
+  const int64_t ctas =
+      std::max<int64_t>(1, static_cast<int64_t>(num_seqs) * layout.num_kv_heads * plan.head_groups);
   int splits = num_splits;
-  if (splits <= 0) {
-    const int64_t ctas = std::max<int64_t>(
-        1, static_cast<int64_t>(num_seqs) * layout.num_kv_heads * plan.head_groups);
-    splits = AutoSplits(layout, ctas, max_tokens, stage_tokens);
-  }
+  if (splits <= 0) splits = AutoSplits(plan.ctas_per_sm, ctas, max_tokens, stage_tokens);
   splits = std::clamp(splits, 1, static_cast<int>(CeilDiv(max_tokens, stage_tokens)));
   plan.tokens_per_split =
       static_cast<int>(CeilDiv(CeilDiv(max_tokens, splits), stage_tokens) * stage_tokens);
   plan.num_splits = static_cast<int>(CeilDiv(max_tokens, plan.tokens_per_split));
+  // The deep build (a function of the split count alone, so that a count passed back plans the
+  // same call) unless its lower residency would run the CTAs in more rounds.
+  const int64_t n = ctas * plan.num_splits;
+  if (plan.mma && AttnHasDeepBuild(layout.dtype, layout.head_dim) &&
+      (ratio > 4 || plan.tokens_per_split >= kAttnDeepMinTokens) &&
+      Rounds(n, kAttnDeepCtasPerSm) <= Rounds(n, plan.ctas_per_sm)) {
+    plan.ctas_per_sm = kAttnDeepCtasPerSm;
+  }
   return plan;
 }
 

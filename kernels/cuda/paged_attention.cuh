@@ -62,6 +62,17 @@ __host__ __device__ constexpr int AttnMmaCtasPerSm(KvDtype dtype, int head_dim) 
              ? (head_dim == 64 ? 4 : 2)
              : (head_dim == 64 || dtype == KvDtype::kInt4) ? 4 : 3;
 }
+// INT4 at head_dim 128 also has a deep build of the split kernel, for kAttnDeepCtasPerSm CTAs per
+// SM: 168 registers and seven stages let its loop take three tiles per iteration.
+// PlanAttentionSplits takes it wherever it runs the plan's CTAs in as many rounds as the
+// four-CTA build and either the CTAs serve more than 4 query heads each (two P^T tiles: 5-15%
+// faster on the H200) or each CTA's share of the context is at least kAttnDeepMinTokens (the
+// deeper pipeline's fill paid over a long loop).
+inline constexpr int kAttnDeepCtasPerSm = 3;
+inline constexpr int kAttnDeepMinTokens = 4096;
+__host__ __device__ constexpr bool AttnHasDeepBuild(KvDtype dtype, int head_dim) {
+  return dtype == KvDtype::kInt4 && head_dim == 128;
+}
 
 // Whether a layout's splits run on the tensor-core kernel (one {scale, zero} per token and head,
 // or FP16 pages), which rotates q itself, rather than the CUDA-core kernel, which reads q' from
@@ -76,6 +87,9 @@ struct AttnSplitPlan {
   int num_splits = 1;
   int tokens_per_split = 0;  // a multiple of the stage tokens
   int head_groups = 1;       // CTAs per KV head: ceil(ratio / kAttnMaxHeadsPerCta)
+  // CTAs per SM the split kernel runs: the tensor-core kernel's build (AttnMmaCtasPerSm, or
+  // kAttnDeepCtasPerSm), 4 assumed for the CUDA-core kernel.
+  int ctas_per_sm = 0;
 };
 AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int num_q_heads,
                                   int max_blocks_per_seq, int num_splits);

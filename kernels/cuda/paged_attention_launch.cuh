@@ -15,11 +15,11 @@
 namespace kvpool::cuda {
 namespace attention_internal {
 
-template <KvDtype kDtype, int kHeadDim, int kPT>
+template <KvDtype kDtype, int kHeadDim, int kPT, int kCtasPerSm>
 KernelStatus LaunchAttentionSplitsMmaPT(const AttnSplitArgs& args, int num_seqs,
                                         cudaStream_t stream) {
-  using T = MmaTraits<kDtype, kHeadDim>;
-  constexpr auto kernel = AttentionSplitMmaKernel<kDtype, kHeadDim, kPT>;
+  using T = MmaTraits<kDtype, kHeadDim, kCtasPerSm>;
+  constexpr auto kernel = AttentionSplitMmaKernel<kDtype, kHeadDim, kPT, kCtasPerSm>;
   KVPOOL_CUDA_RETURN_IF_ERROR(
       (AllowDynamicSharedMemory<kernel, static_cast<int>(T::kSharedBytes)>()));
   const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
@@ -27,12 +27,27 @@ KernelStatus LaunchAttentionSplitsMmaPT(const AttnSplitArgs& args, int num_seqs,
                    "AttentionSplitMmaKernel");
 }
 
+// The build for the plan's CTAs per SM (AttnMmaCtasPerSm, or the deep build's).
+template <KvDtype kDtype, int kHeadDim, int kPT>
+KernelStatus LaunchAttentionSplitsMmaBuild(const AttnSplitArgs& args, int num_seqs,
+                                           cudaStream_t stream) {
+  if constexpr (AttnHasDeepBuild(kDtype, kHeadDim)) {
+    if (args.plan.ctas_per_sm == kAttnDeepCtasPerSm) {
+      return LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, kPT, kAttnDeepCtasPerSm>(args, num_seqs,
+                                                                                   stream);
+    }
+  }
+  return LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, kPT, AttnMmaCtasPerSm(kDtype, kHeadDim)>(
+      args, num_seqs, stream);
+}
+
 // One P^T tile when every CTA serves at most 4 query heads (GQA ratio <= 4), else two.
 template <KvDtype kDtype, int kHeadDim>
 KernelStatus LaunchAttentionSplitsMma(const AttnSplitArgs& args, int num_seqs,
                                       cudaStream_t stream) {
-  return args.ratio <= 4 ? LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, 1>(args, num_seqs, stream)
-                         : LaunchAttentionSplitsMmaPT<kDtype, kHeadDim, 2>(args, num_seqs, stream);
+  return args.ratio <= 4
+             ? LaunchAttentionSplitsMmaBuild<kDtype, kHeadDim, 1>(args, num_seqs, stream)
+             : LaunchAttentionSplitsMmaBuild<kDtype, kHeadDim, 2>(args, num_seqs, stream);
 }
 
 }  // namespace attention_internal

@@ -49,11 +49,12 @@
 namespace kvpool::cuda {
 namespace attention_internal {
 
-// kPT: n8 tiles of P^T, 1 when the CTA serves at most 4 query heads, else 2.
-template <KvDtype kDtype, int kHeadDim, int kPT>
-__global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kMinCtasPerSm))
+// kPT: n8 tiles of P^T, 1 when the CTA serves at most 4 query heads, else 2. kCtasPerSm: the CTAs
+// per SM it is built for (AttnSplitPlan::ctas_per_sm).
+template <KvDtype kDtype, int kHeadDim, int kPT, int kCtasPerSm>
+__global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
     AttentionSplitMmaKernel(const AttnSplitArgs a) {
-  using T = MmaTraits<kDtype, kHeadDim>;
+  using T = MmaTraits<kDtype, kHeadDim, kCtasPerSm>;
   using C = MmaCodec<kDtype>;
   constexpr int kH = T::kH;
   extern __shared__ __align__(16) uint8_t smem[];
@@ -109,14 +110,12 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
   };
   // The loop takes kTPI tiles per iteration (tiles i .. i + kTPI - 1 of this warp, tile x in
   // stage x % kStages) while the next kStages - kTPI tiles load: more tiles per iteration mean
-  // one softmax update and more independent MMA chains for all of them. 4 at head_dim 64 where
-  // eight stages fit (INT4: the four tiles load while the previous four are scored), else 2
-  // when two more can load meanwhile, else 1. With two P^T tiles (GQA > 4) head_dim 256 keeps 1:
-  // its scores' longer single MMA chains moved the GQA-12 log-sum-exp past attention_gpu_test's
-  // bound (results/experiments_2026-11-29.md).
-  constexpr int kTPI = T::kStages >= 8 && kHeadDim == 64                  ? 4
-                       : T::kStages >= 4 && (kPT == 1 || kHeadDim <= 128) ? 2
-                                                                          : 1;
+  // one softmax update and more independent MMA chains for all of them. As many as half the
+  // stages, at most 4 (with eight stages the four tiles scored were queued while the previous
+  // four were). With two P^T tiles head_dim 256 keeps 1: its scores' longer single MMA chains
+  // moved the GQA-12 log-sum-exp past attention_gpu_test's bound
+  // (results/experiments_2026-11-29.md).
+  constexpr int kTPI = kPT == 2 && kHeadDim == 256 ? 1 : T::kStages / 2 > 4 ? 4 : T::kStages / 2;
   constexpr int kLead = T::kStages - kTPI;
   uint32_t first_blocks[kLead];
 #pragma unroll
@@ -527,8 +526,8 @@ __global__ void __launch_bounds__(kAttnThreads, (MmaTraits<kDtype, kHeadDim>::kM
 
   // The split's {m, l} and o' from the four warps' states, or the call's output
   // (paged_attention_mma_merge.cuh).
-  MergeWarpsIntoSplit<kDtype, kHeadDim, kPT>(smem, acc, m_run, l_run, z_run, nh, num_splits, o_out,
-                                             ml_out, a, head_row);
+  MergeWarpsIntoSplit<kDtype, kHeadDim, kPT, kCtasPerSm>(smem, acc, m_run, l_run, z_run, nh,
+                                                         num_splits, o_out, ml_out, a, head_row);
 }
 
 }  // namespace attention_internal

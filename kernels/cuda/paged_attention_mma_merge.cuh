@@ -24,12 +24,12 @@ namespace attention_internal {
 // 2 tig and 2 tig + 1 of P^T tile j). The stage tiles in smem are reused. Writes nh heads'
 // o' (channels scaled back, sum p_t zero_t added) and {m, l}, num_splits apart, or with a.out or
 // a.out_fp16 set the rows head_row .. head_row + nh - 1 of the output (and of a.lse).
-template <KvDtype kDtype, int kHeadDim, int kPT>
+template <KvDtype kDtype, int kHeadDim, int kPT, int kCtasPerSm>
 __device__ __forceinline__ void MergeWarpsIntoSplit(
-    uint8_t* smem, float (&acc)[MmaTraits<kDtype, kHeadDim>::kMTiles][kPT][4], float m_run,
-    float l_run, float z_run, int nh, int num_splits, float* o_out, float2* ml_out,
+    uint8_t* smem, float (&acc)[MmaTraits<kDtype, kHeadDim, kCtasPerSm>::kMTiles][kPT][4],
+    float m_run, float l_run, float z_run, int nh, int num_splits, float* o_out, float2* ml_out,
     const AttnSplitArgs& a, size_t head_row) {
-  using T = MmaTraits<kDtype, kHeadDim>;
+  using T = MmaTraits<kDtype, kHeadDim, kCtasPerSm>;
   using C = MmaCodec<kDtype>;
   constexpr int kH = T::kH;
   const int tid = threadIdx.x;

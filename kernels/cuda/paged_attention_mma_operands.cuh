@@ -126,7 +126,8 @@ struct MmaCodec {
   }
 };
 
-template <KvDtype kDtype, int kHeadDim>
+// kCtasPerSm: the CTAs per SM the kernel is built for (its register budget and stages).
+template <KvDtype kDtype, int kHeadDim, int kCtasPerSm>
 struct MmaTraits {
   static constexpr bool kQuantized = kDtype != KvDtype::kFp16;
   static constexpr int kCodeBytes = kHeadDim * DtypeBits(kDtype) / 8;
@@ -152,7 +153,7 @@ struct MmaTraits {
   static constexpr int kVArea = kTileTokens * kKStride;   // V rows start here in a stage
   static constexpr int kMetaArea = kVArea + kTileTokens * kVStride;
   static constexpr int kTileBytes = kMetaArea + 2 * kTileTokens * kMetaBytes;
-  static constexpr int kMinCtasPerSm = AttnMmaCtasPerSm(kDtype, kHeadDim);
+  static constexpr int kMinCtasPerSm = kCtasPerSm;
   static constexpr int kSlabs = kHeadDim / 16;     // k16 slabs of the score MMA
   static constexpr int kMTiles = kHeadDim / 16;    // m16 tiles (channels) of the value MMA
   static constexpr int kVChannels = kHeadDim / 8;  // channels per thread in the value MMA

@@ -163,16 +163,19 @@ TEST(CudaPagedAttention, SharesPagesAcrossGqaRatios) {
   }
 }
 
-// INT4 at head_dim 128 with more than 4 query heads per KV head runs one of two builds of its
-// split kernel (AttnHasWideBuild): three CTAs per SM, which the test above takes, or four when
-// three would need a second round, as 200 sequences x 2 KV heads x 1 split do here (400 CTAs).
-TEST(CudaPagedAttention, LargeGqaBatchesTakeTheFourCtaBuild) {
+// INT4 at head_dim 128 runs one of two builds of its split kernel (AttnHasDeepBuild): the deep
+// build (three CTAs per SM) for more than 4 query heads per KV head, as in the GQA test above, or
+// for CTAs of at least kAttnDeepMinTokens tokens (one split over 5000 here), unless it would need
+// more rounds than the four-CTA build, as 200 sequences x 2 KV heads x 1 split do here (400 and
+// 800 CTAs).
+TEST(CudaPagedAttention, Int4Head128BuildsMatchTheReference) {
   KVPOOL_SKIP_WITHOUT_GPU();
+  const PageLayout l = Layout(KvDtype::kInt4, 128, 16, 2);
+  ExpectMatchesReference(l, 4, {5000, 4097, 33}, Outliers::kSpikes, 245, /*num_splits=*/1);
   std::vector<int32_t> lens(200);
   for (size_t i = 0; i < lens.size(); ++i) lens[i] = 1 + static_cast<int32_t>(i * 37 % 300);
   for (int ratio : {8, 12}) {
-    ExpectMatchesReference(Layout(KvDtype::kInt4, 128, 16, 2), ratio, lens, Outliers::kRope,
-                           250 + ratio, /*num_splits=*/1);
+    ExpectMatchesReference(l, ratio, lens, Outliers::kRope, 250 + ratio, /*num_splits=*/1);
   }
 }
 
