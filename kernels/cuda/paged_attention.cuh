@@ -63,7 +63,7 @@ __host__ __device__ constexpr int AttnMmaCtasPerSm(KvDtype dtype, int head_dim) 
              : (head_dim == 64 || dtype == KvDtype::kInt4) ? 4 : 3;
 }
 // INT4 at head_dim 128 also has a deep build of the split kernel, for kAttnDeepCtasPerSm CTAs per
-// SM: 168 registers and seven stages let its loop take three tiles per iteration.
+// SM: up to 168 registers and seven stages let its loop take three tiles per iteration.
 // PlanAttentionSplits takes it wherever it runs the plan's CTAs in as many rounds as the
 // four-CTA build and either the CTAs serve more than 4 query heads each (two P^T tiles: 5-15%
 // faster on the H200) or each CTA's share of the context is at least kAttnDeepMinTokens (the

@@ -7,9 +7,9 @@
 // rotates its query heads' q (the layout's block-diagonal Hadamard, as the CUDA-core path's
 // RotateQueryKernel does). Then each warp runs on its own: it takes the 16-token tiles w, w + 4,
 // w + 8, ... of the CTA's token range, streams them through its own cp.async stages in shared
-// memory (16-byte copies, several tiles in flight, no CTA barrier in the loop), scores one or two
-// tiles per iteration, and keeps its own online-softmax state. Per tile, with mma.sync.m16n8k16
-// (fp16 inputs, fp32 accumulation):
+// memory (16-byte copies, several tiles in flight, no CTA barrier in the loop), scores one to four
+// tiles per iteration (kTPI), and keeps its own online-softmax state. Per tile, with
+// mma.sync.m16n8k16 (fp16 inputs, fp32 accumulation):
 //   scores  S^T[16 x 8 tokens] = Q'[16 x D] . codes^T: rows 0..7 are the hi parts of the 8 query
 //           heads' q' (fp16), rows 8..15 the lo parts (q' - hi in fp16), so row g + row g + 8 is
 //           q' . codes to ~2^-22; q' enters times sm_scale (log2 domain). Codes (INT4/INT8

@@ -153,7 +153,6 @@ struct MmaTraits {
   static constexpr int kVArea = kTileTokens * kKStride;   // V rows start here in a stage
   static constexpr int kMetaArea = kVArea + kTileTokens * kVStride;
   static constexpr int kTileBytes = kMetaArea + 2 * kTileTokens * kMetaBytes;
-  static constexpr int kMinCtasPerSm = kCtasPerSm;
   static constexpr int kSlabs = kHeadDim / 16;     // k16 slabs of the score MMA
   static constexpr int kMTiles = kHeadDim / 16;    // m16 tiles (channels) of the value MMA
   static constexpr int kVChannels = kHeadDim / 8;  // channels per thread in the value MMA
@@ -165,9 +164,9 @@ struct MmaTraits {
   // floats.
   static constexpr int kQBytes = kSlabs * 32 * 16 + kH * 4;
   // Tile stages per warp: as many as fit (at most 8, at least 2: one loading while one is used)
-  // when kMinCtasPerSm CTAs share an SM's 228 KiB of shared memory, 1 KiB of it reserved per CTA.
+  // when kCtasPerSm CTAs share an SM's 228 KiB of shared memory, 1 KiB of it reserved per CTA.
   static constexpr int kFitStages =
-      (228 * 1024 / kMinCtasPerSm - 1024 - kQBytes) / (kMmaWarps * kTileBytes);
+      (228 * 1024 / kCtasPerSm - 1024 - kQBytes) / (kMmaWarps * kTileBytes);
   static constexpr int kStages = kFitStages > 8 ? 8 : kFitStages < 2 ? 2 : kFitStages;
   static constexpr size_t kStageArea = static_cast<size_t>(kMmaWarps) * kStages * kTileBytes;
   // o rows of the merge are padded by four floats per 16 channels (OIndex), and 8 per row: the
