@@ -84,7 +84,8 @@ def attention():
     *_, path = max(dated)
     d = json.loads(path.read_text())
     k = d["kvpool"]
-    print(f"Decode attention, 32 q heads / {k['kv_heads']} KV heads, head_dim {k['head_dim']}, "
+    print(f"Decode attention, {k.get('q_heads', 32)} q heads / {k['kv_heads']} KV heads, "
+          f"head_dim {k['head_dim']}, "
           f"block_tokens {k['block_tokens']}, median of {k['iters']} runs, each after an L2 flush by "
           f"{FLUSH_NAMES[k.get('l2_flush', 'write')]}; anchor PyTorch "
           f"{d['peer'].get('torch', '?')} SDPA flash fp16 ({d['peer'].get('gqa', '')}) in the same "
