@@ -16,9 +16,10 @@
 //    which the FA2 kernel supports).
 //
 // Shapes as tests/gpu/attention_bench.cc: (batch, context) in {(1,32K), (8,8K), (8,32K), (32,4K),
-// (32,16K), (64,8K)}, 32 q heads, 8 KV heads, head_dim 128, 16-token pages in one NHD cache
-// [pages][2 (K, V)][16][8][128] (the Python wrapper's default), every sequence full, page ids a
-// random permutation of the cache; q and out fp16; q, K, V uniform random on the device. Both
+// (32,16K), (64,8K)}, 32 q heads, 8 KV heads (--q_heads, --kv_heads: GQA groups of 1, 2, 3, 4 or
+// 8, those FlashInfer's decode kernel dispatches), head_dim 128, 16-token pages in one NHD cache
+// [pages][2 (K, V)][16][KV heads][128] (the Python wrapper's default), every sequence full, page
+// ids a random permutation of the cache; q and out fp16; q, K, V uniform random on the device. Both
 // paths of one KV dtype run on the same batch (same q, pages and page ids), one after the other;
 // the output is set to NaN before each path's plan, so a path that writes nothing fails the check.
 //
@@ -69,6 +70,8 @@ ABSL_FLAG(int, iters, 25, "timed runs per case; the median is reported");
 ABSL_FLAG(std::string, commit, "", "source revision recorded in the JSON");
 ABSL_FLAG(std::string, l2_flush, "read",
           "the L2 flush before every timed run, as attention_bench's: read or write");
+ABSL_FLAG(int, q_heads, 32, "query heads per sequence, as attention_bench's");
+ABSL_FLAG(int, kv_heads, 8, "KV heads; q_heads / kv_heads is 1, 2, 3, 4 or 8");
 
 namespace kvpool {
 namespace {
@@ -76,10 +79,8 @@ namespace {
 using testing::DeviceBuffer;
 using testing::MedianMs;
 
-constexpr int kQHeads = 32, kKvHeads = 8, kGroup = kQHeads / kKvHeads, kPageSize = 16;
+constexpr int kPageSize = 16;
 constexpr uint32_t kHeadDim = 128;
-constexpr int64_t kTokenElems = kKvHeads * kHeadDim;
-constexpr int64_t kPageElems = 2 * kPageSize * kTokenElems;                         // K then V
 constexpr size_t kFloatWsBytes = size_t{128} << 20, kIntWsBytes = size_t{8} << 20;  // as Python
 constexpr double kMaxRelErr = 1e-2;
 constexpr auto kNoRope = flashinfer::PosEncodingMode::kNone;
@@ -136,13 +137,24 @@ struct Workspace {
   }
 };
 
+// Query and KV heads per sequence (--q_heads, --kv_heads).
+struct Heads {
+  int q, kv;
+  int group() const { return q / kv; }
+  int64_t token_elems() const { return int64_t{kv} * kHeadDim; }        // one token's K (or V)
+  int64_t page_elems() const { return 2 * kPageSize * token_elems(); }  // K then V
+};
+
 // One decode batch in FlashInfer's paged layout (q, pages, page table, out), shared by the kernel
 // paths, and the CPU reference check of its output.
 template <typename KV>
 class PagedBatch {
  public:
-  PagedBatch(const std::vector<int>& lens, uint64_t seed)
-      : lens_(lens), q_(lens.size() * kQHeads * kHeadDim * sizeof(__half)), o_(q_.bytes()) {
+  PagedBatch(const Heads& heads, const std::vector<int>& lens, uint64_t seed)
+      : heads_(heads),
+        lens_(lens),
+        q_(lens.size() * heads.q * kHeadDim * sizeof(__half)),
+        o_(q_.bytes()) {
     indptr_.push_back(0);
     for (int len : lens) {
       const int pages = (len + kPageSize - 1) / kPageSize;
@@ -153,7 +165,7 @@ class PagedBatch {
     std::iota(indices_.begin(), indices_.end(), 0);
     std::mt19937_64 rng(seed);
     std::shuffle(indices_.begin(), indices_.end(), rng);
-    cache_ = DeviceBuffer(indices_.size() * kPageElems * sizeof(KV));
+    cache_ = DeviceBuffer(indices_.size() * heads_.page_elems() * sizeof(KV));
     d_indptr_ = DeviceBuffer(indptr_);
     d_indices_ = DeviceBuffer(indices_);
     d_last_page_len_ = DeviceBuffer(last_page_len_);
@@ -165,6 +177,7 @@ class PagedBatch {
   }
 
   uint32_t batch() const { return static_cast<uint32_t>(lens_.size()); }
+  const Heads& heads() const { return heads_; }
   __half* q() const { return q_.get<__half>(); }
   __half* o() const { return o_.get<__half>(); }
   // The page-count indptr (what both plans take).
@@ -173,10 +186,11 @@ class PagedBatch {
   // The cache as FlashInfer's paged view: K (V) is cache[:, 0] (cache[:, 1]), strides
   // [page][token][head][dim], the same for K and V.
   flashinfer::paged_kv_t<KV, int32_t> PagedKv() const {
-    const int64_t strides[4] = {kPageElems, kTokenElems, kHeadDim, 1};
+    const int64_t page_elems = heads_.page_elems();
+    const int64_t strides[4] = {page_elems, heads_.token_elems(), kHeadDim, 1};
     KV* k = cache_.get<KV>();
     return flashinfer::paged_kv_t<KV, int32_t>(
-        kKvHeads, kPageSize, kHeadDim, batch(), flashinfer::QKVLayout::kNHD, k, k + kPageElems / 2,
+        heads_.kv, kPageSize, kHeadDim, batch(), flashinfer::QKVLayout::kNHD, k, k + page_elems / 2,
         strides, d_indices_.get<int32_t>(), d_indptr_.get<int32_t>(),
         d_last_page_len_.get<int32_t>());
   }
@@ -187,28 +201,29 @@ class PagedBatch {
   // Max relative L2 error over the q heads of sequence `seq` (see the header comment).
   double MaxRelErr(int seq) const {
     const int len = lens_[seq];
-    std::vector<KV> page(kPageElems);
-    std::vector<float> k(len * kTokenElems), v(len * kTokenElems);
+    const int64_t page_elems = heads_.page_elems(), token_elems = heads_.token_elems();
+    std::vector<KV> page(page_elems);
+    std::vector<float> k(len * token_elems), v(len * token_elems);
     for (int t0 = 0, i = indptr_[seq]; t0 < len; t0 += kPageSize, ++i) {
-      KVPOOL_CUDA_CHECK(cudaMemcpy(page.data(), cache_.get<KV>() + indices_[i] * kPageElems,
-                                   kPageElems * sizeof(KV), cudaMemcpyDeviceToHost));
-      const int64_t n = std::min(kPageSize, len - t0) * kTokenElems;
+      KVPOOL_CUDA_CHECK(cudaMemcpy(page.data(), cache_.get<KV>() + indices_[i] * page_elems,
+                                   page_elems * sizeof(KV), cudaMemcpyDeviceToHost));
+      const int64_t n = std::min(kPageSize, len - t0) * token_elems;
       for (int64_t e = 0; e < n; ++e) {
-        k[t0 * kTokenElems + e] = static_cast<float>(page[e]);
-        v[t0 * kTokenElems + e] = static_cast<float>(page[kPageElems / 2 + e]);
+        k[t0 * token_elems + e] = static_cast<float>(page[e]);
+        v[t0 * token_elems + e] = static_cast<float>(page[page_elems / 2 + e]);
       }
     }
     const std::vector<__half> q = q_.ToHost<__half>(), o = o_.ToHost<__half>();
     double worst = 0;
     std::vector<float> s(len);
-    for (int h = 0; h < kQHeads; ++h) {
-      const size_t row = (static_cast<size_t>(seq) * kQHeads + h) * kHeadDim;
-      const int64_t kv_off = (h / kGroup) * kHeadDim;
+    for (int h = 0; h < heads_.q; ++h) {
+      const size_t row = (static_cast<size_t>(seq) * heads_.q + h) * kHeadDim;
+      const int64_t kv_off = (h / heads_.group()) * kHeadDim;
       float qf[kHeadDim];
       for (uint32_t d = 0; d < kHeadDim; ++d) qf[d] = static_cast<float>(q[row + d]);
       for (int t = 0; t < len; ++t) {
         float dot = 0;
-        for (uint32_t d = 0; d < kHeadDim; ++d) dot += qf[d] * k[t * kTokenElems + kv_off + d];
+        for (uint32_t d = 0; d < kHeadDim; ++d) dot += qf[d] * k[t * token_elems + kv_off + d];
         s[t] = dot * kSmScale;
       }
       const double m = *std::max_element(s.begin(), s.end());
@@ -216,7 +231,7 @@ class PagedBatch {
       for (int t = 0; t < len; ++t) {
         const double p = std::exp(s[t] - m);
         sum += p;
-        for (uint32_t d = 0; d < kHeadDim; ++d) acc[d] += p * v[t * kTokenElems + kv_off + d];
+        for (uint32_t d = 0; d < kHeadDim; ++d) acc[d] += p * v[t * token_elems + kv_off + d];
       }
       double num = 0, den = 0;
       for (uint32_t d = 0; d < kHeadDim; ++d) {
@@ -231,10 +246,11 @@ class PagedBatch {
 
   double Bytes() const {
     const double tokens = std::accumulate(lens_.begin(), lens_.end(), 0.0);
-    return tokens * 2 * kTokenElems * sizeof(KV) + 2.0 * q_.bytes();
+    return tokens * 2 * heads_.token_elems() * sizeof(KV) + 2.0 * q_.bytes();
   }
 
  private:
+  Heads heads_;
   std::vector<int> lens_;
   std::vector<int32_t> indptr_, indices_, last_page_len_;
   DeviceBuffer cache_, q_, o_, d_indptr_, d_indices_, d_last_page_len_;
@@ -248,19 +264,23 @@ class CudaCoreDecode {
   using Params = flashinfer::BatchDecodeParams<__half, KV, __half, int32_t>;
 
   explicit CudaCoreDecode(const PagedBatch<KV>& b) {
-    auto estimate =
-        flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<kGroup, kHeadDim, kNoRope,
-                                                                        Variant, Params>;
+    const int q_heads = b.heads().q;
     std::vector<int32_t> indptr = b.indptr();  // DecodePlan takes a non-const pointer
-    const cudaError_t planned = flashinfer::DecodePlan<kHeadDim, kNoRope, Variant, Params>(
-        ws_.float_ws.get(), ws_.float_ws.bytes(), ws_.int_ws.get(), ws_.pinned_int_ws.get(),
-        ws_.int_ws.bytes(), plan_, indptr.data(), b.batch(), kQHeads, kPageSize,
-        /*enable_cuda_graph=*/false, /*stream=*/nullptr, estimate);
+    cudaError_t planned = cudaErrorInvalidValue;
+    // The work estimation is built per GQA group, as the run's dispatch is.
+    DISPATCH_GQA_GROUP_SIZE(b.heads().group(), kGroup, {
+      planned = flashinfer::DecodePlan<kHeadDim, kNoRope, Variant, Params>(
+          ws_.float_ws.get(), ws_.float_ws.bytes(), ws_.int_ws.get(), ws_.pinned_int_ws.get(),
+          ws_.int_ws.bytes(), plan_, indptr.data(), b.batch(), q_heads, kPageSize,
+          /*enable_cuda_graph=*/false, /*stream=*/nullptr,
+          flashinfer::BatchDecodeWithPagedKVCacheWorkEstimationDispatched<kGroup, kHeadDim, kNoRope,
+                                                                          Variant, Params>);
+    });
     KVPOOL_CUDA_CHECK(planned);
     KVPOOL_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the plan's copy from pinned memory
 
     params_ = Params(b.q(), /*q_rope_offset=*/nullptr, b.PagedKv(), b.o(), /*lse=*/nullptr,
-                     /*maybe_alibi_slopes=*/nullptr, kQHeads, /*q_stride_n=*/kQHeads * kHeadDim,
+                     /*maybe_alibi_slopes=*/nullptr, q_heads, /*q_stride_n=*/q_heads * kHeadDim,
                      /*q_stride_h=*/kHeadDim, /*window_left=*/-1, /*logits_soft_cap=*/0.f, kSmScale,
                      /*rope_scale=*/1.f, /*rope_theta=*/1e4f);
     params_.request_indices = ws_.Int<int32_t>(plan_.request_indices_offset);
@@ -308,21 +328,23 @@ class TensorCoreDecode {
   using Params = flashinfer::BatchPrefillPagedParams<__half, KV, __half, int32_t>;
 
   explicit TensorCoreDecode(const PagedBatch<KV>& b) {
+    const int q_heads = b.heads().q;
     std::vector<int32_t> qo_indptr(b.batch() + 1), kv_indptr = b.indptr();
     std::iota(qo_indptr.begin(), qo_indptr.end(), 0);
     d_qo_indptr_ = DeviceBuffer(qo_indptr);
     const cudaError_t planned = flashinfer::PrefillPlan<int32_t>(
         ws_.float_ws.get(), ws_.float_ws.bytes(), ws_.int_ws.get(), ws_.pinned_int_ws.get(),
         ws_.int_ws.bytes(), plan_, qo_indptr.data(), kv_indptr.data(),
-        /*total_num_rows=*/b.batch(), b.batch(), kQHeads, kKvHeads, kHeadDim, kHeadDim, kPageSize,
+        /*total_num_rows=*/b.batch(), b.batch(), q_heads, b.heads().kv, kHeadDim, kHeadDim,
+        kPageSize,
         /*enable_cuda_graph=*/false, /*sizeof_dtype_o=*/sizeof(__half), /*stream=*/nullptr);
     KVPOOL_CUDA_CHECK(planned);
     KVPOOL_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the plan's copy from pinned memory
 
     params_ = Params(b.q(), b.PagedKv(), /*maybe_custom_mask=*/nullptr, d_qo_indptr_.get<int32_t>(),
                      /*maybe_mask_indptr=*/nullptr, /*maybe_q_rope_offset=*/nullptr, b.o(),
-                     /*lse=*/nullptr, /*maybe_alibi_slopes=*/nullptr, kQHeads,
-                     /*q_stride_n=*/kQHeads * kHeadDim, /*q_stride_h=*/kHeadDim,
+                     /*lse=*/nullptr, /*maybe_alibi_slopes=*/nullptr, q_heads,
+                     /*q_stride_n=*/q_heads * kHeadDim, /*q_stride_h=*/kHeadDim,
                      /*window_left=*/-1, /*logits_soft_cap=*/0.f, kSmScale, /*rope_scale=*/1.f,
                      /*rope_theta=*/1e4f);
     params_.request_indices = ws_.Int<int32_t>(plan_.request_indices_offset);
@@ -341,8 +363,8 @@ class TensorCoreDecode {
       tmp_s_ = ws_.Float<float>(plan_.s_offset);
     }
     // The kernel is instantiated per CTA_TILE_Q (query rows per CTA: GQA-packed, so one request's
-    // 4 q heads of one KV head fill 4 rows); the plan picks 16, 64 or 128 (FA2DetermineCtaTileQ:
-    // 16 for a packed length of 4).
+    // group of q heads of one KV head fills that many rows); the plan picks 16, 64 or 128
+    // (FA2DetermineCtaTileQ: 16 for packed lengths up to 16).
     switch (plan_.cta_tile_q) {
       case 16:
         launch_ = &Launch<16>;
@@ -400,8 +422,8 @@ Timing TimeCase(const PagedBatch<KV>& b, int iters, bench::L2Flush& flush) {
 }
 
 template <template <typename> class Path, typename KV>
-double CheckSmall() {
-  PagedBatch<KV> b({1000, 37, 512}, 7);
+double CheckSmall(const Heads& heads) {
+  PagedBatch<KV> b(heads, {1000, 37, 512}, 7);
   b.PoisonOutput();
   Path<KV> path(b);
   path.Run();
@@ -416,15 +438,22 @@ constexpr int kVariants = 4;
 const char* const kVariantNames[kVariants] = {"fp16", "fp8", "tc_fp16", "tc_fp8"};
 
 template <typename KV>
-void TimeBothPaths(const Shape& shape, int iters, bench::L2Flush& flush, Timing* cuda_core,
-                   Timing* tensor_core) {
-  const PagedBatch<KV> b(std::vector<int>(shape.batch, shape.context),
+void TimeBothPaths(const Heads& heads, const Shape& shape, int iters, bench::L2Flush& flush,
+                   Timing* cuda_core, Timing* tensor_core) {
+  const PagedBatch<KV> b(heads, std::vector<int>(shape.batch, shape.context),
                          shape.batch * 131 + shape.context);
   *cuda_core = TimeCase<CudaCoreDecode>(b, iters, flush);
   *tensor_core = TimeCase<TensorCoreDecode>(b, iters, flush);
 }
 
 int Main() {
+  const Heads heads{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads)};
+  const int group = heads.kv > 0 && heads.q % heads.kv == 0 ? heads.group() : 0;
+  if (group != 1 && group != 2 && group != 3 && group != 4 && group != 8) {
+    std::fprintf(stderr,
+                 "flashinfer_decode_bench: --q_heads / --kv_heads must be 1, 2, 3, 4 or 8\n");
+    return 2;
+  }
   int devices = 0;
   if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
     std::fprintf(stderr, "flashinfer_decode_bench: no CUDA device visible\n");
@@ -433,11 +462,13 @@ int Main() {
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const double check[kVariants] = {
-      CheckSmall<CudaCoreDecode, __half>(), CheckSmall<CudaCoreDecode, __nv_fp8_e4m3>(),
-      CheckSmall<TensorCoreDecode, __half>(), CheckSmall<TensorCoreDecode, __nv_fp8_e4m3>()};
+  const double check[kVariants] = {CheckSmall<CudaCoreDecode, __half>(heads),
+                                   CheckSmall<CudaCoreDecode, __nv_fp8_e4m3>(heads),
+                                   CheckSmall<TensorCoreDecode, __half>(heads),
+                                   CheckSmall<TensorCoreDecode, __nv_fp8_e4m3>(heads)};
   bool ok = true;
-  std::printf("device %s; check (contexts 1000, 37, 512): max rel err", prop.name);
+  std::printf("device %s, %d q heads, %d KV heads; check (contexts 1000, 37, 512): max rel err",
+              prop.name, heads.q, heads.kv);
   for (int v = 0; v < kVariants; ++v) {
     std::printf("%s %s %.3e", v ? "," : "", kVariantNames[v], check[v]);
     ok = ok && check[v] <= kMaxRelErr;
@@ -457,8 +488,8 @@ int Main() {
   std::printf("\n");
   for (const Shape& shape : kShapes) {
     std::vector<Timing>& t = timings.emplace_back(kVariants);
-    TimeBothPaths<__half>(shape, iters, flush, &t[0], &t[2]);
-    TimeBothPaths<__nv_fp8_e4m3>(shape, iters, flush, &t[1], &t[3]);
+    TimeBothPaths<__half>(heads, shape, iters, flush, &t[0], &t[2]);
+    TimeBothPaths<__nv_fp8_e4m3>(heads, shape, iters, flush, &t[1], &t[3]);
     std::printf("%5d %6d", shape.batch, shape.context);
     for (const Timing& x : t) {
       std::printf(" | %10.4f %6.3f %8.2e", x.ms, x.tbps, x.err);
@@ -482,9 +513,10 @@ int Main() {
     std::fprintf(f,
                  "{\n  \"tool\": \"flashinfer_decode_bench\",\n  \"flashinfer\": \"0.2.14.post1\","
                  "\n  \"device\": \"%s\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
+                 "  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %u,\n"
                  "  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n  \"check\": {",
-                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, iters,
-                 absl::GetFlag(FLAGS_l2_flush).c_str());
+                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, heads.q, heads.kv, kHeadDim,
+                 iters, absl::GetFlag(FLAGS_l2_flush).c_str());
     for (int v = 0; v < kVariants; ++v) {
       std::fprintf(f, "%s\"%s_max_rel_err\": %.3e", v ? ", " : "", kVariantNames[v], check[v]);
     }

@@ -144,12 +144,19 @@ def geometries():
     print(f"Decode attention at other models' geometries (`tests/bench/attention_geometries.sh`): "
           f"the six shapes above, block_tokens {k0['block_tokens']}, median of {k0['iters']} runs "
           f"after L2 flushes, anchor SDPA flash fp16 at the same geometry in the same run; rotated "
-          f"formats rotate blocks of min(128, head_dim). Files "
+          f"formats rotate blocks of min(128, head_dim); FlashInfer (its faster path, as above) "
+          f"where its build serves the geometry. Files "
           + ", ".join(f"{p.name} ({d['date']}, commit {d['kvpool']['commit']})" for p, d in ds)
           + f", {k0['device']}:\n")
     print("| model (q / KV heads, head_dim) | batch x context | SDPA fp16 ms | INT4 ms | INT4 x SDPA "
-          "| INT4 of stream. read | INT8 x SDPA | FP8 x SDPA | FP16 paged x SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| INT4 of stream. read | INT8 x SDPA | FP8 x SDPA | FP16 paged x SDPA "
+          "| INT4 x FlashInfer fp16 | FP8 x FlashInfer fp8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def over_flashinfer(c, kv_dtype):  # against the faster of FlashInfer's two paths, if run
+        times = [c.get(f"flashinfer{path}_{kv_dtype}_ms") for path in ("", "_tc")]
+        times = [t for t in times if t is not None]
+        return f"{min(times) / c['ms']:.2f}x" if times else "-"
     for p, d in ds:
         k = d["kvpool"]
         model = (f"{GEOMETRY_MODELS.get(name(p), name(p))} ({k['q_heads']} / {k['kv_heads']}, "
@@ -165,7 +172,8 @@ def geometries():
             print(f"| {model} | {batch} x {ctx // 1024}K | {i4['sdpa_flash_fp16_ms']:.3f} | "
                   f"{i4['ms']:.4f} | {i4['speedup_vs_sdpa']:.2f}x | {100 * i4['frac_stream']:.0f}% | "
                   f"{f['int8']['speedup_vs_sdpa']:.2f}x | {f['fp8']['speedup_vs_sdpa']:.2f}x | "
-                  f"{f['fp16']['speedup_vs_sdpa']:.2f}x |")
+                  f"{f['fp16']['speedup_vs_sdpa']:.2f}x | {over_flashinfer(i4, 'fp16')} | "
+                  f"{over_flashinfer(f['fp8'], 'fp8')} |")
             model = ""
     print()
 
