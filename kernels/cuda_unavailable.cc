@@ -17,7 +17,7 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams&, void*) {
 }
 
 size_t AttentionWorkspaceBytes(const PageLayout&, int, int, int, int) { return 0; }
-int AttentionSplitCount(const PageLayout&, int, int, int, int) { return 1; }
+AttentionPlan PlanAttention(const PageLayout&, int, int, int, int) { return {}; }
 
 const char* LastErrorMessage() { return "built without CUDA"; }
 

@@ -104,11 +104,16 @@ bool Available();
 // Workspace PagedDecodeAttention needs for a batch of this shape (0 splits = auto).
 size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q_heads,
                                int max_blocks_per_seq, int num_splits);
-// Splits of the context PagedDecodeAttention runs for a batch of this shape (0 = auto): each
-// split reads the batch's q again. Passed back as num_splits, the same count again (and no
-// automatic plan, which costs microseconds for small batches over long contexts).
-int AttentionSplitCount(const PageLayout& layout, int num_seqs, int num_q_heads,
-                        int max_blocks_per_seq, int num_splits);
+// What PagedDecodeAttention runs for a batch of this shape (num_splits 0 = auto): the splits of
+// the context (each split reads the batch's q again) and the CTAs per SM of the split kernel's
+// build (0 without CUDA). num_splits passed back plans the same call again, without the automatic
+// count (which costs microseconds for small batches over long contexts).
+struct AttentionPlan {
+  int num_splits = 1;
+  int ctas_per_sm = 0;
+};
+AttentionPlan PlanAttention(const PageLayout& layout, int num_seqs, int num_q_heads,
+                            int max_blocks_per_seq, int num_splits);
 // The last CUDA error message seen by a function above that returned kCudaError.
 const char* LastErrorMessage();
 

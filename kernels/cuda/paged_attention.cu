@@ -334,14 +334,15 @@ size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q
   return SizeWorkspace(layout, num_seqs, num_q_heads, plan.num_splits).total();
 }
 
-int AttentionSplitCount(const PageLayout& layout, int num_seqs, int num_q_heads,
-                        int max_blocks_per_seq, int num_splits) {
+AttentionPlan PlanAttention(const PageLayout& layout, int num_seqs, int num_q_heads,
+                            int max_blocks_per_seq, int num_splits) {
   if (layout.num_kv_heads <= 0 || layout.head_dim <= 0 || layout.block_tokens <= 0 ||
       num_seqs <= 0 || num_q_heads <= 0 || max_blocks_per_seq <= 0) {
-    return 1;
+    return {};
   }
-  return PlanAttentionSplits(layout, num_seqs, num_q_heads, max_blocks_per_seq, num_splits)
-      .num_splits;
+  const AttnSplitPlan plan =
+      PlanAttentionSplits(layout, num_seqs, num_q_heads, max_blocks_per_seq, num_splits);
+  return {plan.num_splits, plan.ctas_per_sm};
 }
 
 KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream) {

@@ -253,7 +253,8 @@ class CudaBackend final : public ComputeBackend {
     // The split count, planned once (the automatic count costs microseconds at batch 1): the
     // workspace, q's placement and the kernels take it as given.
     const int splits =
-        cuda::AttentionSplitCount(l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits);
+        cuda::PlanAttention(l, p.num_seqs, p.num_q_heads, p.max_blocks_per_seq, p.num_splits)
+            .num_splits;
     const bool q_pinned = Registered(p.q, q_bytes);
     const bool out_pinned = Registered(out_host, out_bytes);
     const bool q_on_host = host_pointers_usable_ && (!q_pinned || Aligned16(p.q)) && splits == 1;

@@ -11,7 +11,8 @@
 // warm-up, with L2 flushed before every run (--l2_flush); the median of --iters runs. Bytes: the
 // kernel's own traffic, pages read (codes + scale/zero of every token) + q (fp16) + out (fp32); the
 // split partials, a few percent, are not counted. The streaming-read ceiling is measured in the
-// same run.
+// same run. Each case also records its plan (cuda::PlanAttention: the splits and the CTAs per SM
+// of the split kernel's build).
 //
 // Accuracy: the FP16-page output is attention over the original fp16 K/V (fp32 accumulation) and
 // is the reference; every other format reports the relative L2 error of each (sequence, head)
@@ -120,6 +121,7 @@ struct Result {
   std::string format;
   double ms = 0, bytes = 0, tbps = 0, frac_stream = 0;
   double err_mean = 0, err_max = 0;  // vs the FP16 pages; 0 for FP16 itself
+  cuda::AttentionPlan plan;          // the splits and split-kernel build the call ran
 };
 
 void Check(KernelStatus s, const char* what) {
@@ -232,6 +234,7 @@ void RunShape(const Geometry& g, const Shape& shape, int iters, double stream_tb
     Result r;
     r.shape = shape;
     r.format = name;
+    r.plan = cuda::PlanAttention(l, shape.batch, g.q_heads, blocks_per_seq, splits);
     r.ms = MedianMs(iters, flush,
                     [&] { Check(cuda::PagedDecodeAttention(p, nullptr), name.c_str()); });
     const double page_bytes = static_cast<double>(shape.batch) * shape.context * g.kv_heads * 2 *
@@ -271,9 +274,11 @@ void WriteJson(const std::string& path, const std::string& device, const Geometr
     std::fprintf(f,
                  "    {\"batch\": %d, \"context\": %d, \"format\": \"%s\", \"ms\": %.5f, "
                  "\"bytes\": %.0f, \"tbps\": %.4f, \"frac_stream\": %.4f, "
-                 "\"rel_err_vs_fp16_mean\": %.6f, \"rel_err_vs_fp16_max\": %.6f}%s\n",
+                 "\"rel_err_vs_fp16_mean\": %.6f, \"rel_err_vs_fp16_max\": %.6f, "
+                 "\"splits\": %d, \"ctas_per_sm\": %d}%s\n",
                  r.shape.batch, r.shape.context, r.format.c_str(), r.ms, r.bytes, r.tbps,
-                 r.frac_stream, r.err_mean, r.err_max, i + 1 < results.size() ? "," : "");
+                 r.frac_stream, r.err_mean, r.err_max, r.plan.num_splits, r.plan.ctas_per_sm,
+                 i + 1 < results.size() ? "," : "");
   }
   std::fprintf(f, "  ]\n}\n");
   std::fclose(f);
@@ -327,11 +332,12 @@ int Main() {
   std::printf("%d q heads, %d KV heads, head_dim %d\n", g.q_heads, g.kv_heads, g.head_dim);
   for (const Shape& shape : shapes) RunShape(g, shape, iters, stream_tbps, flush, &results);
 
-  std::printf("%5s %6s %-12s %9s %8s %7s %10s %10s\n", "batch", "ctx", "format", "ms", "TB/s",
-              "stream", "err_mean", "err_max");
+  std::printf("%5s %6s %-12s %9s %8s %7s %10s %10s %6s %4s\n", "batch", "ctx", "format", "ms",
+              "TB/s", "stream", "err_mean", "err_max", "splits", "ctas");
   for (const Result& r : results) {
-    std::printf("%5d %6d %-12s %9.4f %8.3f %6.1f%% %10.2e %10.2e\n", r.shape.batch, r.shape.context,
-                r.format.c_str(), r.ms, r.tbps, 100 * r.frac_stream, r.err_mean, r.err_max);
+    std::printf("%5d %6d %-12s %9.4f %8.3f %6.1f%% %10.2e %10.2e %6d %4d\n", r.shape.batch,
+                r.shape.context, r.format.c_str(), r.ms, r.tbps, 100 * r.frac_stream, r.err_mean,
+                r.err_max, r.plan.num_splits, r.plan.ctas_per_sm);
   }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (!out.empty()) WriteJson(out, prop.name, g, stream_tbps, iters, results);

@@ -6,7 +6,7 @@
 // completing on an mbarrier, and 16-byte loads into registers. Head pages of 1,088 bytes (INT4
 // at head_dim 128: 16 x 64 bytes of codes + 16 x 4 of scale/zero; 5 stages) and 4,096 bytes
 // (FP16; 3 stages); the split counts the attention kernels plan for each case
-// (cuda::AttentionSplitCount). Time: CUDA events around one
+// (cuda::PlanAttention). Time: CUDA events around one
 // launch after an L2 flush (--l2_flush), the median of --iters runs; the streaming-read ceiling
 // in the same run.
 #include <cuda_runtime.h>
@@ -114,7 +114,7 @@ int Main() {
       a.num_seqs = c.batch;
       a.num_kv_heads = kKvHeads;
       a.context = c.context;
-      a.num_splits = cuda::AttentionSplitCount(l, c.batch, 32, blocks_per_seq, 0);
+      a.num_splits = cuda::PlanAttention(l, c.batch, 32, blocks_per_seq, 0).num_splits;
       a.head_page_bytes = head_page_bytes;
       a.stages = p.stages;
       a.sink = sink.get<uint32_t>();

@@ -138,10 +138,10 @@ TEST(FirstBlockIdOutOfRange, FindsTheFirstBadIdInChunksAndTail) {
   EXPECT_EQ(FirstBlockIdOutOfRange(big.data(), 3, -5), 0);
 }
 
-// The CUDA backend plans a call's split count once and passes it back as num_splits: the count
-// and the workspace must not change when they are planned again from it (no GPU needed; built
-// without CUDA the count is always 1).
-TEST(AttentionSplitCount, PassedBackGivesTheSameCountAndWorkspace) {
+// The CUDA backend plans a call's split count once and passes it back as num_splits: the count,
+// the split kernel's build and the workspace must not change when they are planned again from it
+// (no GPU needed; built without CUDA the plan is always one split and no build).
+TEST(PlanAttention, PassedBackGivesTheSamePlanAndWorkspace) {
   for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp16}) {
     PageLayout l = Int4Layout();
     l.dtype = dtype;
@@ -149,11 +149,16 @@ TEST(AttentionSplitCount, PassedBackGivesTheSameCountAndWorkspace) {
       for (int blocks : {1, 7, 64, 513, 2048, 4096}) {
         for (int requested : {0, 5, 64}) {
           for (int q_heads : {32, 64}) {  // GQA 4 and 8
-            const int splits = cuda::AttentionSplitCount(l, seqs, q_heads, blocks, requested);
-            ASSERT_GE(splits, 1);
-            EXPECT_EQ(cuda::AttentionSplitCount(l, seqs, q_heads, blocks, splits), splits)
+            const cuda::AttentionPlan plan =
+                cuda::PlanAttention(l, seqs, q_heads, blocks, requested);
+            ASSERT_GE(plan.num_splits, 1);
+            const cuda::AttentionPlan again =
+                cuda::PlanAttention(l, seqs, q_heads, blocks, plan.num_splits);
+            EXPECT_EQ(again.num_splits, plan.num_splits)
                 << seqs << " x " << blocks << " blocks, requested " << requested;
-            EXPECT_EQ(cuda::AttentionWorkspaceBytes(l, seqs, q_heads, blocks, splits),
+            EXPECT_EQ(again.ctas_per_sm, plan.ctas_per_sm)
+                << seqs << " x " << blocks << " blocks, requested " << requested;
+            EXPECT_EQ(cuda::AttentionWorkspaceBytes(l, seqs, q_heads, blocks, plan.num_splits),
                       cuda::AttentionWorkspaceBytes(l, seqs, q_heads, blocks, requested))
                 << seqs << " x " << blocks << " blocks, requested " << requested;
           }
@@ -161,6 +166,47 @@ TEST(AttentionSplitCount, PassedBackGivesTheSameCountAndWorkspace) {
       }
     }
   }
+}
+
+// INT4 at head_dim 128 runs the deep build (three CTAs per SM) for more than 4 query heads per KV
+// head, or for CTAs of at least 4096 tokens, unless that needs more rounds than four CTAs per SM;
+// every other layout its own build (results/experiments_2026-11-29.md, "Eighteenth session").
+TEST(PlanAttention, TakesTheDeepBuildWhereItWasMeasuredFaster) {
+  const PageLayout int4 = Int4Layout();  // 8 KV heads, head_dim 128, 16-token blocks
+  if (cuda::PlanAttention(int4, 1, 32, 1, 0).ctas_per_sm == 0) GTEST_SKIP() << "built without CUDA";
+  auto ctas = [](const PageLayout& l, int seqs, int q_heads, int context) {
+    return cuda::PlanAttention(l, seqs, q_heads, context / l.block_tokens, 0).ctas_per_sm;
+  };
+  // GQA 4: 1024- and 2048-token CTAs keep four per SM, longer ones take the deep build, and
+  // 512 CTAs of 8K tokens would need two rounds at three per SM.
+  EXPECT_EQ(ctas(int4, 1, 32, 32768), 4);
+  EXPECT_EQ(ctas(int4, 8, 32, 8192), 4);
+  EXPECT_EQ(ctas(int4, 8, 32, 32768), 3);
+  EXPECT_EQ(ctas(int4, 32, 32, 4096), 3);
+  EXPECT_EQ(ctas(int4, 32, 32, 16384), 3);
+  EXPECT_EQ(ctas(int4, 64, 32, 8192), 4);
+  // GQA 8: the deep build whatever the CTAs' length, but not past one round.
+  EXPECT_EQ(ctas(int4, 1, 64, 32768), 3);
+  EXPECT_EQ(ctas(int4, 8, 64, 8192), 3);
+  EXPECT_EQ(ctas(int4, 48, 64, 8192), 3);
+  EXPECT_EQ(ctas(int4, 64, 64, 8192), 4);
+  // Other dtypes and head_dims: their one build.
+  PageLayout fp8 = int4;
+  fp8.dtype = KvDtype::kFp8E4M3;
+  EXPECT_EQ(ctas(fp8, 8, 64, 32768), 3);
+  EXPECT_EQ(ctas(fp8, 64, 32, 8192), 3);
+  PageLayout fp16 = int4;
+  fp16.dtype = KvDtype::kFp16;
+  EXPECT_EQ(ctas(fp16, 8, 32, 32768), 2);
+  PageLayout int4_d64 = int4;
+  int4_d64.head_dim = 64;
+  int4_d64.group_size = 64;
+  int4_d64.rot_block = 64;
+  EXPECT_EQ(ctas(int4_d64, 8, 64, 32768), 4);
+  PageLayout int4_d256 = int4;
+  int4_d256.head_dim = 256;
+  int4_d256.group_size = 256;
+  EXPECT_EQ(ctas(int4_d256, 8, 32, 32768), 2);
 }
 
 TEST(KernelStatusName, NamesEveryStatus) {
