@@ -70,6 +70,14 @@ def quantize():
               f"around the rot128 launch at >= {inter['full_clock_mhz']:.0f} MHz).\n")
 
 
+def flashinfer_best_ms(case, kv_dtype):
+    """The faster of FlashInfer's two paths (CUDA-core and tensor-core) on a merged case, or None
+    when FlashInfer did not run."""
+    times = [case.get(f"flashinfer{path}_{kv_dtype}_ms") for path in ("", "_tc")]
+    times = [t for t in times if t is not None]
+    return min(times) if times else None
+
+
 # attention_bench --l2_flush; files from before the flag were timed after a zeroing flush.
 FLUSH_NAMES = {"read": "a read of 256 MiB", "write": "zeroing 256 MiB"}
 
@@ -116,8 +124,8 @@ def attention():
         print("|---|---|---|---|---|---|")
         for (batch, ctx), f in rows.items():
             i4, f8, f16 = f["int4_rot128"], f["fp8_rot128"], f["fp16"]
-            best16 = min(i4["flashinfer_fp16_ms"], i4["flashinfer_tc_fp16_ms"])
-            best8 = min(i4["flashinfer_fp8_ms"], i4["flashinfer_tc_fp8_ms"])
+            best16 = flashinfer_best_ms(i4, "fp16")
+            best8 = flashinfer_best_ms(i4, "fp8")
             print(f"| {batch} x {ctx // 1024}K | {i4['flashinfer_fp16_ms']:.4f} / "
                   f"{i4['flashinfer_tc_fp16_ms']:.4f} | {i4['flashinfer_fp8_ms']:.4f} / "
                   f"{i4['flashinfer_tc_fp8_ms']:.4f} | {best16 / i4['ms']:.2f}x | "
@@ -153,10 +161,9 @@ def geometries():
           "| INT4 x FlashInfer fp16 | FP8 x FlashInfer fp8 |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
 
-    def over_flashinfer(c, kv_dtype):  # against the faster of FlashInfer's two paths, if run
-        times = [c.get(f"flashinfer{path}_{kv_dtype}_ms") for path in ("", "_tc")]
-        times = [t for t in times if t is not None]
-        return f"{min(times) / c['ms']:.2f}x" if times else "-"
+    def over_flashinfer(c, kv_dtype):
+        best = flashinfer_best_ms(c, kv_dtype)
+        return f"{best / c['ms']:.2f}x" if best is not None else "-"
     for p, d in ds:
         k = d["kvpool"]
         model = (f"{GEOMETRY_MODELS.get(name(p), name(p))} ({k['q_heads']} / {k['kv_heads']}, "
