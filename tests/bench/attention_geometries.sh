@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Decode attention at other models' geometries, on the GPU machine: for each geometry below,
-# attention_bench (every page format), the PyTorch SDPA anchor and, where its build serves the
-# geometry (head_dim 128, GQA group 1, 2, 3, 4 or 8) and it is packed, flashinfer_decode_bench, over
-# the same six (batch, context) shapes as the issue's benchmark, merged into
-# $OUT/attention_geometry_<name>.json (attention_peer.py merge; the issue's targets are set for
+# attention_bench (every page format), the PyTorch SDPA anchor and, when it is packed,
+# flashinfer_decode_bench (its tensor-core path at every geometry below, its CUDA-core path at
+# GQA groups 1, 2, 3, 4 and 8), over the same six (batch, context) shapes as the issue's
+# benchmark, merged into $OUT/attention_geometry_<name>.json (attention_peer.py merge; the issue's targets are set for
 # 32 q / 8 KV heads / head_dim 128 only, so these files carry ratios without met/missed flags).
 # render_tables.py prints them.
 #   tests/bench/attention_geometries.sh <commit> [name ...]   (default: every geometry)
@@ -37,9 +37,8 @@ for name in "${names[@]}"; do
   python3 tests/bench/attention_peer.py run "${geo[@]}" --out="$tmp/$name.peer.json" \
     >> "$out/attention_geometry_$name.txt" 2>&1 || { status=1; continue; }
   fi_args=()
-  if [[ -x $bin/flashinfer_decode_bench && $hd == 128 && $((q % kv)) == 0 && \
-        " 1 2 3 4 8 " == *" $((q / kv)) "* ]]; then
-    "$bin/flashinfer_decode_bench" --commit="$commit" --q_heads="$q" --kv_heads="$kv" \
+  if [[ -x $bin/flashinfer_decode_bench ]]; then
+    "$bin/flashinfer_decode_bench" --commit="$commit" "${geo[@]}" \
       --out="$tmp/$name.flashinfer.json" >> "$out/attention_geometry_$name.txt" 2>&1 \
       && fi_args=(--flashinfer "$tmp/$name.flashinfer.json") || status=1
   fi

@@ -16,26 +16,29 @@
 //    which the FA2 kernel supports).
 //
 // Shapes as tests/gpu/attention_bench.cc: (batch, context) in {(1,32K), (8,8K), (8,32K), (32,4K),
-// (32,16K), (64,8K)}, 32 q heads, 8 KV heads (--q_heads, --kv_heads: GQA groups of 1, 2, 3, 4 or
-// 8, those FlashInfer's decode kernel dispatches), head_dim 128, 16-token pages in one NHD cache
-// [pages][2 (K, V)][16][KV heads][128] (the Python wrapper's default), every sequence full, page
-// ids a random permutation of the cache; q and out fp16; q, K, V uniform random on the device. Both
-// paths of one KV dtype run on the same batch (same q, pages and page ids), one after the other;
-// the output is set to NaN before each path's plan, so a path that writes nothing fails the check.
+// (32,16K), (64,8K)}, 32 q heads, 8 KV heads, head_dim 128 (--q_heads, --kv_heads, --head_dim:
+// head_dim 64, 128 or 256, those both paths are built for here; the CUDA-core path runs only at
+// the GQA groups its dispatch covers, 1, 2, 3, 4 and 8, the tensor-core path at any), 16-token
+// pages in one NHD cache [pages][2 (K, V)][16][KV heads][head_dim] (the Python wrapper's default),
+// every sequence full, page ids a random permutation of the cache; q and out fp16; q, K, V uniform
+// random on the device. Both paths of one KV dtype run on the same batch (same q, pages and page
+// ids), one after the other; the output is set to NaN before each path's plan, so a path that
+// writes nothing fails the check.
 //
 // Time: one run call (host dispatch included) between CUDA events, L2 flushed (--l2_flush, as in
 // attention_bench) before each, 3 warm-up runs, the median of --iters. Bytes: K and V of every
 // token + q + out; split partials not counted.
 //
 // Accuracy: per (sequence, q head) row, the relative L2 error of the output against a CPU
-// softmax(q K^T / sqrt(128)) V (fp32 values, fp64 sums) over the q/K/V read back from the device;
-// the max over rows (NaN if any row is NaN). Checked before timing on contexts {1000, 37, 512}
-// (partial last pages) and on sequence 0 of every timed case, for every path and dtype; an error
-// above 1e-2 fails the run (exit code 1).
+// softmax(q K^T / sqrt(head_dim)) V (fp32 values, fp64 sums) over the q/K/V read back from the
+// device; the max over rows (NaN if any row is NaN). Checked before timing on contexts {1000, 37,
+// 512} (partial last pages) and on sequence 0 of every timed case, for every path and dtype; an
+// error above 1e-2 fails the run (exit code 1).
 //
 // JSON per case: "flashinfer_{fp16,fp8}": {"ms", "bytes", "tbps", "seq0_max_rel_err", "split_kv",
 // "padded_batch_size"}, "flashinfer_tc_{fp16,fp8}": {"ms", "bytes", "tbps", "seq0_max_rel_err",
-// "cta_tile_q", "split_kv"}.
+// "cta_tile_q", "split_kv"}; the CUDA-core variants are absent at GQA groups its dispatch does not
+// cover.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -71,7 +74,8 @@ ABSL_FLAG(std::string, commit, "", "source revision recorded in the JSON");
 ABSL_FLAG(std::string, l2_flush, "read",
           "the L2 flush before every timed run, as attention_bench's: read or write");
 ABSL_FLAG(int, q_heads, 32, "query heads per sequence, as attention_bench's");
-ABSL_FLAG(int, kv_heads, 8, "KV heads; q_heads / kv_heads is 1, 2, 3, 4 or 8");
+ABSL_FLAG(int, kv_heads, 8, "KV heads, dividing q_heads");
+ABSL_FLAG(int, head_dim, 128, "64, 128 or 256");
 
 namespace kvpool {
 namespace {
@@ -80,11 +84,9 @@ using testing::DeviceBuffer;
 using testing::MedianMs;
 
 constexpr int kPageSize = 16;
-constexpr uint32_t kHeadDim = 128;
 constexpr size_t kFloatWsBytes = size_t{128} << 20, kIntWsBytes = size_t{8} << 20;  // as Python
 constexpr double kMaxRelErr = 1e-2;
 constexpr auto kNoRope = flashinfer::PosEncodingMode::kNone;
-const float kSmScale = 1.0f / std::sqrt(static_cast<float>(kHeadDim));
 
 // No custom mask, sliding window, soft cap or ALiBi: the variant both paths instantiate.
 using Variant =
@@ -137,11 +139,17 @@ struct Workspace {
   }
 };
 
-// Query and KV heads per sequence (--q_heads, --kv_heads).
+// Query and KV heads per sequence and their head_dim (--q_heads, --kv_heads, --head_dim).
 struct Heads {
-  int q, kv;
+  int q, kv, dim;
   int group() const { return q / kv; }
-  int64_t token_elems() const { return int64_t{kv} * kHeadDim; }        // one token's K (or V)
+  // Whether the CUDA-core decode path's dispatch (DISPATCH_GQA_GROUP_SIZE) covers the group.
+  bool cuda_core_group() const {
+    const int g = group();
+    return g == 1 || g == 2 || g == 3 || g == 4 || g == 8;
+  }
+  float sm_scale() const { return 1.0f / std::sqrt(static_cast<float>(dim)); }
+  int64_t token_elems() const { return int64_t{kv} * dim; }             // one token's K (or V)
   int64_t page_elems() const { return 2 * kPageSize * token_elems(); }  // K then V
 };
 
@@ -153,7 +161,7 @@ class PagedBatch {
   PagedBatch(const Heads& heads, const std::vector<int>& lens, uint64_t seed)
       : heads_(heads),
         lens_(lens),
-        q_(lens.size() * heads.q * kHeadDim * sizeof(__half)),
+        q_(lens.size() * heads.q * heads.dim * sizeof(__half)),
         o_(q_.bytes()) {
     indptr_.push_back(0);
     for (int len : lens) {
@@ -187,11 +195,11 @@ class PagedBatch {
   // [page][token][head][dim], the same for K and V.
   flashinfer::paged_kv_t<KV, int32_t> PagedKv() const {
     const int64_t page_elems = heads_.page_elems();
-    const int64_t strides[4] = {page_elems, heads_.token_elems(), kHeadDim, 1};
+    const int64_t strides[4] = {page_elems, heads_.token_elems(), heads_.dim, 1};
     KV* k = cache_.get<KV>();
     return flashinfer::paged_kv_t<KV, int32_t>(
-        heads_.kv, kPageSize, kHeadDim, batch(), flashinfer::QKVLayout::kNHD, k, k + page_elems / 2,
-        strides, d_indices_.get<int32_t>(), d_indptr_.get<int32_t>(),
+        heads_.kv, kPageSize, heads_.dim, batch(), flashinfer::QKVLayout::kNHD, k,
+        k + page_elems / 2, strides, d_indices_.get<int32_t>(), d_indptr_.get<int32_t>(),
         d_last_page_len_.get<int32_t>());
   }
 
@@ -214,27 +222,29 @@ class PagedBatch {
       }
     }
     const std::vector<__half> q = q_.ToHost<__half>(), o = o_.ToHost<__half>();
+    const int dim = heads_.dim;
     double worst = 0;
-    std::vector<float> s(len);
+    std::vector<float> s(len), qf(dim);
+    std::vector<double> acc(dim);
     for (int h = 0; h < heads_.q; ++h) {
-      const size_t row = (static_cast<size_t>(seq) * heads_.q + h) * kHeadDim;
-      const int64_t kv_off = (h / heads_.group()) * kHeadDim;
-      float qf[kHeadDim];
-      for (uint32_t d = 0; d < kHeadDim; ++d) qf[d] = static_cast<float>(q[row + d]);
+      const size_t row = (static_cast<size_t>(seq) * heads_.q + h) * dim;
+      const int64_t kv_off = (h / heads_.group()) * dim;
+      for (int d = 0; d < dim; ++d) qf[d] = static_cast<float>(q[row + d]);
       for (int t = 0; t < len; ++t) {
         float dot = 0;
-        for (uint32_t d = 0; d < kHeadDim; ++d) dot += qf[d] * k[t * token_elems + kv_off + d];
-        s[t] = dot * kSmScale;
+        for (int d = 0; d < dim; ++d) dot += qf[d] * k[t * token_elems + kv_off + d];
+        s[t] = dot * heads_.sm_scale();
       }
       const double m = *std::max_element(s.begin(), s.end());
-      double sum = 0, acc[kHeadDim] = {};
+      double sum = 0;
+      std::fill(acc.begin(), acc.end(), 0.0);
       for (int t = 0; t < len; ++t) {
         const double p = std::exp(s[t] - m);
         sum += p;
-        for (uint32_t d = 0; d < kHeadDim; ++d) acc[d] += p * v[t * token_elems + kv_off + d];
+        for (int d = 0; d < dim; ++d) acc[d] += p * v[t * token_elems + kv_off + d];
       }
       double num = 0, den = 0;
-      for (uint32_t d = 0; d < kHeadDim; ++d) {
+      for (int d = 0; d < dim; ++d) {
         const double ref = acc[d] / sum, diff = static_cast<float>(o[row + d]) - ref;
         num += diff * diff;
         den += ref * ref;
@@ -258,7 +268,7 @@ class PagedBatch {
 
 // The CUDA-core decode path: DecodePlan on construction, then the run params from the plan (as
 // csrc/batch_decode.cu does).
-template <typename KV>
+template <uint32_t kHeadDim, typename KV>
 class CudaCoreDecode {
  public:
   using Params = flashinfer::BatchDecodeParams<__half, KV, __half, int32_t>;
@@ -281,8 +291,8 @@ class CudaCoreDecode {
 
     params_ = Params(b.q(), /*q_rope_offset=*/nullptr, b.PagedKv(), b.o(), /*lse=*/nullptr,
                      /*maybe_alibi_slopes=*/nullptr, q_heads, /*q_stride_n=*/q_heads * kHeadDim,
-                     /*q_stride_h=*/kHeadDim, /*window_left=*/-1, /*logits_soft_cap=*/0.f, kSmScale,
-                     /*rope_scale=*/1.f, /*rope_theta=*/1e4f);
+                     /*q_stride_h=*/kHeadDim, /*window_left=*/-1, /*logits_soft_cap=*/0.f,
+                     b.heads().sm_scale(), /*rope_scale=*/1.f, /*rope_theta=*/1e4f);
     params_.request_indices = ws_.Int<int32_t>(plan_.request_indices_offset);
     params_.kv_tile_indices = ws_.Int<int32_t>(plan_.kv_tile_indices_offset);
     params_.o_indptr = ws_.Int<int32_t>(plan_.o_indptr_offset);
@@ -322,7 +332,7 @@ class CudaCoreDecode {
 // does (decode.py: PrefillPlan on qo_indptr = arange(batch + 1), the page-count kv_indptr,
 // total_num_rows = batch, enable_cuda_graph false, sizeof_dtype_o 2), then the run params from
 // the plan as csrc/batch_prefill.cu's BatchPrefillWithPagedKVCacheRun sets them.
-template <typename KV>
+template <uint32_t kHeadDim, typename KV>
 class TensorCoreDecode {
  public:
   using Params = flashinfer::BatchPrefillPagedParams<__half, KV, __half, int32_t>;
@@ -345,8 +355,8 @@ class TensorCoreDecode {
                      /*maybe_mask_indptr=*/nullptr, /*maybe_q_rope_offset=*/nullptr, b.o(),
                      /*lse=*/nullptr, /*maybe_alibi_slopes=*/nullptr, q_heads,
                      /*q_stride_n=*/q_heads * kHeadDim, /*q_stride_h=*/kHeadDim,
-                     /*window_left=*/-1, /*logits_soft_cap=*/0.f, kSmScale, /*rope_scale=*/1.f,
-                     /*rope_theta=*/1e4f);
+                     /*window_left=*/-1, /*logits_soft_cap=*/0.f, b.heads().sm_scale(),
+                     /*rope_scale=*/1.f, /*rope_theta=*/1e4f);
     params_.request_indices = ws_.Int<int32_t>(plan_.request_indices_offset);
     params_.qo_tile_indices = ws_.Int<int32_t>(plan_.qo_tile_indices_offset);
     params_.kv_tile_indices = ws_.Int<int32_t>(plan_.kv_tile_indices_offset);
@@ -413,19 +423,19 @@ struct Timing {
 };
 
 // One kernel path on one batch: output poisoned, planned once, timed, then sequence 0 checked.
-template <template <typename> class Path, typename KV>
+template <template <uint32_t, typename> class Path, uint32_t kHeadDim, typename KV>
 Timing TimeCase(const PagedBatch<KV>& b, int iters, bench::L2Flush& flush) {
   b.PoisonOutput();
-  Path<KV> path(b);
+  Path<kHeadDim, KV> path(b);
   const double ms = MedianMs(iters, flush, [&] { path.Run(); }), bytes = b.Bytes();
   return {ms, bytes, bytes / (ms * 1e-3) / 1e12, b.MaxRelErr(0), path.PlanJson()};
 }
 
-template <template <typename> class Path, typename KV>
+template <template <uint32_t, typename> class Path, uint32_t kHeadDim, typename KV>
 double CheckSmall(const Heads& heads) {
   PagedBatch<KV> b(heads, {1000, 37, 512}, 7);
   b.PoisonOutput();
-  Path<KV> path(b);
+  Path<kHeadDim, KV> path(b);
   path.Run();
   KVPOOL_CUDA_CHECK(cudaDeviceSynchronize());
   double worst = 0;
@@ -433,44 +443,42 @@ double CheckSmall(const Heads& heads) {
   return worst;
 }
 
-// The variants in table and JSON order: path x KV dtype.
+// The variants in table and JSON order: path x KV dtype. The CUDA-core ones (the first two) run
+// only where Heads::cuda_core_group().
 constexpr int kVariants = 4;
 const char* const kVariantNames[kVariants] = {"fp16", "fp8", "tc_fp16", "tc_fp8"};
+bool IsTensorCore(int variant) { return variant >= 2; }
 
-template <typename KV>
+template <uint32_t kHeadDim, typename KV>
 void TimeBothPaths(const Heads& heads, const Shape& shape, int iters, bench::L2Flush& flush,
                    Timing* cuda_core, Timing* tensor_core) {
   const PagedBatch<KV> b(heads, std::vector<int>(shape.batch, shape.context),
                          shape.batch * 131 + shape.context);
-  *cuda_core = TimeCase<CudaCoreDecode>(b, iters, flush);
-  *tensor_core = TimeCase<TensorCoreDecode>(b, iters, flush);
+  if (heads.cuda_core_group()) *cuda_core = TimeCase<CudaCoreDecode, kHeadDim>(b, iters, flush);
+  *tensor_core = TimeCase<TensorCoreDecode, kHeadDim>(b, iters, flush);
 }
 
-int Main() {
-  const Heads heads{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads)};
-  const int group = heads.kv > 0 && heads.q % heads.kv == 0 ? heads.group() : 0;
-  if (group != 1 && group != 2 && group != 3 && group != 4 && group != 8) {
-    std::fprintf(stderr,
-                 "flashinfer_decode_bench: --q_heads / --kv_heads must be 1, 2, 3, 4 or 8\n");
-    return 2;
-  }
-  int devices = 0;
-  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
-    std::fprintf(stderr, "flashinfer_decode_bench: no CUDA device visible\n");
-    return 1;
-  }
+template <uint32_t kHeadDim>
+int Run(const Heads& heads) {
   const int iters = std::max(1, absl::GetFlag(FLAGS_iters));
   cudaDeviceProp prop{};
   KVPOOL_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
-  const double check[kVariants] = {CheckSmall<CudaCoreDecode, __half>(heads),
-                                   CheckSmall<CudaCoreDecode, __nv_fp8_e4m3>(heads),
-                                   CheckSmall<TensorCoreDecode, __half>(heads),
-                                   CheckSmall<TensorCoreDecode, __nv_fp8_e4m3>(heads)};
+  bool ran[kVariants];
+  for (int v = 0; v < kVariants; ++v) ran[v] = IsTensorCore(v) || heads.cuda_core_group();
+  double check[kVariants] = {NAN, NAN, CheckSmall<TensorCoreDecode, kHeadDim, __half>(heads),
+                             CheckSmall<TensorCoreDecode, kHeadDim, __nv_fp8_e4m3>(heads)};
+  if (heads.cuda_core_group()) {
+    check[0] = CheckSmall<CudaCoreDecode, kHeadDim, __half>(heads);
+    check[1] = CheckSmall<CudaCoreDecode, kHeadDim, __nv_fp8_e4m3>(heads);
+  }
   bool ok = true;
-  std::printf("device %s, %d q heads, %d KV heads; check (contexts 1000, 37, 512): max rel err",
-              prop.name, heads.q, heads.kv);
+  std::printf(
+      "device %s, %d q heads, %d KV heads, head_dim %d; check (contexts 1000, 37, 512): "
+      "max rel err",
+      prop.name, heads.q, heads.kv, heads.dim);
   for (int v = 0; v < kVariants; ++v) {
-    std::printf("%s %s %.3e", v ? "," : "", kVariantNames[v], check[v]);
+    if (!ran[v]) continue;
+    std::printf(" %s %.3e", kVariantNames[v], check[v]);
     ok = ok && check[v] <= kMaxRelErr;
   }
   std::printf("\n");
@@ -482,18 +490,19 @@ int Main() {
   bench::L2Flush flush(absl::GetFlag(FLAGS_l2_flush));
   std::vector<std::vector<Timing>> timings;
   std::printf("%5s %6s", "batch", "ctx");
-  for (const char* name : kVariantNames) {
-    std::printf(" | %7s ms %6s %8s", name, "TB/s", "seq0 err");
+  for (int v = 0; v < kVariants; ++v) {
+    if (ran[v]) std::printf(" | %7s ms %6s %8s", kVariantNames[v], "TB/s", "seq0 err");
   }
   std::printf("\n");
   for (const Shape& shape : kShapes) {
     std::vector<Timing>& t = timings.emplace_back(kVariants);
-    TimeBothPaths<__half>(heads, shape, iters, flush, &t[0], &t[2]);
-    TimeBothPaths<__nv_fp8_e4m3>(heads, shape, iters, flush, &t[1], &t[3]);
+    TimeBothPaths<kHeadDim, __half>(heads, shape, iters, flush, &t[0], &t[2]);
+    TimeBothPaths<kHeadDim, __nv_fp8_e4m3>(heads, shape, iters, flush, &t[1], &t[3]);
     std::printf("%5d %6d", shape.batch, shape.context);
-    for (const Timing& x : t) {
-      std::printf(" | %10.4f %6.3f %8.2e", x.ms, x.tbps, x.err);
-      ok = ok && x.err <= kMaxRelErr;
+    for (int v = 0; v < kVariants; ++v) {
+      if (!ran[v]) continue;
+      std::printf(" | %10.4f %6.3f %8.2e", t[v].ms, t[v].tbps, t[v].err);
+      ok = ok && t[v].err <= kMaxRelErr;
     }
     std::printf("\n");
   }
@@ -513,17 +522,21 @@ int Main() {
     std::fprintf(f,
                  "{\n  \"tool\": \"flashinfer_decode_bench\",\n  \"flashinfer\": \"0.2.14.post1\","
                  "\n  \"device\": \"%s\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-                 "  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %u,\n"
+                 "  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d,\n"
                  "  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n  \"check\": {",
-                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, heads.q, heads.kv, kHeadDim,
+                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, heads.q, heads.kv, heads.dim,
                  iters, absl::GetFlag(FLAGS_l2_flush).c_str());
+    const char* sep = "";
     for (int v = 0; v < kVariants; ++v) {
-      std::fprintf(f, "%s\"%s_max_rel_err\": %.3e", v ? ", " : "", kVariantNames[v], check[v]);
+      if (!ran[v]) continue;
+      std::fprintf(f, "%s\"%s_max_rel_err\": %.3e", sep, kVariantNames[v], check[v]);
+      sep = ", ";
     }
     std::fprintf(f, "},\n  \"cases\": [\n");
     for (size_t i = 0; i < timings.size(); ++i) {
       std::fprintf(f, "    {\"batch\": %d, \"context\": %d", kShapes[i].batch, kShapes[i].context);
       for (int v = 0; v < kVariants; ++v) {
+        if (!ran[v]) continue;
         const Timing& t = timings[i][v];
         std::fprintf(f,
                      ", \"flashinfer_%s\": {\"ms\": %.5f, \"bytes\": %.0f, \"tbps\": %.4f, "
@@ -540,6 +553,32 @@ int Main() {
     return 1;
   }
   return 0;
+}
+
+int Main() {
+  const Heads heads{absl::GetFlag(FLAGS_q_heads), absl::GetFlag(FLAGS_kv_heads),
+                    absl::GetFlag(FLAGS_head_dim)};
+  if (heads.q <= 0 || heads.kv <= 0 || heads.q % heads.kv != 0) {
+    std::fprintf(stderr, "flashinfer_decode_bench: --kv_heads must divide --q_heads\n");
+    return 2;
+  }
+  if (heads.dim != 64 && heads.dim != 128 && heads.dim != 256) {
+    std::fprintf(stderr, "flashinfer_decode_bench: --head_dim must be 64, 128 or 256\n");
+    return 2;
+  }
+  int devices = 0;
+  if (cudaGetDeviceCount(&devices) != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "flashinfer_decode_bench: no CUDA device visible\n");
+    return 1;
+  }
+  switch (heads.dim) {
+    case 64:
+      return Run<64>(heads);
+    case 128:
+      return Run<128>(heads);
+    default:
+      return Run<256>(heads);
+  }
 }
 
 }  // namespace
