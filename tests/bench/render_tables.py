@@ -152,8 +152,9 @@ def geometries():
     print(f"Decode attention at other models' geometries (`tests/bench/attention_geometries.sh`): "
           f"the six shapes above, block_tokens {k0['block_tokens']}, median of {k0['iters']} runs "
           f"after L2 flushes, anchor SDPA flash fp16 at the same geometry in the same run; rotated "
-          f"formats rotate blocks of min(128, head_dim); FlashInfer (its faster path, as above) "
-          f"where its build serves the geometry. Files "
+          f"formats rotate blocks of min(128, head_dim); FlashInfer: the faster of its two paths, as "
+          f"above (only the tensor-core one at GQA groups its CUDA-core decode does not dispatch, "
+          f"Qwen2.5-7B's 7), where its file was merged. Files "
           + ", ".join(f"{p.name} ({d['date']}, commit {d['kvpool']['commit']})" for p, d in ds)
           + f", {k0['device']}:\n")
     print("| model (q / KV heads, head_dim) | batch x context | SDPA fp16 ms | INT4 ms | INT4 x SDPA "
