@@ -10,12 +10,8 @@
 set -uo pipefail
 commit=${1:-unknown}
 shift
-out=${OUT:-out}
-tmp=$(mktemp -d)
-mkdir -p "$out"
-[[ -d carry ]] || tar -xJf carry.tar.xz
-export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-bin=$PWD/carry/bin
+source tests/bench/carry_env.sh
+carry_setup
 # name: q heads, KV heads, head_dim (the model whose attention layers have it)
 declare -A geometries=(
   [llama3_70b]="64 8 128"   # Llama-3-70B: GQA 8, one 8-head CTA per KV head

@@ -7,14 +7,9 @@
 #   tests/bench/device_suite.sh <commit>
 set -uo pipefail
 commit=${1:-unknown}
-out=${OUT:-out}
-tmp=$(mktemp -d)
-mkdir -p "$out"
-[[ -d carry ]] || tar -xJf carry.tar.xz
+source tests/bench/carry_env.sh
 # NCCL is not carried: PyTorch's wheel ships it on the GPU machine.
-nccl_lib=$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" 2>/dev/null)
-export LD_LIBRARY_PATH=$PWD/carry/lib${nccl_lib:+:$nccl_lib}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-bin=$PWD/carry/bin
+carry_setup "$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" 2>/dev/null)"
 exec > >(tee -a "$out/suite.log") 2>&1
 gpus=$(nvidia-smi -L | wc -l)
 echo "device suite: commit $commit, $(date -u +%FT%TZ), $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"

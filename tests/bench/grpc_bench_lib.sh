@@ -3,13 +3,10 @@
 # (the results file) and $status (0), or has bench_setup set them, and keeps $server (the
 # server's pid) for stop_server.
 
-bench_setup() {  # results file name: $out, $tmp, $bin, $grpc, $status; unpacks and uses carry/
-  out=${OUT:-out}
-  tmp=$(mktemp -d)
-  mkdir -p "$out"
-  [[ -d carry ]] || tar -xJf carry.tar.xz
-  export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  bin=$PWD/carry/bin
+source tests/bench/carry_env.sh
+
+bench_setup() {  # results file name: $out, $tmp, $bin (carry_setup), $grpc, $status
+  carry_setup
   grpc=$out/$1
   status=0
 }
