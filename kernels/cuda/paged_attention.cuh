@@ -56,7 +56,9 @@ struct LaneVector {
 // Register budget of the tensor-core split kernel (CTAs per SM the compiler must fit, and the
 // occupancy PlanAttentionSplits assumes): 4 (16 warps) where the accumulators fit in 128
 // registers (head_dim 64, INT4 at 128), 3 for INT8/FP8 at 128, 2 for FP16 at 128 (its 16-byte
-// units) and for head_dim 256 (FP16 256 still spills, and its shared memory fits one CTA).
+// units) and for head_dim 256. There FP16's two stages per warp take 140 KiB of shared memory, so
+// one of its CTAs fits an SM, not the two the plan assumes; a build for one CTA per SM (three
+// stages) was no faster (results/experiments_2026-11-29.md, "Nineteenth session").
 __host__ __device__ constexpr int AttnMmaCtasPerSm(KvDtype dtype, int head_dim) {
   return head_dim > 128 || dtype == KvDtype::kFp16
              ? (head_dim == 64 ? 4 : 2)
