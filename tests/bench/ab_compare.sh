@@ -10,14 +10,8 @@
 set -uo pipefail
 base_commit=${1:-base}
 commit=${2:-change}
-out=${OUT:-out}
-tmp=$(mktemp -d)
-mkdir -p "$out"
-[[ -d carry ]] || tar -xJf carry.tar.xz
-export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-grpc=$out/ab_grpc.txt
-status=0
 source tests/bench/grpc_bench_lib.sh
+bench_setup ab_grpc.txt
 
 for side in base change; do
   suffix=$([[ $side == base ]] && echo _base || echo "")

@@ -7,11 +7,9 @@
 # attention_bench, attend_latency_bench).
 #   tests/bench/alternate.sh [--rounds=N] LABEL=BINARY... -- [benchmark arguments]
 set -uo pipefail
-out=${OUT:-out}
+source tests/bench/carry_env.sh
+carry_setup
 rounds=2
-mkdir -p "$out"
-[[ -d carry ]] || tar -xJf carry.tar.xz
-export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 builds=()
 while (($#)); do
   case $1 in

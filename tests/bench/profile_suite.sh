@@ -7,11 +7,8 @@
 #   tests/bench/profile_suite.sh [quantize|attention|all]   (default all)
 set -uo pipefail
 which=${1:-all}
-out=${OUT:-out}
-mkdir -p "$out"
-[[ -d carry ]] || tar -xJf carry.tar.xz
-export LD_LIBRARY_PATH=$PWD/carry/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-bin=$PWD/carry/bin
+source tests/bench/carry_env.sh
+carry_setup
 ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 sections=(--section SpeedOfLight --section SchedulerStats --section WarpStateStats
           --section Occupancy --section LaunchStats --section InstructionStats
