@@ -3,8 +3,9 @@
 # attention_bench (every page format), the PyTorch SDPA anchor and, when it is packed,
 # flashinfer_decode_bench (its tensor-core path at every geometry below, its CUDA-core path at
 # GQA groups 1, 2, 3, 4 and 8), over the same six (batch, context) shapes as the issue's
-# benchmark, merged into $OUT/attention_geometry_<name>.json (attention_peer.py merge; the targets are set for
-# 32 q / 8 KV heads / head_dim 128 only, so these files carry ratios without met/missed flags).
+# benchmark, merged into $OUT/attention_geometry_<name>.json (attention_peer.py merge; the issue's
+# targets are set for 32 q / 8 KV heads / head_dim 128 only, so these files carry ratios without
+# met/missed flags).
 # render_tables.py prints them.
 #   tests/bench/attention_geometries.sh <commit> [name ...]   (default: every geometry)
 set -uo pipefail

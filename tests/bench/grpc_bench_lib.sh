@@ -1,7 +1,7 @@
 # Shell helpers for the gRPC loopback runs on the GPU machine, sourced by device_suite.sh,
-# ab_compare.sh, attend_spin.sh and attend_transports.sh. The caller sets $bin (carry/bin), $tmp (scratch), $grpc
-# (the results file) and $status (0), or has bench_setup set them, and keeps $server (the
-# server's pid) for stop_server.
+# ab_compare.sh, attend_spin.sh and attend_transports.sh. The caller sets $bin (carry/bin), $tmp
+# (scratch), $grpc (the results file) and $status (0), or has bench_setup set them, and keeps
+# $server (the server's pid) for stop_server.
 
 source tests/bench/carry_env.sh
 
