@@ -9,7 +9,8 @@ set -uo pipefail
 commit=${1:-unknown}
 source tests/bench/carry_env.sh
 # NCCL is not carried: PyTorch's wheel ships it on the GPU machine.
-carry_setup "$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" 2>/dev/null)"
+carry_setup "$(python3 -c "import nvidia.nccl as n; print(list(n.__path__)[0] + '/lib')" \
+  2>/dev/null)"
 exec > >(tee -a "$out/suite.log") 2>&1
 gpus=$(nvidia-smi -L | wc -l)
 echo "device suite: commit $commit, $(date -u +%FT%TZ), $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1)"
