@@ -398,6 +398,14 @@ __device__ __forceinline__ void Mma16816From(float (&d)[4], const uint4& a, uint
         "f"(c[3]));
 }
 
+// The transpose of an 8 x 8 fp16 matrix held as m16n8k16 fragments (lane 4 r + c: row r, columns
+// 2 c and 2 c + 1): lane 4 r + c gets rows 2 c and 2 c + 1 of column r.
+__device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
 // ---- launches ---------------------------------------------------------------------------------
 
 // Allows kKernel kBytes of dynamic shared memory on the current device. The attribute is set once

@@ -10,25 +10,28 @@
 // memory (16-byte copies, several tiles in flight, no CTA barrier in the loop), scores one to four
 // tiles per iteration (kTPI), and keeps its own online-softmax state. Per tile, with
 // mma.sync.m16n8k16 (fp16 inputs, fp32 accumulation):
-//   scores  S^T[16 x 8 tokens] = Q'[16 x D] . codes^T: rows 0..7 are the hi parts of the 8 query
-//           heads' q' (fp16), rows 8..15 the lo parts (q' - hi in fp16), so row g + row g + 8 is
-//           q' . codes to ~2^-22; q' enters times sm_scale (log2 domain). Codes (INT4/INT8
-//           integers, e4m3 values, fp16 values) are exact in fp16. Integer codes enter as fp16
-//           subnormals c 2^-24 (INT4 high nibbles 16 c 2^-24, against q' / 16), their bits
-//           masked in place: dot = 2^24 times the sum. score = scale_t * dot + zero_t * sum(q').
+//   scores  with kPT == 2 (5 to 8 query heads): S^T[16 x 8 tokens] = Q'[16 x D] . codes^T, rows
+//           0..7 the hi parts of the 8 heads' q' (fp16), rows 8..15 the lo parts (q' - hi in
+//           fp16), so row g + row g + 8 is q' . codes to ~2^-22. With kPT == 1 (at most 4
+//           heads): S[16 tokens x 8] = codes . Q'^T, K the A operand (one MMA for all 16
+//           tokens), column 2 h the hi parts of head h and 2 h + 1 its lo parts, so a lane's two
+//           columns sum to its head's score. q' enters times sm_scale (log2 domain). Codes
+//           (INT4/INT8 integers, e4m3 values, fp16 values) are exact in fp16. Integer codes
+//           enter as fp16 subnormals c 2^-24 (INT4 high nibbles 16 c 2^-24, against q' / 16),
+//           their bits masked in place: dot = 2^24 times the sum.
+//           score = scale_t * dot + zero_t * sum(q').
 //   values  O^T[D x 8 kPT] += codes^T[D x 16 tokens] . P^T[16 tokens x 8 kPT]: the codes are
 //           the A operand (16 channels per m16 tile), and the columns of P^T carry the hi / lo
-//           parts of p_t * scale_t: with kPT == 1 (at most 4 query heads) columns 0..3 are the
-//           hi parts of heads 0..3 and 4..7 their lo parts, and S^T rows 4..7 / 12..15 repeat
-//           heads 0..3 so that group g computes the scores of head g % 4; with kPT == 2 (up to
-//           8 heads) n8 tile 0 holds the hi parts of heads 0..7 and tile 1 the lo parts.
+//           parts of p_t * scale_t: with kPT == 1 columns 2 h / 2 h + 1 of head h, as in S;
+//           with kPT == 2 n8 tile 0 holds the hi parts of heads 0..7 and tile 1 the lo parts.
 //           Integer value codes enter as fp16 subnormals (their bits masked in place, no
 //           subtraction), scaled back once at the end (MmaCodec::ChannelScale).
 //           sum_t p_t zero_t is accumulated beside in fp32: V stays rotated.
-// The thread that holds a score in the S^T accumulator holds the same entries of P^T as a B
-// operand, so scores never leave registers. At the end the four warps' states are merged in
-// shared memory into the split's {m, l} and o', or, for a call of one split without sinks, into
-// its output (paged_attention_mma_merge.cuh).
+// With kPT == 2 the thread that holds a score in the S^T accumulator holds the same entries of
+// P^T as a B operand; with kPT == 1 the P tile (hi and lo parts, fp16) becomes P^T's B operand
+// through movmatrix.trans. Scores never leave registers. At the end the four warps' states are
+// merged in shared memory into the split's {m, l} and o', or, for a call of one split without
+// sinks, into its output (paged_attention_mma_merge.cuh).
 #ifndef KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
 #define KVPOOL_KERNELS_CUDA_PAGED_ATTENTION_MMA_CUH_
 
@@ -44,6 +47,7 @@
 #include "kernels/cuda/paged_attention.cuh"
 #include "kernels/cuda/paged_attention_mma_merge.cuh"
 #include "kernels/cuda/paged_attention_mma_operands.cuh"
+#include "kernels/cuda/paged_attention_mma_query.cuh"
 #include "kernels/cuda/paged_attention_split.cuh"
 
 namespace kvpool::cuda {
@@ -66,11 +70,8 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
-  const int g = lane / 4;    // mma group: S^T row g (a head), token g of an n8 tile
+  const int g = lane / 4;    // mma group
   const int tig = lane % 4;  // thread in group
-  // The query head of S^T rows g and g + 8, and of P^T column g (kPT == 1: columns g >= 4 are
-  // the lo parts of head g - 4).
-  const int head_g = kPT == 1 ? g % 4 : g;
   const int split = blockIdx.x;
   const int kv_head = blockIdx.y / a.plan.head_groups;
   const int h_first = (blockIdx.y % a.plan.head_groups) * kH;
@@ -84,16 +85,8 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
   // heads of q, and the block ids of the warp's first tiles. A CTA with work begins at
   // max(split * tokens_per_split, sink_tokens) whatever the length (a sequence no longer than
   // its sink leaves every split empty), so its first tiles are known before the length is.
-  using QV = LaneVector<kHeadDim>;
-  constexpr int kQLoads = kH > QV::kVecs ? kH / QV::kVecs : 1;
-  uint4 q_raw[kQLoads];
-#pragma unroll
-  for (int r = 0; r < kQLoads; ++r) {
-    const int h = r * QV::kVecs + tid / QV::kLanes;
-    q_raw[r] = h < nh ? *reinterpret_cast<const uint4*>(a.q + (head_row + h) * kHeadDim +
-                                                        (tid % QV::kLanes) * 8)
-                      : make_uint4(0, 0, 0, 0);
-  }
+  uint4 q_raw[kQueryLoads<kHeadDim>];
+  LoadQuery<kHeadDim>(a, head_row, nh, q_raw);
   const int begin = max(split * a.plan.tokens_per_split, a.sink_tokens);
   const int first_token = begin & ~(kTileTokens - 1);
   const int32_t* table = a.block_tables + static_cast<size_t>(seq) * a.max_blocks_per_seq;
@@ -227,86 +220,22 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
   int load_stage = kLead;  // stage of local tile i + kLead in iteration i
   int use_stage = 0;       // stage of local tile i
 
-  // Prologue: q' = H(sign . q) of the CTA's heads (the rotation RotateQueryKernel applies, at the
-  // layout's block), staged as fp32 [kH][kHeadDim] where the fragments will go (the same bytes);
-  // then q' hi/lo A fragments of every k16 slab, and sum(q') per head (kSumLanes lanes per head),
-  // both times score_scale: the MMA yields scores in the log2 domain.
-  float* q_stage = reinterpret_cast<float*>(qfrag);
-  static_assert(kH * kHeadDim * 4 == T::kSlabs * 32 * 16, "q' fills the fragment area");
-  {
-    const int chunk = tid % QV::kLanes;
+  // Prologue: the CTA's q' operands and sums (paged_attention_mma_query.cuh), the first tiles
+  // queued once q has arrived.
+  StageQueryFragments<kDtype, kHeadDim, kPT, kCtasPerSm>(q_raw, nh, a, qfrag, qsum_s, [&] {
 #pragma unroll
-    for (int r = 0; r < kQLoads; ++r) {
-      // A warp whose heads all lie past nh stages nothing (warp-uniform: the rotation shuffles
-      // across the whole warp); the fragments below read only heads below nh.
-      if (r * QV::kVecs + warp * (32 / QV::kLanes) >= nh) continue;
-      const int h = r * QV::kVecs + tid / QV::kLanes;
-      float x[8];
-      UnpackHalf8(q_raw[r], x);
-      if (a.rot_block > 0) {
-        ApplySigns8(SignByte(a.signs, chunk), x);
-        Hadamard8PerLane(x, chunk, a.rot_block);
-      }
-      if (h < kH) {
-        float4* dst = reinterpret_cast<float4*>(q_stage + h * kHeadDim + chunk * 8);
-        dst[0] = make_float4(x[0], x[1], x[2], x[3]);
-        dst[1] = make_float4(x[4], x[5], x[6], x[7]);
-      }
-    }
-  }
-  // The first tiles go out once q has arrived: every CTA's first copies at once (6.7 MB at
-  // 1 x 32K) delayed q, which the whole prologue waits for (Nsight Compute), while the copies'
-  // latency still overlaps the fragments built below.
-#pragma unroll
-  for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
-  __syncthreads();
-  constexpr int kFragsPerThread = T::kSlabs * 32 / kAttnThreads;
-  uint4 frag[kFragsPerThread];
-#pragma unroll
-  for (int f = 0; f < kFragsPerThread; ++f) {
-    const int i = tid + f * kAttnThreads;
-    const int slab = i / 32, fl = i % 32, ft = fl % 4;
-    const int fh = kPT == 1 ? (fl / 4) % 4 : fl / 4;  // the head of A rows fl / 4 and + 8
-    // Slab `slab` = the lane's unit slab / 2, half slab % 2 of its k-pairs.
-    const int unit_base = 8 * T::KUnit(slab / 2, ft);
-    const int pair0 = 2 * (slab % 2);  // k = 2 ft, 2 ft + 1 -> pair pair0; k + 8 -> pair0 + 1
-    float x[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      x[e] = fh < nh ? q_stage[fh * kHeadDim + unit_base + C::Perm(2 * pair0 + e)] *
-                           (a.score_scale * C::PairWeight(pair0 + e / 2))
-                     : 0.0f;
-    }
-    __half hi[4], lo[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      hi[e] = __float2half_rn(x[e]);
-      lo[e] = __float2half_rn(x[e] - __half2float(hi[e]));
-    }
-    frag[f] = make_uint4(PackHalf2(hi[0], hi[1]), PackHalf2(lo[0], lo[1]), PackHalf2(hi[2], hi[3]),
-                         PackHalf2(lo[2], lo[3]));
-  }
-  {
-    constexpr int kSumLanes = kAttnThreads / kH;
-    const int h = tid / kSumLanes;
-    float sum = 0.0f;
-    if (h < nh) {
-#pragma unroll
-      for (int c = tid % kSumLanes; c < kHeadDim; c += kSumLanes) sum += q_stage[h * kHeadDim + c];
-    }
-    sum = GroupSum<kSumLanes>(sum);
-    if (tid % kSumLanes == 0) qsum_s[h] = sum * a.score_scale;
-  }
-  __syncthreads();  // q' read: its bytes take the fragments
-#pragma unroll
-  for (int f = 0; f < kFragsPerThread; ++f) qfrag[tid + f * kAttnThreads] = frag[f];
-  __syncthreads();
-  const float qsum = qsum_s[head_g];
-  constexpr float kZeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-
-  float m_run = -INFINITY;  // head head_g, log2 domain; the same in the 4 lanes of the group
+    for (int i = 0; i < kLead; ++i) issue(i, first_blocks[i], i);
+  });
+  // The head whose softmax state this lane keeps: with kPT == 1 the score tile is S[16 tokens x
+  // 8 columns], and this lane's columns 2 tig and 2 tig + 1 are the hi and lo parts of head tig, at
+  // tokens g and g + 8; with kPT == 2 the tile is S^T, and this lane's row is head g, at tokens
+  // 2 tig, 2 tig + 1, 8 + 2 tig and 9 + 2 tig.
+  const float qsum = qsum_s[kPT == 1 ? tig : g];
+  float m_run = -INFINITY;  // log2 domain; the same in every lane that keeps the head
   float l_run = 0.0f;       // this lane's tokens only
   float z_run = 0.0f;       // sum p_t zero_t, this lane's tokens only
+  constexpr float kZeros[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
   // O^T: acc[mt][j] rows g / g + 8 are channels kVChannels g + 2 mt / + 1, columns 2 tig and
   // 2 tig + 1 of P^T tile j.
   float acc[T::kMTiles][kPT][4];
@@ -315,6 +244,56 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
 #pragma unroll
     for (int j = 0; j < kPT; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.0f;
   }
+  // This lane's tokens of a tile in the value MMA's B operand (P^T rows): 2 tig, 2 tig + 1,
+  // 8 + 2 tig, 9 + 2 tig.
+  int tok[4];
+#pragma unroll
+  for (int u = 0; u < 4; ++u) tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
+
+  // Values of one tile: O^T += codes^T . P^T, P^T's B fragments pb0 (tokens 2 tig, 2 tig + 1) and
+  // pb1 (8 + 2 tig, 9 + 2 tig) per n8 tile. This lane's channels [kVChannels g, +kVChannels) of
+  // its 4 token rows, one 32-bit word of each row at a time; rows outside [begin, end) hold
+  // finite codes (see issue) against p = 0.
+  auto values = [&](const uint8_t* tile, const uint32_t(&pb0)[kPT], const uint32_t(&pb1)[kPT]) {
+    const uint8_t* v_codes = tile + T::kVArea;
+    const uint32_t* vrow[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      vrow[u] =
+          reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kVStride + g * (T::kVWords * 4));
+    }
+#pragma unroll
+    for (int w = 0; w < T::kVWords; ++w) {
+      uint32_t word[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
+      uint32_t c01[C::kChPerWord], c23[C::kChPerWord];
+      C::PairWord(word[0], word[1], c01);
+      C::PairWord(word[2], word[3], c23);
+#pragma unroll
+      for (int e = 0; e < C::kChPerWord; e += 2) {
+        // Channels e and e + 1 of the word are A rows g and g + 8 of m16 tile mt.
+        const int mt = (w * C::kChPerWord + e) / 2;
+        const uint4 va = make_uint4(c01[e], c01[e + 1], c23[e], c23[e + 1]);
+#pragma unroll
+        for (int j = 0; j < kPT; ++j) Mma16816(acc[mt][j], va, pb0[j], pb1[j]);
+      }
+    }
+  };
+  // Rescales the accumulators when a head's running max moved: columns 2 tig + c of acc by
+  // col_alpha[c].
+  auto rescale = [&](const float(&col_alpha)[2]) {
+#pragma unroll
+    for (int mt = 0; mt < T::kMTiles; ++mt) {
+#pragma unroll
+      for (int j = 0; j < kPT; ++j) {
+        acc[mt][j][0] *= col_alpha[0];
+        acc[mt][j][1] *= col_alpha[1];
+        acc[mt][j][2] *= col_alpha[0];
+        acc[mt][j][3] *= col_alpha[1];
+      }
+    }
+  };
 
   for (int i = 0; i < my_tiles; i += kTPI) {
     CpAsyncWait<T::kStages - 2 * kTPI>();
@@ -334,12 +313,9 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
       t0[t] = first_token + (warp + kMmaWarps * (i + t)) * kTileTokens;
     }
 
-    // Scores: per tile two n8 tiles (tokens 0..7, 8..15); this lane's token rows are g and
-    // 8 + g. Each n8 tile accumulates in kChains independent chains (with one tile per
-    // iteration, the two slabs of a unit, for ILP), each from 0. A tile past the warp's last
-    // is scored on whatever its stage holds and selected away below.
-    constexpr int kChains = kTPI == 1 ? 2 : 1;
-    uint32_t kw[kTPI][2][T::kKSlice / 4];  // this lane's slice of K rows g and 8 + g
+    // This lane's slice of each tile's K rows g and 8 + g: the B operand of S^T (kPT == 2) or the
+    // A operand of S (kPT == 1), the same registers.
+    uint32_t kw[kTPI][2][T::kKSlice / 4];
 #pragma unroll
     for (int t = 0; t < kTPI; ++t) {
 #pragma unroll
@@ -361,166 +337,212 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
         }
       }
     }
-    float s_acc[kTPI][2][kChains][4];
-#pragma unroll
-    for (int cc = 0; cc < kHeadDim / 32; ++cc) {
-      const uint4 qa = qfrag[(2 * cc) * 32 + lane];
-      const uint4 qb = qfrag[(2 * cc + 1) * 32 + lane];
-#pragma unroll
-      for (int t = 0; t < kTPI; ++t) {
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          uint32_t pairs[4];
-          C::UnpackUnit(&kw[t][nt][cc * (C::kUnitBytes / 4)], pairs);
-          if (cc == 0) {
-            Mma16816From(s_acc[t][nt][0], qa, pairs[0], pairs[1], kZeros);
-            if constexpr (kChains == 2) {
-              Mma16816From(s_acc[t][nt][1], qb, pairs[2], pairs[3], kZeros);
-            } else {
-              Mma16816(s_acc[t][nt][0], qb, pairs[2], pairs[3]);
-            }
-          } else {
-            Mma16816(s_acc[t][nt][0], qa, pairs[0], pairs[1]);
-            Mma16816(s_acc[t][nt][kChains - 1], qb, pairs[2], pairs[3]);
-          }
-        }
-      }
-    }
-    // This lane's tokens of each tile: 2 tig, 2 tig + 1, 8 + 2 tig, 9 + 2 tig.
-    int tok[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) tok[u] = (u / 2) * 8 + 2 * tig + (u % 2);
-    // The softmax update and the value MMAs of the iteration's tiles. Rows outside [begin, end)
-    // hold finite codes (see issue) and any meta (possibly inf/NaN as floats): their scores and
-    // P^T entries are selected away, never multiplied by 0. kFull: every token of the kTPI tiles
-    // lies in [begin, end), so there is nothing to select (all but a warp's first and last
-    // iterations of a split; warp-uniform).
-    auto update = [&](auto full) {
-      constexpr bool kFull = decltype(full)::value;
-      const uint32_t range = end - begin;
-      bool valid[kTPI][4];
-      float s[kTPI][4];
-      float tile_max;
-#pragma unroll
-      for (int t = 0; t < kTPI; ++t) {
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          valid[t][u] = kFull || static_cast<uint32_t>(t0[t] + tok[u] - begin) < range;
-          const float(&sa)[kChains][4] = s_acc[t][u / 2];
-          float dot = sa[0][u % 2] + sa[0][2 + u % 2];  // rows g (hi) + g + 8 (lo)
-          if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
-          if constexpr (T::kQuantized) {
-            const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
-            dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
-          }
-          s[t][u] = valid[t][u] ? dot : -INFINITY;
-        }
-        // A tree, not a chain of dependent maxima.
-        const float m = fmaxf(fmaxf(s[t][0], s[t][1]), fmaxf(s[t][2], s[t][3]));
-        tile_max = t == 0 ? m : fmaxf(tile_max, m);
-      }
-      tile_max = GroupMax<4>(tile_max);
-      // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the
-      // V scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t
-      // overflow fp16.
-      const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
-      const float alpha = Exp2Ftz(m_run - m_new);
-      m_run = m_new;
-      l_run *= alpha;
-      z_run *= alpha;
-      if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
-        // Column 2 tig (+1) of acc holds the state of the group whose g is that column (kPT == 1:
-        // mod 4): its alpha, fetched from lane 4 * column.
-        float col_alpha[2];
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          col_alpha[c] = __shfl_sync(0xffffffffu, alpha, 4 * (2 * tig + c));
-        }
-#pragma unroll
-        for (int mt = 0; mt < T::kMTiles; ++mt) {
-#pragma unroll
-          for (int j = 0; j < kPT; ++j) {
-            acc[mt][j][0] *= col_alpha[0];
-            acc[mt][j][1] *= col_alpha[1];
-            acc[mt][j][2] *= col_alpha[0];
-            acc[mt][j][3] *= col_alpha[1];
-          }
-        }
-      }
-#pragma unroll
-      for (int t = 0; t < kTPI; ++t) {
-        if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
-        const uint8_t* v_codes = base[t] + T::kVArea;
-        float ps[4];  // p_t scale_t
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const float p = Exp2Ftz(s[t][u] - m_new);
-          l_run += p;
-          ps[u] = p;
-          if constexpr (T::kQuantized) {
-            const float2 sz = LoadMeta(base[t] + T::kMetaArea + (kTileTokens + tok[u]) * 4, 0);
-            ps[u] = valid[t][u] ? p * sz.x : 0.0f;
-            z_run += valid[t][u] ? p * sz.y : 0.0f;
-          }
-        }
-        // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 (pb0) and 8 + 2 tig,
-        // 9 + 2 tig (pb1), each pair of tokens rounded to fp16 in one conversion: hi = fp16(ps),
-        // lo = fp16(ps - hi).
-        uint32_t hi[2], lo[2];
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const __half2 h = __floats2half2_rn(ps[2 * k], ps[2 * k + 1]);
-          const float2 hf = __half22float2(h);
-          const __half2 l = __floats2half2_rn(ps[2 * k] - hf.x, ps[2 * k + 1] - hf.y);
-          hi[k] = *reinterpret_cast<const uint32_t*>(&h);
-          lo[k] = *reinterpret_cast<const uint32_t*>(&l);
-        }
-        uint32_t pb0[kPT], pb1[kPT];
-        if constexpr (kPT == 1) {
-          pb0[0] = g < 4 ? hi[0] : lo[0];
-          pb1[0] = g < 4 ? hi[1] : lo[1];
-        } else {
-          pb0[0] = hi[0];
-          pb1[0] = hi[1];
-          pb0[1] = lo[0];
-          pb1[1] = lo[1];
-        }
-
-        // Values: this lane's channels [kVChannels g, +kVChannels) of its 4 token rows, one 32-bit
-        // word of each row at a time; rows outside [begin, end) hold finite codes (see issue)
-        // against p = 0.
-        const uint32_t* vrow[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          vrow[u] = reinterpret_cast<const uint32_t*>(v_codes + tok[u] * T::kVStride +
-                                                      g * (T::kVWords * 4));
-        }
-#pragma unroll
-        for (int w = 0; w < T::kVWords; ++w) {
-          uint32_t word[4];
-#pragma unroll
-          for (int u = 0; u < 4; ++u) word[u] = vrow[u][w];
-          uint32_t c01[C::kChPerWord], c23[C::kChPerWord];
-          C::PairWord(word[0], word[1], c01);
-          C::PairWord(word[2], word[3], c23);
-#pragma unroll
-          for (int e = 0; e < C::kChPerWord; e += 2) {
-            // Channels e and e + 1 of the word are A rows g and g + 8 of m16 tile mt.
-            const int mt = (w * C::kChPerWord + e) / 2;
-            const uint4 va = make_uint4(c01[e], c01[e + 1], c23[e], c23[e + 1]);
-#pragma unroll
-            for (int j = 0; j < kPT; ++j) Mma16816(acc[mt][j], va, pb0[j], pb1[j]);
-          }
-        }
-      }
-    };
     bool full = i + kTPI <= my_tiles;
 #pragma unroll
     for (int t = 0; t < kTPI; ++t) full = full && t0[t] >= begin && t0[t] + kTileTokens <= end;
-    if (full) {
-      update(std::true_type{});
+
+    if constexpr (kPT == 1) {
+      // Scores S[16 tokens x 8] = codes . Q'^T per tile, one m16n8k16 per k16 slab (K the A
+      // operand, rows g and g + 8 of this lane), even and odd slabs in two chains; Q'^T column
+      // 2 h holds the hi parts of head h, column 2 h + 1 its lo parts.
+      float s_acc[kTPI][2][4];
+#pragma unroll
+      for (int cc = 0; cc < kHeadDim / 32; ++cc) {
+        const uint4 qb = qfrag[cc * 32 + lane];
+#pragma unroll
+        for (int t = 0; t < kTPI; ++t) {
+          uint32_t p0[4], p1[4];
+          C::UnpackUnit(&kw[t][0][cc * (C::kUnitBytes / 4)], p0);
+          C::UnpackUnit(&kw[t][1][cc * (C::kUnitBytes / 4)], p1);
+          const uint4 a0 = make_uint4(p0[0], p1[0], p0[1], p1[1]);
+          const uint4 a1 = make_uint4(p0[2], p1[2], p0[3], p1[3]);
+          if (cc == 0) {
+            Mma16816From(s_acc[t][0], a0, qb.x, qb.y, kZeros);
+            Mma16816From(s_acc[t][1], a1, qb.z, qb.w, kZeros);
+          } else {
+            Mma16816(s_acc[t][0], a0, qb.x, qb.y);
+            Mma16816(s_acc[t][1], a1, qb.z, qb.w);
+          }
+        }
+      }
+      // The softmax update and the value MMAs. Entry u of a tile: token u * 8 + g of head tig.
+      // Rows outside [begin, end) hold finite codes (see issue) and any meta (possibly inf/NaN as
+      // floats): their scores and P entries are selected away, never multiplied by 0. kFull:
+      // every token of the kTPI tiles lies in [begin, end).
+      auto update = [&](auto full_tag) {
+        constexpr bool kFull = decltype(full_tag)::value;
+        const uint32_t range = end - begin;
+        bool valid[kTPI][2];
+        float s[kTPI][2];
+        float tile_max;
+#pragma unroll
+        for (int t = 0; t < kTPI; ++t) {
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            valid[t][u] = kFull || static_cast<uint32_t>(t0[t] + u * 8 + g - begin) < range;
+            // Columns 2 tig (hi) + 2 tig + 1 (lo) of row u * 8 + g, both chains.
+            float dot = (s_acc[t][0][2 * u] + s_acc[t][0][2 * u + 1]) +
+                        (s_acc[t][1][2 * u] + s_acc[t][1][2 * u + 1]);
+            if constexpr (T::kQuantized) {
+              const float2 sz = LoadMeta(base[t] + T::kMetaArea + (u * 8 + g) * 4, 0);
+              dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
+            }
+            s[t][u] = valid[t][u] ? dot : -INFINITY;
+          }
+          const float m = fmaxf(s[t][0], s[t][1]);
+          tile_max = t == 0 ? m : fmaxf(tile_max, m);
+        }
+#pragma unroll
+        for (int x = 4; x < 32; x <<= 1) {  // over the tiles' tokens: the 8 lanes of one tig
+          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, x));
+        }
+        // The exact running max (see the kPT == 2 update below).
+        const float m_new = fmaxf(m_run, tile_max);
+        const float alpha = Exp2Ftz(m_run - m_new);
+        m_run = m_new;
+        l_run *= alpha;
+        z_run *= alpha;
+        if (__any_sync(0xffffffffu, alpha != 1.0f)) rescale({alpha, alpha});
+#pragma unroll
+        for (int t = 0; t < kTPI; ++t) {
+          if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
+          // P rows g and g + 8 (columns 2 tig, 2 tig + 1: hi = fp16(p_t scale_t) and
+          // lo = fp16(p_t scale_t - hi)), transposed into P^T's B fragments.
+          uint32_t prow[2];
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const float p = Exp2Ftz(s[t][u] - m_new);
+            l_run += p;
+            float ps = p;
+            if constexpr (T::kQuantized) {
+              const float2 sz = LoadMeta(base[t] + T::kMetaArea + (kTileTokens + u * 8 + g) * 4, 0);
+              ps = valid[t][u] ? p * sz.x : 0.0f;
+              z_run += valid[t][u] ? p * sz.y : 0.0f;
+            }
+            const __half hi = __float2half_rn(ps);
+            prow[u] = PackHalf2(hi, __float2half_rn(ps - __half2float(hi)));
+          }
+          const uint32_t pb0[1] = {MovMatrixTrans(prow[0])};
+          const uint32_t pb1[1] = {MovMatrixTrans(prow[1])};
+          values(base[t], pb0, pb1);
+        }
+      };
+      if (full) {
+        update(std::true_type{});
+      } else {
+        update(std::false_type{});
+      }
     } else {
-      update(std::false_type{});
+      // Scores: per tile two n8 tiles of S^T (tokens 0..7, 8..15); this lane's token rows are g
+      // and 8 + g. Each n8 tile accumulates in kChains independent chains (with one tile per
+      // iteration, the two slabs of a unit, for ILP), each from 0. A tile past the warp's last
+      // is scored on whatever its stage holds and selected away below.
+      constexpr int kChains = kTPI == 1 ? 2 : 1;
+      float s_acc[kTPI][2][kChains][4];
+#pragma unroll
+      for (int cc = 0; cc < kHeadDim / 32; ++cc) {
+        const uint4 qa = qfrag[(2 * cc) * 32 + lane];
+        const uint4 qb = qfrag[(2 * cc + 1) * 32 + lane];
+#pragma unroll
+        for (int t = 0; t < kTPI; ++t) {
+#pragma unroll
+          for (int nt = 0; nt < 2; ++nt) {
+            uint32_t pairs[4];
+            C::UnpackUnit(&kw[t][nt][cc * (C::kUnitBytes / 4)], pairs);
+            if (cc == 0) {
+              Mma16816From(s_acc[t][nt][0], qa, pairs[0], pairs[1], kZeros);
+              if constexpr (kChains == 2) {
+                Mma16816From(s_acc[t][nt][1], qb, pairs[2], pairs[3], kZeros);
+              } else {
+                Mma16816(s_acc[t][nt][0], qb, pairs[2], pairs[3]);
+              }
+            } else {
+              Mma16816(s_acc[t][nt][0], qa, pairs[0], pairs[1]);
+              Mma16816(s_acc[t][nt][kChains - 1], qb, pairs[2], pairs[3]);
+            }
+          }
+        }
+      }
+      // The softmax update and the value MMAs of the iteration's tiles, as above, for this lane's
+      // tokens tok[u] of head g.
+      auto update = [&](auto full_tag) {
+        constexpr bool kFull = decltype(full_tag)::value;
+        const uint32_t range = end - begin;
+        bool valid[kTPI][4];
+        float s[kTPI][4];
+        float tile_max;
+#pragma unroll
+        for (int t = 0; t < kTPI; ++t) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            valid[t][u] = kFull || static_cast<uint32_t>(t0[t] + tok[u] - begin) < range;
+            const float(&sa)[kChains][4] = s_acc[t][u / 2];
+            float dot = sa[0][u % 2] + sa[0][2 + u % 2];  // rows g (hi) + g + 8 (lo)
+            if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
+            if constexpr (T::kQuantized) {
+              const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
+              dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
+            }
+            s[t][u] = valid[t][u] ? dot : -INFINITY;
+          }
+          // A tree, not a chain of dependent maxima.
+          const float m = fmaxf(fmaxf(s[t][0], s[t][1]), fmaxf(s[t][2], s[t][3]));
+          tile_max = t == 0 ? m : fmaxf(tile_max, m);
+        }
+        tile_max = GroupMax<4>(tile_max);
+        // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the
+        // V scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t
+        // overflow fp16.
+        const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in range
+        const float alpha = Exp2Ftz(m_run - m_new);
+        m_run = m_new;
+        l_run *= alpha;
+        z_run *= alpha;
+        if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
+          // Column 2 tig (+1) of acc holds the state of the group whose g is that column: its
+          // alpha, fetched from lane 4 * column.
+          float col_alpha[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            col_alpha[c] = __shfl_sync(0xffffffffu, alpha, 4 * (2 * tig + c));
+          }
+          rescale(col_alpha);
+        }
+#pragma unroll
+        for (int t = 0; t < kTPI; ++t) {
+          if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
+          float ps[4];                                      // p_t scale_t
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const float p = Exp2Ftz(s[t][u] - m_new);
+            l_run += p;
+            ps[u] = p;
+            if constexpr (T::kQuantized) {
+              const float2 sz = LoadMeta(base[t] + T::kMetaArea + (kTileTokens + tok[u]) * 4, 0);
+              ps[u] = valid[t][u] ? p * sz.x : 0.0f;
+              z_run += valid[t][u] ? p * sz.y : 0.0f;
+            }
+          }
+          // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 (pb0) and 8 + 2 tig,
+          // 9 + 2 tig (pb1), each pair of tokens rounded to fp16 in one conversion: n8 tile 0
+          // holds hi = fp16(ps), tile 1 lo = fp16(ps - hi).
+          uint32_t pb0[kPT], pb1[kPT];
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const __half2 h = __floats2half2_rn(ps[2 * k], ps[2 * k + 1]);
+            const float2 hf = __half22float2(h);
+            const __half2 l = __floats2half2_rn(ps[2 * k] - hf.x, ps[2 * k + 1] - hf.y);
+            (k == 0 ? pb0 : pb1)[0] = *reinterpret_cast<const uint32_t*>(&h);
+            (k == 0 ? pb0 : pb1)[1] = *reinterpret_cast<const uint32_t*>(&l);
+          }
+          values(base[t], pb0, pb1);
+        }
+      };
+      if (full) {
+        update(std::true_type{});
+      } else {
+        update(std::false_type{});
+      }
     }
   }
 

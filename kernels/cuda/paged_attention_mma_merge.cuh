@@ -18,12 +18,12 @@
 namespace kvpool::cuda {
 namespace attention_internal {
 
-// Every thread of the CTA calls it once its loop is done, with its warp's state: m_run (head
-// head_g, log2 domain), l_run and z_run (sum p_t and sum p_t zero_t over this lane's tokens),
-// and acc, the O^T accumulators (rows g / g + 8 channels kVChannels g + 2 mt / + 1, columns
-// 2 tig and 2 tig + 1 of P^T tile j). The stage tiles in smem are reused. Writes nh heads'
-// o' (channels scaled back, sum p_t zero_t added) and {m, l}, num_splits apart, or with a.out or
-// a.out_fp16 set the rows head_row .. head_row + nh - 1 of the output (and of a.lse).
+// Every thread of the CTA calls it once its loop is done, with its warp's state: m_run (log2
+// domain), l_run and z_run (sum p_t and sum p_t zero_t over this lane's tokens) of head tig
+// (kPT == 1) or g (kPT == 2), and acc, the O^T accumulators (rows g / g + 8 channels kVChannels g +
+// 2 mt / + 1, columns 2 tig and 2 tig + 1 of P^T tile j). The stage tiles in smem are reused.
+// Writes nh heads' o' (channels scaled back, sum p_t zero_t added) and {m, l}, num_splits apart, or
+// with a.out or a.out_fp16 set the rows head_row .. head_row + nh - 1 of the output (and of a.lse).
 template <KvDtype kDtype, int kHeadDim, int kPT, int kCtasPerSm>
 __device__ __forceinline__ void MergeWarpsIntoSplit(
     uint8_t* smem, float (&acc)[MmaTraits<kDtype, kHeadDim, kCtasPerSm>::kMTiles][kPT][4],
@@ -37,7 +37,6 @@ __device__ __forceinline__ void MergeWarpsIntoSplit(
   const int lane = tid % 32;
   const int g = lane / 4;
   const int tig = lane % 4;
-  const int head_g = kPT == 1 ? g % 4 : g;
   // Merge the warps: {m, l, z} [warp][head] then o [warp][P^T column][channel] in the freed
   // tiles.
   CpAsyncWait<0>();
@@ -47,15 +46,20 @@ __device__ __forceinline__ void MergeWarpsIntoSplit(
   float* fin_o = o_s + kMmaWarps * 8 * T::kORow;  // [kH][kHeadDim], when finishing
   float2* fin_ml = reinterpret_cast<float2*>(fin_o + kH * kHeadDim);  // [kH]
   const bool finish = a.out != nullptr || a.out_fp16 != nullptr;
-  l_run = GroupSum<4>(l_run);
-  z_run = GroupSum<4>(z_run);
-  if (tig == 0 && g == head_g) {
-    ml_s[(warp * kH + g) * 3] = m_run;
-    ml_s[(warp * kH + g) * 3 + 1] = l_run;
-    ml_s[(warp * kH + g) * 3 + 2] = z_run;
+  // Sums over this lane's group of lanes: the 8 of one tig (kPT == 1) or the 4 of one g.
+#pragma unroll
+  for (int x = kPT == 1 ? 4 : 1; x < (kPT == 1 ? 32 : 4); x <<= 1) {
+    l_run += __shfl_xor_sync(0xffffffffu, l_run, x);
+    z_run += __shfl_xor_sync(0xffffffffu, z_run, x);
   }
-  // Column c of P^T tile j holds head c + 8 j - 8 (kPT == 2: hi / lo parts in tiles 0 / 1, summed
-  // here) or head c % 4 (kPT == 1: hi / lo parts in columns c < 4 / c >= 4, summed below).
+  if (kPT == 1 ? g == 0 : tig == 0) {
+    const int h = kPT == 1 ? tig : g;
+    ml_s[(warp * kH + h) * 3] = m_run;
+    ml_s[(warp * kH + h) * 3 + 1] = l_run;
+    ml_s[(warp * kH + h) * 3 + 2] = z_run;
+  }
+  // Column c of P^T tile j holds head c (kPT == 2: hi / lo parts in tiles 0 / 1, summed here) or
+  // head c / 2 (kPT == 1: hi / lo parts in columns 2 h / 2 h + 1, summed below).
   if constexpr (kPT == 2) {
 #pragma unroll
     for (int mt = 0; mt < T::kMTiles; ++mt) {
@@ -88,9 +92,10 @@ __device__ __forceinline__ void MergeWarpsIntoSplit(
       if (mlz[0] == -INFINITY) continue;  // a warp without tiles
       const float wgt = exp2f(mlz[0] - m);
       l += wgt * mlz[1];
-      float4 v = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h, c));
+      float4 v =
+          *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + (kPT == 1 ? 2 * h : h), c));
       if constexpr (kPT == 1) {
-        const float4 lo = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + h + 4, c));
+        const float4 lo = *reinterpret_cast<const float4*>(o_s + T::OIndex(w * 8 + 2 * h + 1, c));
         v = make_float4(v.x + lo.x, v.y + lo.y, v.z + lo.z, v.w + lo.w);
       }
       o.x += wgt * (v.x + mlz[2]);
