@@ -341,11 +341,20 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
 #pragma unroll
     for (int t = 0; t < kTPI; ++t) full = full && t0[t] >= begin && t0[t] + kTileTokens <= end;
 
+    // Scores, then the softmax update and the value MMAs of the iteration's tiles. This lane's
+    // softmax entry u of a tile is token EntryToken(u) of its head: u * 8 + g of head tig
+    // (kPT == 1) or tok[u] of head g (kPT == 2). A tile past the warp's last is scored on
+    // whatever its stage holds and selected away below.
+    constexpr int kE = kPT == 1 ? 2 : 4;
+    auto entry_token = [&](int u) { return kPT == 1 ? u * 8 + g : tok[u]; };
+    // The score MMAs' accumulators: [tile][slab parity][4] (kPT == 1) or
+    // [tile][n8 tile][kChains][4] (kPT == 2).
+    constexpr int kChains = kPT == 2 && kTPI == 1 ? 2 : 1;
+    std::conditional_t<kPT == 1, float[kTPI][2][4], float[kTPI][2][kChains][4]> s_acc;
     if constexpr (kPT == 1) {
-      // Scores S[16 tokens x 8] = codes . Q'^T per tile, one m16n8k16 per k16 slab (K the A
-      // operand, rows g and g + 8 of this lane), even and odd slabs in two chains; Q'^T column
-      // 2 h holds the hi parts of head h, column 2 h + 1 its lo parts.
-      float s_acc[kTPI][2][4];
+      // S[16 tokens x 8] = codes . Q'^T per tile, one m16n8k16 per k16 slab (K the A operand,
+      // rows g and g + 8 of this lane), even and odd slabs in two chains; Q'^T column 2 h holds
+      // the hi parts of head h, column 2 h + 1 its lo parts.
 #pragma unroll
       for (int cc = 0; cc < kHeadDim / 32; ++cc) {
         const uint4 qb = qfrag[cc * 32 + lane];
@@ -365,80 +374,10 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
           }
         }
       }
-      // The softmax update and the value MMAs. Entry u of a tile: token u * 8 + g of head tig.
-      // Rows outside [begin, end) hold finite codes (see issue) and any meta (possibly inf/NaN as
-      // floats): their scores and P entries are selected away, never multiplied by 0. kFull:
-      // every token of the kTPI tiles lies in [begin, end).
-      auto update = [&](auto full_tag) {
-        constexpr bool kFull = decltype(full_tag)::value;
-        const uint32_t range = end - begin;
-        bool valid[kTPI][2];
-        float s[kTPI][2];
-        float tile_max;
-#pragma unroll
-        for (int t = 0; t < kTPI; ++t) {
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            valid[t][u] = kFull || static_cast<uint32_t>(t0[t] + u * 8 + g - begin) < range;
-            // Columns 2 tig (hi) + 2 tig + 1 (lo) of row u * 8 + g, both chains.
-            float dot = (s_acc[t][0][2 * u] + s_acc[t][0][2 * u + 1]) +
-                        (s_acc[t][1][2 * u] + s_acc[t][1][2 * u + 1]);
-            if constexpr (T::kQuantized) {
-              const float2 sz = LoadMeta(base[t] + T::kMetaArea + (u * 8 + g) * 4, 0);
-              dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
-            }
-            s[t][u] = valid[t][u] ? dot : -INFINITY;
-          }
-          const float m = fmaxf(s[t][0], s[t][1]);
-          tile_max = t == 0 ? m : fmaxf(tile_max, m);
-        }
-#pragma unroll
-        for (int x = 4; x < 32; x <<= 1) {  // over the tiles' tokens: the 8 lanes of one tig
-          tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, x));
-        }
-        // The exact running max (see the kPT == 2 update below).
-        const float m_new = fmaxf(m_run, tile_max);
-        const float alpha = Exp2Ftz(m_run - m_new);
-        m_run = m_new;
-        l_run *= alpha;
-        z_run *= alpha;
-        if (__any_sync(0xffffffffu, alpha != 1.0f)) rescale({alpha, alpha});
-#pragma unroll
-        for (int t = 0; t < kTPI; ++t) {
-          if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
-          // P rows g and g + 8 (columns 2 tig, 2 tig + 1: hi = fp16(p_t scale_t) and
-          // lo = fp16(p_t scale_t - hi)), transposed into P^T's B fragments.
-          uint32_t prow[2];
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const float p = Exp2Ftz(s[t][u] - m_new);
-            l_run += p;
-            float ps = p;
-            if constexpr (T::kQuantized) {
-              const float2 sz = LoadMeta(base[t] + T::kMetaArea + (kTileTokens + u * 8 + g) * 4, 0);
-              ps = valid[t][u] ? p * sz.x : 0.0f;
-              z_run += valid[t][u] ? p * sz.y : 0.0f;
-            }
-            const __half hi = __float2half_rn(ps);
-            prow[u] = PackHalf2(hi, __float2half_rn(ps - __half2float(hi)));
-          }
-          const uint32_t pb0[1] = {MovMatrixTrans(prow[0])};
-          const uint32_t pb1[1] = {MovMatrixTrans(prow[1])};
-          values(base[t], pb0, pb1);
-        }
-      };
-      if (full) {
-        update(std::true_type{});
-      } else {
-        update(std::false_type{});
-      }
     } else {
-      // Scores: per tile two n8 tiles of S^T (tokens 0..7, 8..15); this lane's token rows are g
-      // and 8 + g. Each n8 tile accumulates in kChains independent chains (with one tile per
-      // iteration, the two slabs of a unit, for ILP), each from 0. A tile past the warp's last
-      // is scored on whatever its stage holds and selected away below.
-      constexpr int kChains = kTPI == 1 ? 2 : 1;
-      float s_acc[kTPI][2][kChains][4];
+      // Per tile two n8 tiles of S^T (tokens 0..7, 8..15); this lane's token rows are g and
+      // 8 + g. Each n8 tile accumulates in kChains independent chains (with one tile per
+      // iteration, the two slabs of a unit, for ILP), each from 0.
 #pragma unroll
       for (int cc = 0; cc < kHeadDim / 32; ++cc) {
         const uint4 qa = qfrag[(2 * cc) * 32 + lane];
@@ -463,42 +402,63 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
           }
         }
       }
-      // The softmax update and the value MMAs of the iteration's tiles, as above, for this lane's
-      // tokens tok[u] of head g.
-      auto update = [&](auto full_tag) {
-        constexpr bool kFull = decltype(full_tag)::value;
-        const uint32_t range = end - begin;
-        bool valid[kTPI][4];
-        float s[kTPI][4];
-        float tile_max;
+    }
+    // q' . codes of entry u of tile t (integer codes: 2^-24 times it).
+    auto score_dot = [&](int t, int u) {
+      if constexpr (kPT == 1) {  // columns 2 tig (hi) + 2 tig + 1 (lo), both chains
+        return (s_acc[t][0][2 * u] + s_acc[t][0][2 * u + 1]) +
+               (s_acc[t][1][2 * u] + s_acc[t][1][2 * u + 1]);
+      } else {  // rows g (hi) + g + 8 (lo)
+        const float(&sa)[kChains][4] = s_acc[t][u / 2];
+        float dot = sa[0][u % 2] + sa[0][2 + u % 2];
+        if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
+        return dot;
+      }
+    };
+    // Rows outside [begin, end) hold finite codes (see issue) and any meta (possibly inf/NaN as
+    // floats): their scores and P^T entries are selected away, never multiplied by 0. kFull:
+    // every token of the kTPI tiles lies in [begin, end), so there is nothing to select (all but
+    // a warp's first and last iterations of a split; warp-uniform).
+    auto update = [&](auto full_tag) {
+      constexpr bool kFull = decltype(full_tag)::value;
+      const uint32_t range = end - begin;
+      bool valid[kTPI][kE];
+      float s[kTPI][kE];
+      float tile_max;
 #pragma unroll
-        for (int t = 0; t < kTPI; ++t) {
+      for (int t = 0; t < kTPI; ++t) {
 #pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            valid[t][u] = kFull || static_cast<uint32_t>(t0[t] + tok[u] - begin) < range;
-            const float(&sa)[kChains][4] = s_acc[t][u / 2];
-            float dot = sa[0][u % 2] + sa[0][2 + u % 2];  // rows g (hi) + g + 8 (lo)
-            if constexpr (kChains == 2) dot += sa[1][u % 2] + sa[1][2 + u % 2];
-            if constexpr (T::kQuantized) {
-              const float2 sz = LoadMeta(base[t] + T::kMetaArea + tok[u] * 4, 0);
-              dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
-            }
-            s[t][u] = valid[t][u] ? dot : -INFINITY;
+        for (int u = 0; u < kE; ++u) {
+          valid[t][u] = kFull || static_cast<uint32_t>(t0[t] + entry_token(u) - begin) < range;
+          float dot = score_dot(t, u);
+          if constexpr (T::kQuantized) {
+            const float2 sz = LoadMeta(base[t] + T::kMetaArea + entry_token(u) * 4, 0);
+            dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
           }
-          // A tree, not a chain of dependent maxima.
-          const float m = fmaxf(fmaxf(s[t][0], s[t][1]), fmaxf(s[t][2], s[t][3]));
-          tile_max = t == 0 ? m : fmaxf(tile_max, m);
+          s[t][u] = valid[t][u] ? dot : -INFINITY;
         }
-        tile_max = GroupMax<4>(tile_max);
-        // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the
-        // V scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t
-        // overflow fp16.
-        const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in range
-        const float alpha = Exp2Ftz(m_run - m_new);
-        m_run = m_new;
-        l_run *= alpha;
-        z_run *= alpha;
-        if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
+        // A tree, not a chain of dependent maxima.
+        float m = fmaxf(s[t][0], s[t][1]);
+        if constexpr (kE == 4) m = fmaxf(m, fmaxf(s[t][2], s[t][3]));
+        tile_max = t == 0 ? m : fmaxf(tile_max, m);
+      }
+      // Over the lanes that keep the same head: the 8 of one tig (kPT == 1) or the 4 of one g.
+#pragma unroll
+      for (int x = kPT == 1 ? 4 : 1; x < (kPT == 1 ? 32 : 4); x <<= 1) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, x));
+      }
+      // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the
+      // V scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t overflow
+      // fp16.
+      const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
+      const float alpha = Exp2Ftz(m_run - m_new);
+      m_run = m_new;
+      l_run *= alpha;
+      z_run *= alpha;
+      if (__any_sync(0xffffffffu, alpha != 1.0f)) {  // rare once the maxima settle
+        if constexpr (kPT == 1) {
+          rescale({alpha, alpha});  // columns 2 tig and 2 tig + 1 are head tig's
+        } else {
           // Column 2 tig (+1) of acc holds the state of the group whose g is that column: its
           // alpha, fetched from lane 4 * column.
           float col_alpha[2];
@@ -508,25 +468,37 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
           }
           rescale(col_alpha);
         }
+      }
 #pragma unroll
-        for (int t = 0; t < kTPI; ++t) {
-          if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
-          float ps[4];                                      // p_t scale_t
+      for (int t = 0; t < kTPI; ++t) {
+        if (!kFull && t > 0 && i + t >= my_tiles) break;  // past the warp's last tile
+        float ps[kE];                                     // p_t scale_t
 #pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const float p = Exp2Ftz(s[t][u] - m_new);
-            l_run += p;
-            ps[u] = p;
-            if constexpr (T::kQuantized) {
-              const float2 sz = LoadMeta(base[t] + T::kMetaArea + (kTileTokens + tok[u]) * 4, 0);
-              ps[u] = valid[t][u] ? p * sz.x : 0.0f;
-              z_run += valid[t][u] ? p * sz.y : 0.0f;
-            }
+        for (int u = 0; u < kE; ++u) {
+          const float p = Exp2Ftz(s[t][u] - m_new);
+          l_run += p;
+          ps[u] = p;
+          if constexpr (T::kQuantized) {
+            const float2 sz =
+                LoadMeta(base[t] + T::kMetaArea + (kTileTokens + entry_token(u)) * 4, 0);
+            ps[u] = valid[t][u] ? p * sz.x : 0.0f;
+            z_run += valid[t][u] ? p * sz.y : 0.0f;
           }
-          // P^T B fragments of column g: rows (tokens) 2 tig, 2 tig + 1 (pb0) and 8 + 2 tig,
-          // 9 + 2 tig (pb1), each pair of tokens rounded to fp16 in one conversion: n8 tile 0
-          // holds hi = fp16(ps), tile 1 lo = fp16(ps - hi).
-          uint32_t pb0[kPT], pb1[kPT];
+        }
+        // P^T's B fragments: pb0 for tokens 2 tig, 2 tig + 1 and pb1 for 8 + 2 tig, 9 + 2 tig, of
+        // column g, with hi = fp16(ps) and lo = fp16(ps - hi).
+        uint32_t pb0[kPT], pb1[kPT];
+        if constexpr (kPT == 1) {
+          // P rows g and g + 8 (columns 2 tig, 2 tig + 1: hi and lo), transposed.
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const __half hi = __float2half_rn(ps[u]);
+            const uint32_t row = PackHalf2(hi, __float2half_rn(ps[u] - __half2float(hi)));
+            (u == 0 ? pb0 : pb1)[0] = MovMatrixTrans(row);
+          }
+        } else {
+          // This lane's entries are already P^T's: each pair of tokens rounded to fp16 in one
+          // conversion, n8 tile 0 the hi parts and tile 1 the lo parts.
 #pragma unroll
           for (int k = 0; k < 2; ++k) {
             const __half2 h = __floats2half2_rn(ps[2 * k], ps[2 * k + 1]);
@@ -535,14 +507,14 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
             (k == 0 ? pb0 : pb1)[0] = *reinterpret_cast<const uint32_t*>(&h);
             (k == 0 ? pb0 : pb1)[1] = *reinterpret_cast<const uint32_t*>(&l);
           }
-          values(base[t], pb0, pb1);
         }
-      };
-      if (full) {
-        update(std::true_type{});
-      } else {
-        update(std::false_type{});
+        values(base[t], pb0, pb1);
       }
+    };
+    if (full) {
+      update(std::true_type{});
+    } else {
+      update(std::false_type{});
     }
   }
 
