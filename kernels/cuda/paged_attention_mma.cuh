@@ -342,7 +342,7 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
     for (int t = 0; t < kTPI; ++t) full = full && t0[t] >= begin && t0[t] + kTileTokens <= end;
 
     // Scores, then the softmax update and the value MMAs of the iteration's tiles. This lane's
-    // softmax entry u of a tile is token EntryToken(u) of its head: u * 8 + g of head tig
+    // softmax entry u of a tile is token entry_token(u) of its head: u * 8 + g of head tig
     // (kPT == 1) or tok[u] of head g (kPT == 2). A tile past the warp's last is scored on
     // whatever its stage holds and selected away below.
     constexpr int kE = kPT == 1 ? 2 : 4;
