@@ -47,7 +47,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <ctime>
 #include <exception>
 #include <memory>
 #include <numeric>
@@ -58,6 +57,8 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "flashinfer/attention/decode.cuh"
 #include "flashinfer/attention/default_decode_params.cuh"
 #include "flashinfer/attention/default_prefill_params.cuh"
@@ -514,18 +515,15 @@ int Run(const Heads& heads) {
       std::perror(out.c_str());
       return 1;
     }
-    char date[32];
-    const std::time_t now = std::time(nullptr);
-    std::tm utc{};
-    gmtime_r(&now, &utc);
-    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", &utc);
+    const std::string date =
+        absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone());
     std::fprintf(f,
                  "{\n  \"tool\": \"flashinfer_decode_bench\",\n  \"flashinfer\": \"0.2.14.post1\","
                  "\n  \"device\": \"%s\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
                  "  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d,\n"
                  "  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n  \"check\": {",
-                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date, heads.q, heads.kv, heads.dim,
-                 iters, absl::GetFlag(FLAGS_l2_flush).c_str());
+                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date.c_str(), heads.q, heads.kv,
+                 heads.dim, iters, absl::GetFlag(FLAGS_l2_flush).c_str());
     const char* sep = "";
     for (int v = 0; v < kVariants; ++v) {
       if (!ran[v]) continue;

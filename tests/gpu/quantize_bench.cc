@@ -22,7 +22,6 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
-#include <ctime>
 #include <functional>
 #include <string>
 #include <vector>
@@ -31,6 +30,8 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "kernels/cuda/streaming_copy.h"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
@@ -354,9 +355,7 @@ int Main(int argc, char** argv) {
 
   const std::string out = absl::GetFlag(FLAGS_out);
   if (out.empty()) return 0;
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const std::string date = absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone());
   std::vector<std::string> cases;
   for (const Result& r : results) {
     cases.push_back(absl::StrFormat(
