@@ -323,12 +323,18 @@ AttnSplitPlan PlanAttentionSplits(const PageLayout& layout, int num_seqs, int nu
   return plan;
 }
 
+namespace {
+// Whether a batch shape can be planned (PlanAttentionSplits divides by these).
+bool PlannableShape(const PageLayout& layout, int num_seqs, int num_q_heads,
+                    int max_blocks_per_seq) {
+  return layout.num_kv_heads > 0 && layout.head_dim > 0 && layout.block_tokens > 0 &&
+         num_seqs > 0 && num_q_heads > 0 && max_blocks_per_seq > 0;
+}
+}  // namespace
+
 size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q_heads,
                                int max_blocks_per_seq, int num_splits) {
-  if (layout.num_kv_heads <= 0 || layout.head_dim <= 0 || layout.block_tokens <= 0 ||
-      num_seqs <= 0 || num_q_heads <= 0 || max_blocks_per_seq <= 0) {
-    return 0;
-  }
+  if (!PlannableShape(layout, num_seqs, num_q_heads, max_blocks_per_seq)) return 0;
   const AttnSplitPlan plan =
       PlanAttentionSplits(layout, num_seqs, num_q_heads, max_blocks_per_seq, num_splits);
   return SizeWorkspace(layout, num_seqs, num_q_heads, plan.num_splits).total();
@@ -336,10 +342,7 @@ size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q
 
 AttentionPlan PlanAttention(const PageLayout& layout, int num_seqs, int num_q_heads,
                             int max_blocks_per_seq, int num_splits) {
-  if (layout.num_kv_heads <= 0 || layout.head_dim <= 0 || layout.block_tokens <= 0 ||
-      num_seqs <= 0 || num_q_heads <= 0 || max_blocks_per_seq <= 0) {
-    return {};
-  }
+  if (!PlannableShape(layout, num_seqs, num_q_heads, max_blocks_per_seq)) return {};
   const AttnSplitPlan plan =
       PlanAttentionSplits(layout, num_seqs, num_q_heads, max_blocks_per_seq, num_splits);
   return {plan.num_splits, plan.ctas_per_sm};
