@@ -32,6 +32,8 @@ import json
 import statistics
 import sys
 
+# The C++ benchmarks' bench::kDecodeShapes (tests/common/bench_output.h; attention_peer_test.py
+# checks that the two agree).
 SHAPES = "1x32768,8x8192,8x32768,32x4096,32x16384,64x8192"
 # The issue's geometry (q heads, KV heads, head_dim): files without geometry fields were timed at
 # it, and the targets are set for it.
@@ -170,12 +172,14 @@ def cmd_merge(args):
     if len(set(geometries.values())) > 1:
         sys.exit(f"attention_peer.py merge: different geometries (q heads, KV heads, head_dim): "
                  f"{geometries}")
+    unanchored = sorted({(c["batch"], c["context"]) for c in kv["cases"]} - anchors.keys())
+    if unanchored:
+        sys.exit(f"attention_peer.py merge: kvpool cases without an anchor (batch, context): "
+                 f"{unanchored}")
     with_targets = geometry(kv) == ISSUE_GEOMETRY
     rows = []
     for c in kv["cases"]:
-        p = anchors.get((c["batch"], c["context"]))
-        if p is None:
-            continue
+        p = anchors[(c["batch"], c["context"])]
         anchor_ms = p["sdpa_flash_fp16"]["ms"]
         row = dict(c)
         row["sdpa_flash_fp16_ms"] = anchor_ms

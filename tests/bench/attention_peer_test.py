@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """attention_peer.py merge on small files (no GPU): the speed-ups and target flags it derives, the
 date it stamps, and its refusal to join timings taken after different L2 flushes or at different
-geometries (ctest attention_peer_merge)."""
+geometries or without an anchor for a case; and that its default shapes are the C++
+benchmarks' (ctest attention_peer_merge)."""
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -75,6 +77,15 @@ class MergeTest(unittest.TestCase):
         self.assertIn("different geometries", r.stderr)
         self.assertIsNone(out)
 
+    def test_cases_without_an_anchor_are_refused(self):
+        kv = kvpool_file("read")
+        kv["cases"].append(dict(kv["cases"][0], batch=8, context=8192))
+        r, out = self.merge(kv, peer_file("read"))
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("without an anchor", r.stderr)
+        self.assertIn("(8, 8192)", r.stderr)
+        self.assertIsNone(out)
+
     def test_targets_only_at_the_issue_geometry(self):
         geo = {"q_heads": 64, "kv_heads": 8, "head_dim": 128}
         r, out = self.merge(dict(kvpool_file("read"), **geo), dict(peer_file("read"), **geo))
@@ -84,6 +95,16 @@ class MergeTest(unittest.TestCase):
         self.assertNotIn("speedup_met", int4)
         self.assertNotIn("stream_met", int4)
         self.assertEqual(out["kvpool"]["q_heads"], 64)
+
+
+class ShapesTest(unittest.TestCase):
+    def test_default_shapes_are_the_cpp_benchmarks(self):
+        header = (SCRIPT.parents[2] / "tests" / "common" / "bench_output.h").read_text()
+        body = re.search(r"kDecodeShapes\[\] = \{(.*?)\};", header, re.S).group(1)
+        cpp = [f"{b}x{c}" for b, c in re.findall(r"\{(\d+), (\d+)\}", body)]
+        sys.path.insert(0, str(SCRIPT.parent))
+        import attention_peer
+        self.assertEqual(attention_peer.SHAPES.split(","), cpp)
 
 
 if __name__ == "__main__":

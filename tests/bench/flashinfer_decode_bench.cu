@@ -57,6 +57,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "flashinfer/attention/decode.cuh"
@@ -66,6 +67,7 @@
 #include "flashinfer/attention/prefill.cuh"
 #include "flashinfer/attention/scheduler.cuh"
 #include "flashinfer/attention/variants.cuh"
+#include "tests/common/bench_output.h"
 #include "tests/gpu/attention_bench_kernels.h"
 #include "tests/gpu/attention_test_util.h"
 
@@ -94,11 +96,7 @@ using Variant =
     flashinfer::DefaultAttention</*use_custom_mask=*/false, /*use_sliding_window=*/false,
                                  /*use_logits_soft_cap=*/false, /*use_alibi=*/false>;
 
-struct Shape {
-  int batch, context;
-};
-constexpr Shape kShapes[] = {{1, 32768}, {8, 8192},   {8, 32768},
-                             {32, 4096}, {32, 16384}, {64, 8192}};
+using Shape = bench::DecodeShape;
 
 // The larger of two errors, NaN if either is (std::max would drop a NaN in its second argument).
 double Worse(double a, double b) { return std::isnan(a) || std::isnan(b) ? NAN : std::max(a, b); }
@@ -495,7 +493,7 @@ int Run(const Heads& heads) {
     if (ran[v]) std::printf(" | %7s ms %6s %8s", kVariantNames[v], "TB/s", "seq0 err");
   }
   std::printf("\n");
-  for (const Shape& shape : kShapes) {
+  for (const Shape& shape : bench::kDecodeShapes) {
     std::vector<Timing>& t = timings.emplace_back(kVariants);
     TimeBothPaths<kHeadDim, __half>(heads, shape, iters, flush, &t[0], &t[2]);
     TimeBothPaths<kHeadDim, __nv_fp8_e4m3>(heads, shape, iters, flush, &t[1], &t[3]);
@@ -510,41 +508,37 @@ int Run(const Heads& heads) {
 
   const std::string out = absl::GetFlag(FLAGS_out);
   if (!out.empty()) {
-    FILE* f = std::fopen(out.c_str(), "w");
-    if (f == nullptr) {
-      std::perror(out.c_str());
-      return 1;
-    }
-    const std::string date =
-        absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone());
-    std::fprintf(f,
-                 "{\n  \"tool\": \"flashinfer_decode_bench\",\n  \"flashinfer\": \"0.2.14.post1\","
-                 "\n  \"device\": \"%s\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
-                 "  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d,\n"
-                 "  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n  \"check\": {",
-                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), date.c_str(), heads.q, heads.kv,
-                 heads.dim, iters, absl::GetFlag(FLAGS_l2_flush).c_str());
+    std::string json = absl::StrFormat(
+        "{\n  \"tool\": \"flashinfer_decode_bench\",\n  \"flashinfer\": \"0.2.14.post1\","
+        "\n  \"device\": \"%s\",\n  \"commit\": \"%s\",\n  \"date\": \"%s\",\n"
+        "  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d,\n"
+        "  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n  \"check\": {",
+        prop.name, absl::GetFlag(FLAGS_commit),
+        absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone()), heads.q, heads.kv,
+        heads.dim, iters, absl::GetFlag(FLAGS_l2_flush));
     const char* sep = "";
     for (int v = 0; v < kVariants; ++v) {
       if (!ran[v]) continue;
-      std::fprintf(f, "%s\"%s_max_rel_err\": %.3e", sep, kVariantNames[v], check[v]);
+      absl::StrAppendFormat(&json, "%s\"%s_max_rel_err\": %.3e", sep, kVariantNames[v], check[v]);
       sep = ", ";
     }
-    std::fprintf(f, "},\n  \"cases\": [\n");
+    json += "},\n  \"cases\": [\n";
     for (size_t i = 0; i < timings.size(); ++i) {
-      std::fprintf(f, "    {\"batch\": %d, \"context\": %d", kShapes[i].batch, kShapes[i].context);
+      const Shape& shape = bench::kDecodeShapes[i];
+      absl::StrAppendFormat(&json, "    {\"batch\": %d, \"context\": %d", shape.batch,
+                            shape.context);
       for (int v = 0; v < kVariants; ++v) {
         if (!ran[v]) continue;
         const Timing& t = timings[i][v];
-        std::fprintf(f,
-                     ", \"flashinfer_%s\": {\"ms\": %.5f, \"bytes\": %.0f, \"tbps\": %.4f, "
-                     "\"seq0_max_rel_err\": %.3e, %s}",
-                     kVariantNames[v], t.ms, t.bytes, t.tbps, t.err, t.plan_json.c_str());
+        absl::StrAppendFormat(&json,
+                              ", \"flashinfer_%s\": {\"ms\": %.5f, \"bytes\": %.0f, "
+                              "\"tbps\": %.4f, \"seq0_max_rel_err\": %.3e, %s}",
+                              kVariantNames[v], t.ms, t.bytes, t.tbps, t.err, t.plan_json);
       }
-      std::fprintf(f, "}%s\n", i + 1 < timings.size() ? "," : "");
+      absl::StrAppendFormat(&json, "}%s\n", i + 1 < timings.size() ? "," : "");
     }
-    std::fprintf(f, "  ]\n}\n");
-    std::fclose(f);
+    json += "  ]\n}\n";
+    if (!bench::WriteResultFile(out, json)) return 1;
   }
   if (!ok) {
     std::fprintf(stderr, "flashinfer_decode_bench: a case's error is above %.0e\n", kMaxRelErr);

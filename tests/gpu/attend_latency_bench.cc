@@ -46,6 +46,7 @@
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
+#include "tests/common/bench_output.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/common/region_writer.h"
 #include "tests/gpu/attention_test_util.h"
@@ -411,13 +412,7 @@ int Main(int argc, char** argv) {
   }
   json += "  ]\n}\n";
   const std::string path = absl::GetFlag(FLAGS_out);
-  if (!path.empty()) {
-    FILE* f = std::fopen(path.c_str(), "w");
-    if (f == nullptr) return 1;
-    std::fputs(json.c_str(), f);
-    std::fclose(f);
-  }
-  return 0;
+  return path.empty() || bench::WriteResultFile(path, json) ? 0 : 1;
 }
 
 }  // namespace

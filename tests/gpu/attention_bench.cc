@@ -30,8 +30,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
+#include "tests/common/bench_output.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/gpu/attention_bench_kernels.h"
 #include "tests/gpu/attention_test_util.h"
@@ -55,10 +57,16 @@ ABSL_FLAG(int, block_tokens, 16, "tokens per block: 16 (vLLM's default), 32 or 6
 ABSL_FLAG(int, q_heads, 32, "query heads per sequence (a multiple of --kv_heads)");
 ABSL_FLAG(int, kv_heads, 8, "KV heads");
 ABSL_FLAG(int, head_dim, 128, "channels per head: 64, 128 or 256");
-ABSL_FLAG(std::vector<std::string>, shapes,
-          std::vector<std::string>({"1x32768", "8x8192", "8x32768", "32x4096", "32x16384",
-                                    "64x8192"}),
-          "cases as <batch>x<context tokens>, context a multiple of --block_tokens");
+ABSL_FLAG(
+    std::vector<std::string>, shapes,
+    [] {
+      std::vector<std::string> shapes;
+      for (const kvpool::bench::DecodeShape& s : kvpool::bench::kDecodeShapes) {
+        shapes.push_back(absl::StrFormat("%dx%d", s.batch, s.context));
+      }
+      return shapes;
+    }(),
+    "cases as <batch>x<context tokens>, context a multiple of --block_tokens");
 ABSL_FLAG(std::string, block_order, "shuffled",
           "block ids of the tables: shuffled (a random permutation of the arena, as a pool hands "
           "them out after churn) or sequential (each sequence's blocks consecutive in the arena)");
@@ -76,9 +84,7 @@ struct Geometry {
   int q_heads, kv_heads, head_dim;
 };
 
-struct Shape {
-  int batch, context;
-};
+using Shape = bench::DecodeShape;
 
 struct Format {
   const char* dtype_name;
@@ -252,36 +258,30 @@ void RunShape(const Geometry& g, const Shape& shape, int iters, double stream_tb
   }
 }
 
-void WriteJson(const std::string& path, const std::string& device, const Geometry& g,
+bool WriteJson(const std::string& path, const std::string& device, const Geometry& g,
                double stream_tbps, int iters, const std::vector<Result>& results) {
-  FILE* f = std::fopen(path.c_str(), "w");
-  if (f == nullptr) {
-    std::perror(path.c_str());
-    std::exit(1);
-  }
-  std::fprintf(
-      f,
+  std::string json = absl::StrFormat(
       "{\n  \"benchmark\": \"attention_bench\",\n  \"device\": \"%s\",\n"
       "  \"commit\": \"%s\",\n  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
       "\"block_tokens\": %d, \"block_order\": \"%s\",\n  \"iters\": %d,\n  \"splits\": %d,\n"
       "  \"l2_flush\": \"%s\",\n  \"stream_read_tbps\": %.4f,\n"
       "  \"cases\": [\n",
-      device.c_str(), absl::GetFlag(FLAGS_commit).c_str(), g.q_heads, g.kv_heads, g.head_dim,
-      absl::GetFlag(FLAGS_block_tokens), absl::GetFlag(FLAGS_block_order).c_str(), iters,
-      absl::GetFlag(FLAGS_splits), absl::GetFlag(FLAGS_l2_flush).c_str(), stream_tbps);
+      device, absl::GetFlag(FLAGS_commit), g.q_heads, g.kv_heads, g.head_dim,
+      absl::GetFlag(FLAGS_block_tokens), absl::GetFlag(FLAGS_block_order), iters,
+      absl::GetFlag(FLAGS_splits), absl::GetFlag(FLAGS_l2_flush), stream_tbps);
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
-    std::fprintf(f,
-                 "    {\"batch\": %d, \"context\": %d, \"format\": \"%s\", \"ms\": %.5f, "
-                 "\"bytes\": %.0f, \"tbps\": %.4f, \"frac_stream\": %.4f, "
-                 "\"rel_err_vs_fp16_mean\": %.6f, \"rel_err_vs_fp16_max\": %.6f, "
-                 "\"splits\": %d, \"ctas_per_sm\": %d}%s\n",
-                 r.shape.batch, r.shape.context, r.format.c_str(), r.ms, r.bytes, r.tbps,
-                 r.frac_stream, r.err_mean, r.err_max, r.plan.num_splits, r.plan.ctas_per_sm,
-                 i + 1 < results.size() ? "," : "");
+    absl::StrAppendFormat(&json,
+                          "    {\"batch\": %d, \"context\": %d, \"format\": \"%s\", \"ms\": %.5f, "
+                          "\"bytes\": %.0f, \"tbps\": %.4f, \"frac_stream\": %.4f, "
+                          "\"rel_err_vs_fp16_mean\": %.6f, \"rel_err_vs_fp16_max\": %.6f, "
+                          "\"splits\": %d, \"ctas_per_sm\": %d}%s\n",
+                          r.shape.batch, r.shape.context, r.format, r.ms, r.bytes, r.tbps,
+                          r.frac_stream, r.err_mean, r.err_max, r.plan.num_splits,
+                          r.plan.ctas_per_sm, i + 1 < results.size() ? "," : "");
   }
-  std::fprintf(f, "  ]\n}\n");
-  std::fclose(f);
+  json += "  ]\n}\n";
+  return bench::WriteResultFile(path, json);
 }
 
 // --shapes: "<batch>x<context>" items, each context a positive multiple of block_tokens.
@@ -340,7 +340,7 @@ int Main() {
                 r.err_max, r.plan.num_splits, r.plan.ctas_per_sm);
   }
   const std::string out = absl::GetFlag(FLAGS_out);
-  if (!out.empty()) WriteJson(out, prop.name, g, stream_tbps, iters, results);
+  if (!out.empty() && !WriteJson(out, prop.name, g, stream_tbps, iters, results)) return 1;
   return 0;
 }
 

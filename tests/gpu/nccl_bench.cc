@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +32,7 @@
 #include "grpcpp/grpcpp.h"
 #include "service/server.h"
 #include "service/store/compute_backend.h"
+#include "tests/common/bench_output.h"
 #include "tests/gpu/nccl_test_util.h"
 
 ABSL_FLAG(std::string, out, "", "JSON results file (written by the worker)");
@@ -141,7 +141,7 @@ std::string GpuName(int device) {
   return cudaGetDeviceProperties(&prop, device) == cudaSuccess ? prop.name : "unknown";
 }
 
-void WriteResults(const std::vector<Point>& points) {
+bool WriteResults(const std::vector<Point>& points) {
   std::vector<std::string> rows;
   for (const Point& p : points) {
     rows.push_back(absl::StrFormat(
@@ -166,17 +166,17 @@ void WriteResults(const std::vector<Point>& points) {
     }
   }
   const std::string out = absl::GetFlag(FLAGS_out);
-  if (out.empty()) return;
-  std::ofstream f(out);
-  f << "{\n"
-    << "  \"date\": \"" << absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone())
-    << "\",\n  \"commit\": \"" << absl::GetFlag(FLAGS_commit) << "\",\n"
-    << "  \"server_gpu\": \"" << GpuName(kServerDevice) << "\",\n"
-    << "  \"worker_gpu\": \"" << GpuName(kWorkerDevice) << "\",\n"
-    << "  \"command\": \"" << absl::CEscape(absl::GetFlag(FLAGS_command)) << "\",\n"
-    << "  \"tokens\": " << kTokens << ",\n  \"reps\": " << absl::GetFlag(FLAGS_reps) << ",\n"
-    << "  \"results\": [\n" << absl::StrJoin(rows, ",\n") << "\n  ],\n"
-    << "  \"get_vs_raw\": [\n" << absl::StrJoin(ratios, ",\n") << "\n  ]\n}\n";
+  if (out.empty()) return true;
+  return bench::WriteResultFile(
+      out, absl::StrCat(
+               "{\n  \"date\": \"",
+               absl::FormatTime("%Y-%m-%dT%H:%M:%SZ", absl::Now(), absl::UTCTimeZone()),
+               "\",\n  \"commit\": \"", absl::GetFlag(FLAGS_commit), "\",\n  \"server_gpu\": \"",
+               GpuName(kServerDevice), "\",\n  \"worker_gpu\": \"", GpuName(kWorkerDevice),
+               "\",\n  \"command\": \"", absl::CEscape(absl::GetFlag(FLAGS_command)),
+               "\",\n  \"tokens\": ", kTokens, ",\n  \"reps\": ", absl::GetFlag(FLAGS_reps),
+               ",\n  \"results\": [\n", absl::StrJoin(rows, ",\n"), "\n  ],\n  \"get_vs_raw\": [\n",
+               absl::StrJoin(ratios, ",\n"), "\n  ]\n}\n"));
 }
 
 // Times `run` (which returns the bytes it moved, or 0 on failure): one warm-up, then `reps`.
@@ -279,8 +279,7 @@ int RunWorker(const std::vector<uint64_t>& raw_sizes) {
     if (!ok) return Fail("gRPC Get failed");
   }
   cudaFree(buffer);
-  WriteResults(points);
-  return 0;
+  return WriteResults(points) ? 0 : 1;
 }
 
 int RunServer(int argc, char** argv, const std::vector<uint64_t>& raw_sizes) {

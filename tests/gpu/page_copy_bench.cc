@@ -21,8 +21,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/str_format.h"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
+#include "tests/common/bench_output.h"
 #include "tests/gpu/attention_bench_kernels.h"
 #include "tests/gpu/attention_test_util.h"
 #include "tests/gpu/page_copy_bench_kernels.h"
@@ -40,11 +42,6 @@ using testing::DeviceBuffer;
 
 constexpr int kKvHeads = 8;
 constexpr int kBlockTokens = 16;
-
-struct Case {
-  int batch, context;
-};
-constexpr Case kCases[] = {{1, 32768}, {8, 8192}, {8, 32768}, {32, 4096}, {32, 16384}, {64, 8192}};
 
 struct Pages {
   const char* name;
@@ -71,7 +68,7 @@ constexpr Way kWays[] = {
     {"cp_async", PageCopy::kCpAsync}, {"bulk", PageCopy::kBulk}, {"load", PageCopy::kLoad}};
 
 struct Result {
-  Case shape;
+  bench::DecodeShape shape;
   int splits;
   const char* pages;
   const char* way;
@@ -93,7 +90,7 @@ int Main() {
   std::printf("%5s %6s %6s %-5s %-9s %9s %8s %7s\n", "batch", "ctx", "splits", "pages", "way", "us",
               "TB/s", "stream");
   std::vector<Result> results;
-  for (const Case& c : kCases) {
+  for (const bench::DecodeShape& c : bench::kDecodeShapes) {
     const int blocks_per_seq = c.context / kBlockTokens;
     const int64_t num_blocks = static_cast<int64_t>(c.batch) * blocks_per_seq + 64;
     std::vector<int32_t> ids(num_blocks);
@@ -132,27 +129,22 @@ int Main() {
   }
   const std::string out = absl::GetFlag(FLAGS_out);
   if (!out.empty()) {
-    FILE* f = std::fopen(out.c_str(), "w");
-    if (f == nullptr) {
-      std::perror(out.c_str());
-      return 1;
-    }
-    std::fprintf(f,
-                 "{\n  \"benchmark\": \"page_copy_bench\",\n  \"device\": \"%s\",\n"
-                 "  \"commit\": \"%s\",\n  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n"
-                 "  \"stream_read_tbps\": %.4f,\n  \"cases\": [\n",
-                 prop.name, absl::GetFlag(FLAGS_commit).c_str(), iters,
-                 absl::GetFlag(FLAGS_l2_flush).c_str(), stream_tbps);
+    std::string json = absl::StrFormat(
+        "{\n  \"benchmark\": \"page_copy_bench\",\n  \"device\": \"%s\",\n"
+        "  \"commit\": \"%s\",\n  \"iters\": %d,\n  \"l2_flush\": \"%s\",\n"
+        "  \"stream_read_tbps\": %.4f,\n  \"cases\": [\n",
+        prop.name, absl::GetFlag(FLAGS_commit), iters, absl::GetFlag(FLAGS_l2_flush), stream_tbps);
     for (size_t i = 0; i < results.size(); ++i) {
       const Result& r = results[i];
-      std::fprintf(f,
-                   "    {\"batch\": %d, \"context\": %d, \"splits\": %d, \"pages\": \"%s\", "
-                   "\"way\": \"%s\", \"us\": %.2f, \"tbps\": %.4f, \"frac_stream\": %.4f}%s\n",
-                   r.shape.batch, r.shape.context, r.splits, r.pages, r.way, r.us, r.tbps,
-                   r.frac_stream, i + 1 < results.size() ? "," : "");
+      absl::StrAppendFormat(
+          &json,
+          "    {\"batch\": %d, \"context\": %d, \"splits\": %d, \"pages\": \"%s\", "
+          "\"way\": \"%s\", \"us\": %.2f, \"tbps\": %.4f, \"frac_stream\": %.4f}%s\n",
+          r.shape.batch, r.shape.context, r.splits, r.pages, r.way, r.us, r.tbps, r.frac_stream,
+          i + 1 < results.size() ? "," : "");
     }
-    std::fprintf(f, "  ]\n}\n");
-    std::fclose(f);
+    json += "  ]\n}\n";
+    if (!bench::WriteResultFile(out, json)) return 1;
   }
   return 0;
 }

@@ -35,6 +35,7 @@
 #include "kernels/cuda/streaming_copy.h"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
+#include "tests/common/bench_output.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/gpu/quantize_bench_kernels.h"
 
@@ -388,12 +389,7 @@ int Main(int argc, char** argv) {
       interleaved.pairs, interleaved.a_ms, interleaved.b_ms, interleaved.ratio - 1.0,
       interleaved.a_mhz, interleaved.b_mhz, full_clock_mhz, class_json(interleaved.full_clock),
       class_json(interleaved.lower_clock), absl::StrJoin(cases, ",\n"));
-  std::FILE* f = std::fopen(out.c_str(), "w");
-  if (f == nullptr || std::fputs(json.c_str(), f) < 0 || std::fclose(f) != 0) {
-    std::fprintf(stderr, "cannot write %s\n", out.c_str());
-    return 1;
-  }
-  return 0;
+  return bench::WriteResultFile(out, json) ? 0 : 1;
 }
 
 }  // namespace
