@@ -1,7 +1,8 @@
 # Shell helpers for the gRPC loopback runs on the GPU machine, sourced by device_suite.sh,
 # ab_compare.sh, attend_spin.sh and attend_transports.sh. The caller sets $bin (carry/bin), $tmp
 # (scratch), $grpc (the results file) and $status (0), or has bench_setup set them, and keeps
-# $server (the server's pid) for stop_server.
+# $server (the server's pid) for stop_server. $server_cpus / $cli_cpus, when set, pin the server /
+# the kvpool tool to those CPUs (a taskset list).
 
 source tests/bench/carry_env.sh
 
@@ -13,7 +14,7 @@ bench_setup() {  # results file name: $out, $tmp, $bin (carry_setup), $grpc, $st
 
 start_server() {  # extra kvpool-server flags; sets $server (AttendSocket: TCP 50052, $tmp/attend.sock)
   # 1 x 32K tokens x 32 layers of fp16 is 4.3 GB in one Put stream: raise the 4 GiB default.
-  "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 --attend_socket_port=50052 \
+  ${server_cpus:+taskset -c "$server_cpus"} "$bin/kvpool-server" --backend=cuda --port=50051 --metrics_port=9464 --attend_socket_port=50052 \
     --attend_unix_socket="$tmp/attend.sock" --max_put_stream_bytes=17179869184 "$@" \
     >> "$tmp/server.log" 2>&1 &
   server=$!
@@ -27,7 +28,7 @@ stop_server() {
 }
 
 cli() {  # the kvpool tool against the server; its output and, when it fails, its exit status
-  timeout 120 "$bin/kvpool" --target=127.0.0.1:50051 "$@" 2>&1 | tee -a "$grpc"
+  timeout 120 ${cli_cpus:+taskset -c "$cli_cpus"} "$bin/kvpool" --target=127.0.0.1:50051 "$@" 2>&1 | tee -a "$grpc"
   local rc=${PIPESTATUS[0]}
   ((rc == 0)) || { echo "kvpool $*: exit status $rc" | tee -a "$grpc"; status=1; }
 }
