@@ -6,6 +6,7 @@ Each table names the file, date, commit and machine it came from; nothing here i
 """
 import json
 import pathlib
+import re
 import sys
 
 RESULTS = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else
@@ -186,12 +187,25 @@ def geometries():
     print()
 
 
+# attend_latency_bench's JSON: attend_latency_h200.json at the top, attend_latency.json in a
+# suite call's folder (device_suite.sh).
+ATTEND_LATENCY_FILES = ("attend_latency_h200.json", "attend_latency.json")
+
+
+def load_attend_latency():
+    for name in ATTEND_LATENCY_FILES:
+        d = load(name)
+        if d:
+            return name, d
+    return None, None
+
+
 def attend_latency():
-    d = load("attend_latency_h200.json")
+    name, d = load_attend_latency()
     if not d:
         return
     print(f"Attend's server time in process, p50 / p99 µs over {d['iters']} calls "
-          f"(`tests/gpu/attend_latency_bench.cc`, attend_latency_h200.json, commit {d['commit']}, "
+          f"(`tests/gpu/attend_latency_bench.cc`, {name}, commit {d['commit']}, "
           f"NVIDIA H200):\n")
     # Columns that later versions of the benchmark added show when the file has them.
     pinned_append = any("pinned_append_p50_us" in c for c in d["cases"])
@@ -243,13 +257,70 @@ def nccl():
     print()
 
 
+# `kvpool bench attend` runs of device_suite.sh, by what the tool prints they timed.
+ATTEND_TRANSPORTS = {
+    "unary RPCs": "unary",
+    "AttendStream steps": "AttendStream",
+    "AttendSocket steps": "AttendSocket (TCP)",
+    "AttendSocket region steps": "region, session copies",
+    "AttendSocket in-place region steps": "region, in place",
+}
+APPEND_STEPS = "AttendSocket in-place region steps with a new token each"
+
+
 def grpc():
     path = RESULTS / "grpc_bench.txt"
-    if path.exists():
-        print("Service over gRPC loopback (`tests/bench/device_suite.sh`):\n")
-        print("```")
-        print(path.read_text().strip())
-        print("```\n")
+    if not path.exists():
+        return
+    text = path.read_text()
+    puts = re.findall(r"bench put: (\d+) streams, .*?, (\d+) tokens/message\) in [\d.]+ s: "
+                      r"([\d.]+) GB/s", text)
+    print("Put ingest over gRPC loopback, GB/s of fp16 K/V (32 layers, 1024-token sequences, every "
+          f"token new; `kvpool bench put`, {path.name}):\n")
+    sizes = sorted({int(m) for _, m, _ in puts})
+    print("| Put streams | " + " | ".join(f"{m} tokens/message" for m in sizes) + " |")
+    print("|---" * (len(sizes) + 1) + "|")
+    rates = {(int(n), int(m)): float(g) for n, m, g in puts}
+    for n in sorted({n for n, _ in rates}):
+        print(f"| {n} | " + " | ".join(f"{rates.get((n, m), float('nan')):.2f}" for m in sizes)
+              + " |")
+    # Each attend run's line, then the server's mean time per call over the run.
+    runs = re.findall(r"bench attend: batch (\d+) x (\d+) context tokens, \d+ q heads, \d+ "
+                      r"(.+?): p50 (\d+) us, p99 (\d+) us\nserver time: mean (\d+) us", text)
+    lat_name, lat = load_attend_latency()
+    kernels = {(c["batch"], c["context"]): c for c in (lat or {}).get("cases", [])}
+
+    def shape(batch, context):
+        return f"{batch} x {context // 1024}K" if context % 1024 == 0 else f"{batch} x {context}"
+
+    def cell(r):
+        return f"{r[3]} / {r[4]} ({r[5]})"
+    table = {}
+    for r in runs:
+        if r[2] in ATTEND_TRANSPORTS:
+            table.setdefault((int(r[0]), int(r[1])), {})[ATTEND_TRANSPORTS[r[2]]] = cell(r)
+    print(f"\nAttend over loopback, 32 q heads, p50 / p99 µs per call (server's mean µs per call), "
+          f"{path.name}; bare kernels from {lat_name}:\n")
+    cols = list(ATTEND_TRANSPORTS.values())
+    print("| batch x context | " + " | ".join(cols) + " | bare kernels p50 |")
+    print("|---" * (len(cols) + 2) + "|")
+    for (batch, context), row in table.items():
+        k = kernels.get((batch, context))
+        print(f"| {shape(batch, context)} | " + " | ".join(row.get(c, "-") for c in cols)
+              + f" | {k['kernel_p50_us'] if k else '-'} |")
+    appends = [r for r in runs if r[2] == APPEND_STEPS]
+    if appends:
+        print("\nDecode steps that append each item's new token first, in place (the tool appends "
+              "10 tokens before timing, so the context printed is 10 over the lease's; bare "
+              "kernels: the append's quantize kernel and the attention):\n")
+        print("| batch x context | in place, with appends | bare kernels with the append p50 |")
+        print("|---|---|---|")
+        for r in appends:
+            batch, context = int(r[0]), int(r[1])
+            k = kernels.get((batch, context - 10))
+            print(f"| {shape(batch, context - 10)} + appends | {cell(r)} | "
+                  f"{k['kernel_append_p50_us'] if k else '-'} |")
+    print()
 
 
 if __name__ == "__main__":
