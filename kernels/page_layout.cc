@@ -67,4 +67,24 @@ const char* KernelStatusName(KernelStatus s) {
   return "UNKNOWN";
 }
 
+bool AttentionTableSpanOk(const PageLayout& layout, int max_blocks_per_seq) {
+  return max_blocks_per_seq > 0 && layout.block_tokens > 0 &&
+         static_cast<int64_t>(max_blocks_per_seq) * layout.block_tokens <= kMaxAttentionTableTokens;
+}
+
+BadAttentionSequence FindBadAttentionSequence(const PageLayout& layout, const int32_t* seq_lens,
+                                              const int32_t* block_tables, int num_seqs,
+                                              int max_blocks_per_seq, int64_t num_blocks) {
+  const int max_len = max_blocks_per_seq * layout.block_tokens;  // AttentionTableSpanOk
+  for (int s = 0; s < num_seqs; ++s) {
+    const int len = seq_lens[s];
+    if (len < 1 || len > max_len) return {s, -1};
+    const int32_t* row = block_tables + static_cast<size_t>(s) * max_blocks_per_seq;
+    const int b = FirstBlockIdOutOfRange(row, (len + layout.block_tokens - 1) / layout.block_tokens,
+                                         num_blocks);
+    if (b >= 0) return {s, b};
+  }
+  return {};
+}
+
 }  // namespace kvpool

@@ -108,6 +108,24 @@ const char* ValidatePageLayout(const PageLayout& layout);
 // the compiler vectorizes) finds whether any is bad before the culprit is looked for.
 int FirstBlockIdOutOfRange(const int32_t* ids, int n, int64_t num_blocks);
 
+// The most tokens a decode attention call's block table may span per sequence,
+// max_blocks_per_seq * block_tokens: token positions and split ranges then stay in int.
+inline constexpr int64_t kMaxAttentionTableTokens = int64_t{1} << 30;
+// Whether tables of max_blocks_per_seq blocks span [1, kMaxAttentionTableTokens] tokens.
+bool AttentionTableSpanOk(const PageLayout& layout, int max_blocks_per_seq);
+
+// A sequence of a decode attention call (PagedDecodeAttentionParams) that breaks the call's
+// contract: its length outside [1, max_blocks_per_seq * block_tokens] (block -1), or the id at
+// `block` of its table row outside [0, num_blocks). seq -1: none does.
+struct BadAttentionSequence {
+  int seq = -1;
+  int block = -1;
+};
+// The first such sequence of the call's host arrays. Requires AttentionTableSpanOk.
+BadAttentionSequence FindBadAttentionSequence(const PageLayout& layout, const int32_t* seq_lens,
+                                              const int32_t* block_tables, int num_seqs,
+                                              int max_blocks_per_seq, int64_t num_blocks);
+
 }  // namespace kvpool
 
 #endif  // KVPOOL_KERNELS_PAGE_LAYOUT_H_

@@ -34,7 +34,8 @@ constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_seqs < 0 || p.num_blocks < 0 ||
-      p.num_q_heads <= 0 || p.num_q_heads % l.num_kv_heads != 0 || p.max_blocks_per_seq <= 0) {
+      p.num_q_heads <= 0 || p.num_q_heads % l.num_kv_heads != 0 ||
+      !AttentionTableSpanOk(l, p.max_blocks_per_seq)) {
     return KernelStatus::kInvalidArgument;
   }
   if (p.num_seqs == 0) return KernelStatus::kOk;
@@ -43,17 +44,9 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
       (l.sink_tokens > 0 && p.sink_pages == nullptr)) {
     return KernelStatus::kInvalidArgument;
   }
-  const int64_t max_len = static_cast<int64_t>(p.max_blocks_per_seq) * l.block_tokens;
-  for (int s = 0; s < p.num_seqs; ++s) {
-    const int len = p.seq_lens[s];
-    if (len < 1 || len > max_len) return KernelStatus::kInvalidArgument;
-    const int32_t* table = p.block_tables + static_cast<size_t>(s) * p.max_blocks_per_seq;
-    if (FirstBlockIdOutOfRange(table, (len + l.block_tokens - 1) / l.block_tokens,
-                               p.num_blocks) >= 0) {
-      return KernelStatus::kInvalidArgument;
-    }
-  }
-  return KernelStatus::kOk;
+  const BadAttentionSequence bad = FindBadAttentionSequence(
+      l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq, p.num_blocks);
+  return bad.seq < 0 ? KernelStatus::kOk : KernelStatus::kInvalidArgument;
 }
 
 // Partial softmax state of one query head over one segment of tokens.

@@ -152,6 +152,13 @@ struct PageGeometry {
   uint32_t sink_page_bytes;
   int block_tokens_log2;
 };
+// The largest y or z dimension of a grid.
+inline constexpr int kMaxGridYZ = 65535;
+
+// Whether a layout's head and sink pages fit PageGeometry's 32-bit sizes (under 4 GiB each).
+inline bool FitsPageGeometry(const PageLayout& l) {
+  return l.head_page_bytes() <= UINT32_MAX && l.sink_page_bytes() <= UINT32_MAX;
+}
 inline PageGeometry MakePageGeometry(const PageLayout& l) {
   PageGeometry g{};
   g.layer_page_bytes = l.layer_page_bytes();

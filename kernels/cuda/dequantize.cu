@@ -126,7 +126,9 @@ KernelStatus Dequantize(const DequantizeParams& p, void* stream) {
       !Aligned16(p.pages) || !Aligned16(p.k_out) || !Aligned16(p.v_out)) {
     return KernelStatus::kInvalidArgument;
   }
-  if (l.quantized() && l.group_size % 8 != 0) return KernelStatus::kUnsupported;
+  if ((l.quantized() && l.group_size % 8 != 0) || !FitsPageGeometry(l)) {
+    return KernelStatus::kUnsupported;
+  }
   const int heads_out = p.head_end - p.head_begin;
   const int64_t items = static_cast<int64_t>(p.num_out_blocks) * l.block_tokens * heads_out;
   if (items * (l.head_dim / 8) > (int64_t{1} << 32) - (int64_t{1} << 16)) {

@@ -236,12 +236,17 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
 KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_seqs < 0 || p.num_q_heads <= 0 ||
-      p.num_q_heads % l.num_kv_heads != 0 || p.max_blocks_per_seq <= 0 || p.num_splits < 0 ||
-      (l.quantized() && l.group_size % 16 != 0)) {
+      p.num_q_heads % l.num_kv_heads != 0 || !AttentionTableSpanOk(l, p.max_blocks_per_seq) ||
+      p.num_splits < 0 || (l.quantized() && l.group_size % 16 != 0)) {
     return KernelStatus::kInvalidArgument;
   }
-  // The tensor-core split kernel multiplies block ids by the layer page size in 32 bits.
-  if (l.layer_page_bytes() > UINT32_MAX) return KernelStatus::kUnsupported;
+  // The tensor-core split kernel multiplies block ids by the layer page size in 32 bits; the
+  // split kernels' grids take sequences as z and the merge kernel's query heads as y (at most
+  // 65535 each).
+  if (l.layer_page_bytes() > UINT32_MAX || !FitsPageGeometry(l) || p.num_seqs > kMaxGridYZ ||
+      p.num_q_heads > kMaxGridYZ) {
+    return KernelStatus::kUnsupported;
+  }
   if (p.num_seqs == 0) return KernelStatus::kOk;
   if (p.pages == nullptr || p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
       (p.out == nullptr) == (p.out_fp16 == nullptr) ||
@@ -327,8 +332,8 @@ namespace {
 // Whether a batch shape can be planned (PlanAttentionSplits divides by these).
 bool PlannableShape(const PageLayout& layout, int num_seqs, int num_q_heads,
                     int max_blocks_per_seq) {
-  return layout.num_kv_heads > 0 && layout.head_dim > 0 && layout.block_tokens > 0 &&
-         num_seqs > 0 && num_q_heads > 0 && max_blocks_per_seq > 0;
+  return layout.num_kv_heads > 0 && layout.head_dim > 0 && num_seqs > 0 && num_q_heads > 0 &&
+         AttentionTableSpanOk(layout, max_blocks_per_seq);
 }
 }  // namespace
 

@@ -461,7 +461,9 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
       (p.positions == nullptr || p.sink_pages == nullptr || !Aligned16(p.sink_pages))) {
     return KernelStatus::kInvalidArgument;
   }
-  if (l.quantized() && l.group_size % 8 != 0) return KernelStatus::kUnsupported;
+  if ((l.quantized() && l.group_size % 8 != 0) || !FitsPageGeometry(l)) {
+    return KernelStatus::kUnsupported;
+  }
   const int64_t items = static_cast<int64_t>(p.num_tokens) * l.num_kv_heads;
   if (items >= (int64_t{1} << 31)) return KernelStatus::kUnsupported;
 

@@ -210,8 +210,9 @@ class CudaBackend final : public ComputeBackend {
   absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
                                     const QuantizeAppendParams* append) override {
     const PageLayout& l = p.layout;
-    if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.max_blocks_per_seq <= 0) {
-      return absl::InvalidArgumentError("PagedDecodeAttention: bad batch shape");
+    if (p.num_seqs < 0 || p.num_q_heads <= 0 || !AttentionTableSpanOk(l, p.max_blocks_per_seq)) {
+      return absl::InvalidArgumentError(
+          "PagedDecodeAttention: bad batch shape (or tables spanning over 2^30 tokens)");
     }
     if (p.num_seqs == 0) return append != nullptr ? QuantizeAppend(*append) : absl::OkStatus();
     if (append != nullptr) {
@@ -222,19 +223,17 @@ class CudaBackend final : public ComputeBackend {
       return absl::InvalidArgumentError(
           "PagedDecodeAttention: null argument, or not exactly one of out and out_fp16");
     }
-    for (int s = 0; s < p.num_seqs; ++s) {
-      const int len = p.seq_lens[s];
-      if (len < 1 || len > p.max_blocks_per_seq * l.block_tokens) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("PagedDecodeAttention: seq %d length %d out of range", s, len));
-      }
-      const int32_t* table = p.block_tables + static_cast<size_t>(s) * p.max_blocks_per_seq;
-      const int b =
-          FirstBlockIdOutOfRange(table, (len + l.block_tokens - 1) / l.block_tokens, p.num_blocks);
-      if (b >= 0) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "PagedDecodeAttention: seq %d block %d id %d out of range", s, b, table[b]));
-      }
+    if (const BadAttentionSequence bad = FindBadAttentionSequence(
+            l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq, p.num_blocks);
+        bad.seq >= 0) {
+      return absl::InvalidArgumentError(
+          bad.block < 0
+              ? absl::StrFormat("PagedDecodeAttention: seq %d length %d out of range", bad.seq,
+                                p.seq_lens[bad.seq])
+              : absl::StrFormat("PagedDecodeAttention: seq %d block %d id %d out of range", bad.seq,
+                                bad.block,
+                                p.block_tables[static_cast<size_t>(bad.seq) * p.max_blocks_per_seq +
+                                               bad.block]));
     }
     const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_q_heads;
     const size_t q_bytes = rows * l.head_dim * sizeof(uint16_t);

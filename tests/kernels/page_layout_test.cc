@@ -138,6 +138,68 @@ TEST(FirstBlockIdOutOfRange, FindsTheFirstBadIdInChunksAndTail) {
   EXPECT_EQ(FirstBlockIdOutOfRange(big.data(), 3, -5), 0);
 }
 
+TEST(AttentionTables, SpanAtMostTwoToTheThirtyTokens) {
+  const PageLayout l = Int4Layout();  // 16-token blocks
+  EXPECT_TRUE(AttentionTableSpanOk(l, 1));
+  EXPECT_TRUE(AttentionTableSpanOk(l, 1 << 26));  // 2^30 tokens
+  EXPECT_FALSE(AttentionTableSpanOk(l, (1 << 26) + 1));
+  EXPECT_FALSE(AttentionTableSpanOk(l, 1 << 28));  // 2^32 tokens: 0 in 32-bit arithmetic
+  EXPECT_FALSE(AttentionTableSpanOk(l, INT_MAX));
+  EXPECT_FALSE(AttentionTableSpanOk(l, 0));
+  EXPECT_FALSE(AttentionTableSpanOk(l, -1));
+  PageLayout wide = l;
+  wide.block_tokens = INT_MAX;
+  EXPECT_FALSE(AttentionTableSpanOk(wide, 1));
+}
+
+TEST(AttentionTables, FindsTheFirstSequenceWithABadLengthOrBlock) {
+  const PageLayout l = Int4Layout();  // 16-token blocks
+  // Three sequences, tables of 4 blocks: lengths 16 (1 block), 17 (2 blocks), 64 (4 blocks).
+  std::vector<int32_t> lens = {16, 17, 64};
+  std::vector<int32_t> tables = {0, -9, -9, -9, 1, 2, 77, 77, 3, 4, 5, 6};
+  auto find = [&] { return FindBadAttentionSequence(l, lens.data(), tables.data(), 3, 4, 10); };
+  EXPECT_EQ(find().seq, -1);  // ids past each length are not looked at
+  lens[1] = 65;               // past the table's 4 blocks
+  EXPECT_EQ(find().seq, 1);
+  EXPECT_EQ(find().block, -1);
+  lens[1] = 0;
+  EXPECT_EQ(find().seq, 1);
+  lens[1] = 33;  // now 3 blocks: the third id, 77, is past the arena's 10
+  EXPECT_EQ(find().seq, 1);
+  EXPECT_EQ(find().block, 2);
+  lens[1] = 17;
+  tables[11] = -1;
+  EXPECT_EQ(find().seq, 2);
+  EXPECT_EQ(find().block, 3);
+}
+
+// Tables spanning more than 2^30 tokens are not planned (their token count overflowed int and the
+// split planning divided by zero).
+TEST(PlanAttention, RefusesTablesSpanningOverTwoToTheThirtyTokens) {
+  const PageLayout l = Int4Layout();  // 16-token blocks
+  for (int blocks : {(1 << 26) + 1, 1 << 27, 1 << 28, INT_MAX}) {
+    EXPECT_EQ(cuda::AttentionWorkspaceBytes(l, 1, 32, blocks, 0), 0u) << blocks;
+    const cuda::AttentionPlan plan = cuda::PlanAttention(l, 1, 32, blocks, 0);
+    EXPECT_EQ(plan.num_splits, cuda::AttentionPlan{}.num_splits) << blocks;
+    EXPECT_EQ(plan.ctas_per_sm, 0) << blocks;
+  }
+}
+
+// Batches past a grid's y / z limit (65535 sequences, or query heads for the merge kernel) are
+// refused as unsupported before anything is read, not failed at launch with a CUDA error. The
+// pointers are never dereferenced.
+TEST(PlanAttention, GridLimitsAreUnsupported) {
+  PagedDecodeAttentionParams p;
+  p.layout = Int4Layout();
+  p.num_seqs = 65536;
+  p.num_q_heads = 32;
+  p.max_blocks_per_seq = 1;
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kUnsupported);
+  p.num_seqs = 1;
+  p.num_q_heads = 65536;
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kUnsupported);
+}
+
 // The CUDA backend plans a call's split count once and passes it back as num_splits: the count,
 // the split kernel's build and the workspace must not change when they are planned again from it
 // (no GPU needed; built without CUDA the plan is always one split and no build).

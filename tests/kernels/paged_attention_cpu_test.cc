@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -209,6 +210,10 @@ TEST(PagedAttentionCpu, RejectsInvalidInputsWithoutWriting) {
       {"sinks without sink pages",
        [](Batch&, PagedDecodeAttentionParams& p) { p.sink_pages = nullptr; }},
       {"bad layout", [](Batch&, PagedDecodeAttentionParams& p) { p.layout.rot_block = 12; }},
+      {"tables spanning over 2^30 tokens",
+       [](Batch&, PagedDecodeAttentionParams& p) { p.max_blocks_per_seq = 1 << 27; }},
+      {"blocks of INT_MAX tokens",  // lengths past INT_MAX - block_tokens overflowed the count
+       [](Batch&, PagedDecodeAttentionParams& p) { p.layout.block_tokens = INT_MAX; }},
       {"no output", [](Batch&, PagedDecodeAttentionParams& p) { p.out = nullptr; }},
       {"both outputs",
        [](Batch&, PagedDecodeAttentionParams& p) {
