@@ -36,6 +36,8 @@ absl::Status AttendRunner::Step(const v1::AttendRequest& request,
   response->Clear();
   const int n = request.items_size();
   if (n == 0) return absl::InvalidArgumentError("Attend needs at least one item");
+  // Before items_ is sized by it: a runner kept for many calls keeps that capacity.
+  if (absl::Status s = store_->CheckAttendBatch(n); !s.ok()) return s;
   if (request.num_q_heads() == 0) return absl::InvalidArgumentError("num_q_heads is 0");
   const v1::OutputDtype out_dtype = request.output_dtype();
   if (out_dtype != v1::OUTPUT_DTYPE_UNSPECIFIED && out_dtype != v1::OUTPUT_DTYPE_FP16 &&

@@ -190,6 +190,10 @@ class KvStore {
   // All items are validated before any append.
   virtual absl::Status Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
                               absl::Span<const AttendItem> items, const AttendOutputs& outputs) = 0;
+  // RESOURCE_EXHAUSTED for an Attend batch over Options::max_attend_batch items, the check
+  // Attend makes first: a caller that builds a batch from a request runs it before sizing
+  // anything by the request's item count.
+  virtual absl::Status CheckAttendBatch(size_t items) const = 0;
 
   virtual StoreStats Stats() const = 0;
 };

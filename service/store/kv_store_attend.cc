@@ -13,13 +13,16 @@
 
 namespace kvpool::store_internal {
 
+absl::Status StoreImpl::CheckAttendBatch(size_t items) const {
+  if (items <= options_.max_attend_batch) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "attend batch of %d items, over the limit of %d", items, options_.max_attend_batch));
+}
+
 absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
                                absl::Span<const AttendItem> items, const AttendOutputs& outputs) {
   if (items.empty()) return absl::InvalidArgumentError("attend batch is empty");
-  if (items.size() > options_.max_attend_batch) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "attend batch of %d items, over the limit of %d", items.size(), options_.max_attend_batch));
-  }
+  if (absl::Status s = CheckAttendBatch(items.size()); !s.ok()) return s;
   if ((outputs.out == nullptr) == (outputs.out_fp16 == nullptr) ||
       outputs.context_tokens == nullptr) {
     return absl::InvalidArgumentError("null output buffer, or not exactly one of out and out_fp16");

@@ -276,6 +276,45 @@ TEST(BadInputLimits, PutStreamOverLimitIsResourceExhaustedAndStoresNothing) {
   EXPECT_EQ(FindNamespace(GetStats(t->stub.get()), "small")->tokens_stored(), 0u);
 }
 
+// A batch over --max_attend_batch is refused before anything is sized by its item count (the
+// unary runner of each Attend thread is kept for the server's life, and so is what it sizes).
+TEST(BadInputLimits, AttendBatchOverLimitIsResourceExhausted) {
+  const NamespaceConfig c = SmallNamespace("small", 1 << 20);
+  auto t = TestServer::Start({c}, [](ServerOptions* o) { o->store.max_attend_batch = 2; });
+  ASSERT_NE(t, nullptr);
+  const Sequence s = MakeSequence(c, 32, 1, 12);
+  v1::PutResponse r;
+  ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, c.num_kv_heads * c.head_dim, 16, &r).ok());
+  grpc::ClientContext mctx;
+  v1::MatchRequest m;
+  m.set_namespace_("small");
+  for (int32_t id : s.tokens) m.add_token_ids(id);
+  v1::MatchResponse mr;
+  ASSERT_TRUE(t->stub->Match(&mctx, m, &mr).ok());
+  const std::vector<uint16_t> q(4 * c.head_dim, 0x3c00);  // 1.0
+  v1::AttendRequest req;
+  req.set_num_q_heads(4);
+  for (int i = 0; i < 3; ++i) {
+    v1::AttendItem* item = req.add_items();
+    item->set_lease_id(mr.lease_id());
+    item->set_q(reinterpret_cast<const char*>(q.data()), q.size() * 2);
+    item->set_new_token_id(-1);
+  }
+  for (int items : {3, 100000}) {  // past 3, items without q: the count alone is refused
+    while (req.items_size() < items) req.add_items()->set_lease_id(mr.lease_id());
+    grpc::ClientContext ctx;
+    v1::AttendResponse resp;
+    const grpc::Status st = t->stub->Attend(&ctx, req, &resp);
+    EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << items << " items";
+    EXPECT_NE(st.error_message().find("over the limit of 2"), std::string::npos)
+        << st.error_message();
+  }
+  req.mutable_items()->DeleteSubrange(2, req.items_size() - 2);
+  grpc::ClientContext ctx;
+  v1::AttendResponse resp;
+  EXPECT_TRUE(t->stub->Attend(&ctx, req, &resp).ok());
+}
+
 TEST(BadInputLimits, PoolFullOfPinnedBlocksIsResourceExhaustedAndSaysSo) {
   NamespaceConfig c = SmallNamespace("small", 0);
   c.capacity_bytes = 4 * BytesPerBlock(c);
