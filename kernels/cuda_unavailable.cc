@@ -6,6 +6,8 @@ namespace kvpool::cuda {
 
 bool Available() { return false; }
 
+KernelStatus ServesLayout(const PageLayout&) { return KernelStatus::kUnsupported; }
+
 KernelStatus QuantizeAppend(const QuantizeAppendParams&, void*) {
   return KernelStatus::kUnsupported;
 }

@@ -98,6 +98,11 @@ namespace cuda {
 
 // True when the library was built with CUDA and a device is visible.
 bool Available();
+// kOk when QuantizeAppend, Dequantize and PagedDecodeAttention all serve `layout`: head_dim 64,
+// 128 or 256, block_tokens 16, 32 or 64, rot_block 0 or 16..128 (at most head_dim), group_size
+// a multiple of 16, pages under 4 GiB per layer. kInvalidArgument for an invalid layout,
+// kUnsupported otherwise (always without CUDA).
+KernelStatus ServesLayout(const PageLayout& layout);
 [[nodiscard]] KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream);
 [[nodiscard]] KernelStatus Dequantize(const DequantizeParams& p, void* stream);
 [[nodiscard]] KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream);

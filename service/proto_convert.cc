@@ -1,5 +1,6 @@
 #include "service/proto_convert.h"
 
+#include <algorithm>
 #include <array>
 #include <string>
 
@@ -70,7 +71,7 @@ absl::StatusOr<NamespaceConfig> FromProtoSpec(const v1::NamespaceSpec& spec) {
     c.layer_dtypes[l] = *d;
   }
   c.rotation_block = spec.rotation_disabled()     ? 0
-                     : spec.rotation_block() == 0 ? c.head_dim
+                     : spec.rotation_block() == 0 ? std::min(c.head_dim, 128)
                                                   : static_cast<int>(spec.rotation_block());
   c.rotation_seed = spec.rotation_seed();
   c.group_size = spec.group_size() == 0 ? c.head_dim : static_cast<int>(spec.group_size());

@@ -30,6 +30,16 @@ bool Available() {
   return count > 0;
 }
 
+KernelStatus ServesLayout(const PageLayout& layout) {
+  if (ValidatePageLayout(layout) != nullptr) return KernelStatus::kInvalidArgument;
+  // The attention kernels' groups (the quantize and dequantize kernels take multiples of 8).
+  if ((layout.quantized() && layout.group_size % 16 != 0) ||
+      layout.layer_page_bytes() > UINT32_MAX || !FitsPageGeometry(layout)) {
+    return KernelStatus::kUnsupported;
+  }
+  return DispatchLayout(layout, [](auto, auto, auto, auto) { return KernelStatus::kOk; });
+}
+
 const char* LastErrorMessage() { return last_error_message.c_str(); }
 
 }  // namespace kvpool::cuda

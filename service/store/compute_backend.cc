@@ -1,5 +1,5 @@
-// Defaults of ComputeBackend's transfer paths: a backend that does not serve NCCL transfers says
-// so instead of pretending.
+// Defaults of ComputeBackend's optional parts: every valid layout served, host memory not pinned,
+// and transfer paths that a backend without NCCL transfers refuses instead of pretending.
 #include "service/store/compute_backend.h"
 
 #include <string>
@@ -33,6 +33,10 @@ absl::Status ComputeBackend::QuantizeAppendFromArena(const QuantizeAppendParams&
 absl::Status ComputeBackend::CheckFiniteArena(const uint16_t* /*x*/, size_t /*n*/,
                                               const char* /*what*/) {
   return NoTransferPath(*this, "CheckFiniteArena");
+}
+
+absl::Status ComputeBackend::CheckLayout(const PageLayout& /*layout*/) const {
+  return absl::OkStatus();
 }
 
 absl::Status ComputeBackend::RegisterHostMemory(void* /*data*/, size_t /*bytes*/) {

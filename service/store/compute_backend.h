@@ -30,6 +30,11 @@ class ComputeBackend {
 
   virtual std::string name() const = 0;  // "cpu" or "cuda"
 
+  // OK when the backend's kernels serve every call on pages of `layout` (a valid one); else why
+  // not. CreateNamespace refuses a namespace with a layer this fails. The default (a backend
+  // over the CPU reference) serves every valid layout.
+  [[nodiscard]] virtual absl::Status CheckLayout(const PageLayout& layout) const;
+
   // Arena memory (host or device), zero-filled. Freed with FreeArena.
   [[nodiscard]] virtual absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) = 0;
   virtual void FreeArena(uint8_t* arena) = 0;

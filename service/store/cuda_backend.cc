@@ -129,6 +129,14 @@ class CudaBackend final : public ComputeBackend {
 
   std::string name() const override { return "cuda"; }
 
+  absl::Status CheckLayout(const PageLayout& layout) const override {
+    if (cuda::ServesLayout(layout) == KernelStatus::kOk) return absl::OkStatus();
+    return absl::InvalidArgumentError(
+        "the cuda backend's kernels serve head_dim 64, 128 or 256, block_tokens 16, 32 or 64, "
+        "rotation blocks of 16 to 128 channels (at most head_dim) or none, quantization groups "
+        "of a multiple of 16 channels, and layer pages under 4 GiB");
+  }
+
   absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
     if (bytes == 0) return absl::InvalidArgumentError("arena of 0 bytes");
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaSetDevice(device_));

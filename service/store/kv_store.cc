@@ -98,6 +98,12 @@ StoreImpl::~StoreImpl() {
 
 absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& config) {
   if (absl::Status s = ValidateNamespaceConfig(config); !s.ok()) return s;
+  for (int layer = 0; layer < config.num_layers; ++layer) {
+    if (absl::Status s = backend()->CheckLayout(LayerLayout(config, layer)); !s.ok()) {
+      return absl::Status(
+          s.code(), absl::StrFormat("namespace %s, layer %d: %s", config.name, layer, s.message()));
+    }
+  }
   absl::MutexLock l(&mu_);
   if (FindNamespaceLocked(config.name) != nullptr) {
     return absl::AlreadyExistsError(absl::StrFormat("namespace %s exists", config.name));

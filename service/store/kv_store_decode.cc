@@ -256,9 +256,13 @@ void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
 void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan> plans) {
   for (auto plan = plans.rbegin(); plan != plans.rend(); ++plan) {
     Lease& lease = *plan->lease;
-    if (lease.layer_tokens[layer] == plan->begin + plan->num_tokens) {
-      lease.layer_tokens[layer] = plan->begin;
-    }
+    if (lease.layer_tokens[layer] != plan->begin + plan->num_tokens) continue;
+    lease.layer_tokens[layer] = plan->begin;
+    // The token ids the plan named, at positions no layer holds now: a later append there may
+    // be another token, and must not be published under these ids.
+    const uint32_t held = *std::max_element(lease.layer_tokens.begin(), lease.layer_tokens.end());
+    const size_t end = std::min<size_t>(plan->begin + plan->num_tokens, lease.token_ids.size());
+    for (size_t pos = std::max(held, plan->begin); pos < end; ++pos) lease.token_ids[pos] = -1;
   }
 }
 

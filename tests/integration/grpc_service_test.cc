@@ -392,6 +392,14 @@ TEST(GrpcService, CreatedNamespaceIsListedWithDefaultsFilledIn) {
   grpc::ClientContext ctx3;
   EXPECT_EQ(t->stub->CreateNamespace(&ctx3, req, &resp).error_code(),
             grpc::StatusCode::ALREADY_EXISTS);
+
+  // At head_dim 256 the default rotation block is 128, the largest the CUDA kernels serve.
+  spec->set_name("wide");
+  spec->set_head_dim(256);
+  grpc::ClientContext ctx4;
+  ASSERT_TRUE(t->stub->CreateNamespace(&ctx4, req, &resp).ok());
+  EXPECT_EQ(resp.info().spec().rotation_block(), 128u);
+  EXPECT_EQ(resp.info().spec().group_size(), 256u);
 }
 
 TEST(GrpcService, MetricsCountRpcsAndMirrorTheStore) {

@@ -185,6 +185,29 @@ TEST(PlanAttention, RefusesTablesSpanningOverTwoToTheThirtyTokens) {
   }
 }
 
+// The layouts the CUDA kernels serve (CreateNamespace refuses the others on the CUDA backend).
+TEST(ServesLayout, TheCompiledShapesOnly) {
+  const PageLayout int4 = Int4Layout();  // head_dim 128, 16-token blocks, rotation 128
+  if (cuda::PlanAttention(int4, 1, 32, 1, 0).ctas_per_sm == 0) GTEST_SKIP() << "built without CUDA";
+  EXPECT_EQ(cuda::ServesLayout(int4), KernelStatus::kOk);
+  auto with = [&](auto change) {
+    PageLayout l = int4;
+    change(l);
+    return cuda::ServesLayout(l);
+  };
+  EXPECT_EQ(with([](PageLayout& l) { l.head_dim = l.group_size = l.rot_block = 64; }),
+            KernelStatus::kOk);
+  EXPECT_EQ(with([](PageLayout& l) { l.block_tokens = 64; }), KernelStatus::kOk);
+  EXPECT_EQ(with([](PageLayout& l) { l.dtype = KvDtype::kFp16; }), KernelStatus::kOk);
+  EXPECT_EQ(with([](PageLayout& l) { l.head_dim = l.group_size = l.rot_block = 32; }),
+            KernelStatus::kUnsupported);
+  EXPECT_EQ(with([](PageLayout& l) { l.block_tokens = 8; }), KernelStatus::kUnsupported);
+  EXPECT_EQ(with([](PageLayout& l) { l.group_size = 8; }), KernelStatus::kUnsupported);
+  EXPECT_EQ(with([](PageLayout& l) { l.head_dim = l.group_size = l.rot_block = 256; }),
+            KernelStatus::kUnsupported);  // rotation blocks of at most 128
+  EXPECT_EQ(with([](PageLayout& l) { l.rot_block = 12; }), KernelStatus::kInvalidArgument);
+}
+
 // Batches past a grid's y / z limit (65535 sequences, or query heads for the merge kernel) are
 // refused as unsupported before anything is read, not failed at launch with a CUDA error. The
 // pointers are never dereferenced.

@@ -20,7 +20,7 @@ namespace {
 
 // The CPU backend, except that the QuantizeAppend call after Arm() waits until released, or
 // fails without writing.
-class GatedBackend final : public ComputeBackend {
+class GatedBackend final : public ForwardingBackend {
  public:
   enum class Mode { kHold, kFail };
 
@@ -31,35 +31,23 @@ class GatedBackend final : public ComputeBackend {
   void Release() { release_.Notify(); }
   void WaitEntered() { entered_.WaitForNotification(); }
 
-  std::string name() const override { return inner_->name(); }
-  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
-    return inner_->AllocateArena(bytes);
-  }
-  void FreeArena(uint8_t* arena) override { inner_->FreeArena(arena); }
   absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
     if (armed_.exchange(false)) {
       if (mode_ == Mode::kFail) return absl::InternalError("injected backend failure");
       entered_.Notify();
       release_.WaitForNotification();
     }
-    return inner_->QuantizeAppend(p);
+    return inner().QuantizeAppend(p);
   }
-  absl::Status Dequantize(const DequantizeParams& p) override { return inner_->Dequantize(p); }
   absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
                                     const QuantizeAppendParams* append) override {
     if (append != nullptr) {
       if (absl::Status s = QuantizeAppend(*append); !s.ok()) return s;
     }
-    return inner_->PagedDecodeAttention(p, nullptr);
+    return inner().PagedDecodeAttention(p, nullptr);
   }
-  absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {
-    return inner_->ReadArena(src, bytes, dst);
-  }
-  absl::Status Synchronize() override { return inner_->Synchronize(); }
-  ComputeBackendStats Stats() const override { return inner_->Stats(); }
 
  private:
-  const std::unique_ptr<ComputeBackend> inner_ = NewCpuBackend();
   Mode mode_ = Mode::kHold;  // written before armed_ is set
   std::atomic<bool> armed_{false};
   absl::Notification entered_, release_;
@@ -157,6 +145,34 @@ TEST_F(AppendOrderTest, AFailedAppendGivesItsSlotsBack) {
   const auto [rk, rv] = ReferenceFp16(kv_, 0, 16);
   EXPECT_EQ(k, rk);
   EXPECT_EQ(v, rv);
+}
+
+// The ids a failed append named are forgotten where no layer holds the tokens: appends of unnamed
+// tokens there later publish nothing (before, the failed append's ids stayed and named them).
+TEST_F(AppendOrderTest, AFailedAppendForgetsTheIdsItNamed) {
+  auto backend = std::make_unique<GatedBackend>();
+  gate_ = backend.get();
+  backend_ = std::move(backend);
+  MakeStore(16);
+  ids_ = TokenIds(16, 7);
+  kv_ = MakeSequenceKv(config_, 16, 31);
+  ASSERT_TRUE(Put(std::vector<int32_t>(ids_.begin(), ids_.begin() + 8), kv_).ok());
+  auto lease = store_->Match("main", std::vector<int32_t>(ids_.begin(), ids_.begin() + 8),
+                             absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  lease_ = lease->lease_id;
+  gate_->Arm(GatedBackend::Mode::kFail);
+  EXPECT_EQ(AppendTokens(0, 8, 4).code(), absl::StatusCode::kInternal);
+  const size_t pt = PerToken();
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(store_
+                    ->Append(lease_, layer, {}, 4, kv_.k[layer].data() + 8 * pt,
+                             kv_.v[layer].data() + 8 * pt)
+                    .ok());
+  }
+  EXPECT_EQ(WrittenTokens(0), 12u);
+  EXPECT_EQ(WrittenTokens(1), 12u);
+  EXPECT_EQ(CachedTokens(), 8u) << "tokens 8-11 published under the failed append's ids";
 }
 
 }  // namespace

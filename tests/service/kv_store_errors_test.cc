@@ -1,6 +1,7 @@
 // One test per class of bad input to the store API: each is rejected with the documented code
 // and changes nothing.
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -13,6 +14,38 @@ namespace kvpool::testing {
 namespace {
 
 using absl::StatusCode;
+
+// A backend whose kernels do not serve INT8 pages.
+class NoInt8Backend final : public ForwardingBackend {
+ public:
+  absl::Status CheckLayout(const PageLayout& layout) const override {
+    return layout.dtype == KvDtype::kInt8 ? absl::InvalidArgumentError("no INT8 pages here")
+                                          : absl::OkStatus();
+  }
+};
+
+// A namespace with a layer the backend does not serve is refused, and reserves nothing (its
+// Puts would all fail).
+TEST(StoreNamespaces, ALayerTheBackendDoesNotServeIsRefused) {
+  NoInt8Backend backend;
+  FakeClock clock;
+  KvStore::Options o;
+  o.pool_bytes = 1 << 20;
+  o.backend = &backend;
+  o.clock = &clock;
+  auto store = KvStore::Create(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  NamespaceConfig c = SmallConfig("mixed");  // layer 0 INT4, layer 1 INT8
+  const absl::StatusOr<NamespaceInfo> refused = (*store)->CreateNamespace(c);
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("layer 1: no INT8 pages here"), std::string::npos)
+      << refused.status();
+  EXPECT_TRUE((*store)->ListNamespaces().empty());
+  c.layer_dtypes = {KvDtype::kInt4, KvDtype::kInt4};
+  const absl::StatusOr<NamespaceInfo> created = (*store)->CreateNamespace(c);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->config.capacity_bytes, uint64_t{1} << 20);  // the whole pool was free
+}
 
 class StoreErrorsTest : public StoreTest {
  protected:

@@ -58,6 +58,35 @@ inline std::vector<int32_t> TokenIds(int n, int32_t first) {
   return ids;
 }
 
+// The CPU backend behind calls a test's backend can override.
+class ForwardingBackend : public ComputeBackend {
+ public:
+  std::string name() const override { return inner_->name(); }
+  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
+    return inner_->AllocateArena(bytes);
+  }
+  void FreeArena(uint8_t* arena) override { inner_->FreeArena(arena); }
+  absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
+    return inner_->QuantizeAppend(p);
+  }
+  absl::Status Dequantize(const DequantizeParams& p) override { return inner_->Dequantize(p); }
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
+    return inner_->PagedDecodeAttention(p, append);
+  }
+  absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {
+    return inner_->ReadArena(src, bytes, dst);
+  }
+  absl::Status Synchronize() override { return inner_->Synchronize(); }
+  ComputeBackendStats Stats() const override { return inner_->Stats(); }
+
+ protected:
+  ComputeBackend& inner() { return *inner_; }
+
+ private:
+  const std::unique_ptr<ComputeBackend> inner_ = NewCpuBackend();
+};
+
 class StoreTest : public ::testing::Test {
  protected:
   // A store whose pool holds exactly `blocks` blocks of SmallConfig("main", sink_tokens).
