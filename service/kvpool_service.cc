@@ -30,9 +30,11 @@ grpc::ServerUnaryReactor* RunUnary(grpc::CallbackServerContext* ctx, RpcMetrics:
 
 }  // namespace
 
-KvPoolService::KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceOptions& options)
+KvPoolService::KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceOptions& options,
+                             Clock* clock)
     : store_(store),
       options_(options),
+      put_streams_(clock),
       create_namespace_(metrics->ForMethod("CreateNamespace")),
       list_namespaces_(metrics->ForMethod("ListNamespaces")),
       put_(metrics->ForMethod("Put")),
@@ -68,7 +70,13 @@ grpc::ServerUnaryReactor* KvPoolService::ListNamespaces(grpc::CallbackServerCont
 
 grpc::ServerReadReactor<v1::PutRequest>* KvPoolService::Put(grpc::CallbackServerContext* ctx,
                                                             v1::PutResponse* response) {
-  return NewPutReactor(ctx, store_, &options_, &put_, response);
+  return NewPutReactor(ctx, store_, &options_, &put_streams_, &put_, response);
+}
+
+int KvPoolService::CancelIdlePuts() {
+  return options_.put_idle_timeout > absl::ZeroDuration()
+             ? put_streams_.CancelIdle(options_.put_idle_timeout)
+             : 0;
 }
 
 grpc::ServerUnaryReactor* KvPoolService::Match(grpc::CallbackServerContext* ctx,

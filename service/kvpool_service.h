@@ -8,6 +8,7 @@
 #define KVPOOL_SERVICE_KVPOOL_SERVICE_H_
 
 #include "kvpool/v1/kvpool.grpc.pb.h"
+#include "service/put_streams.h"
 #include "service/rpc_metrics.h"
 #include "service/service_options.h"
 #include "service/store/kv_store.h"
@@ -27,7 +28,13 @@ using KvPoolServiceBase = v1::KvPool::WithCallbackMethod_CreateNamespace<
 class KvPoolService final : public KvPoolServiceBase {
  public:
   // `store` and `metrics` must outlive the service and every call it started.
-  KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceOptions& options);
+  // `clock` (null: SystemClock()) times the Put streams' idleness.
+  KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceOptions& options,
+                Clock* clock = nullptr);
+
+  // Cancels the Put streams idle for longer than ServiceOptions::put_idle_timeout (none when it
+  // is zero); the server's sweep calls it. Returns how many.
+  int CancelIdlePuts();
 
   grpc::ServerUnaryReactor* CreateNamespace(grpc::CallbackServerContext* ctx,
                                             const v1::CreateNamespaceRequest* request,
@@ -53,6 +60,7 @@ class KvPoolService final : public KvPoolServiceBase {
  private:
   KvStore* const store_;
   const ServiceOptions options_;
+  PutStreams put_streams_;
   RpcMetrics::Method create_namespace_;
   RpcMetrics::Method list_namespaces_;
   RpcMetrics::Method put_;

@@ -7,6 +7,7 @@
 #include "absl/types/span.h"
 #include "grpcpp/server_context.h"
 #include "service/proto_convert.h"
+#include "service/put_streams.h"
 #include "service/stream_reactors.h"
 
 namespace kvpool {
@@ -17,8 +18,15 @@ namespace {
 class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
  public:
   PutReactor(grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
-             RpcMetrics::Method* metrics, v1::PutResponse* response)
-      : ctx_(ctx), store_(store), options_(options), metrics_(metrics), response_(response) {
+             PutStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response)
+      : ctx_(ctx),
+        store_(store),
+        options_(options),
+        streams_(streams),
+        stream_(ctx),
+        metrics_(metrics),
+        response_(response) {
+    streams_->Add(&stream_);
     StartRead(&request_);
   }
 
@@ -27,6 +35,7 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
       FinishWith(Commit());
       return;
     }
+    streams_->Touch(&stream_);
     const absl::Status s = Accept();
     if (!s.ok()) {
       FinishWith(s);
@@ -35,7 +44,10 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
     StartRead(&request_);
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    streams_->Remove(&stream_);
+    delete this;
+  }
 
  private:
   absl::Status Accept() {
@@ -96,6 +108,11 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
     if (session_ == nullptr) {
       return absl::InvalidArgumentError("Put stream ended without a header");
     }
+    if (stream_.cancelled_idle()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          "Put stream sent nothing for over ", absl::FormatDuration(options_->put_idle_timeout),
+          " (--put_idle_timeout_ms): cancelled, nothing stored"));
+    }
     // A stream the client cancelled ends like a complete one; it must not publish.
     if (ctx_->IsCancelled()) return absl::CancelledError("Put cancelled by the client");
     absl::StatusOr<KvStore::PutResult> r = session_->Commit();
@@ -120,6 +137,8 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
   grpc::CallbackServerContext* const ctx_;
   KvStore* const store_;
   const ServiceOptions* const options_;
+  PutStreams* const streams_;
+  PutStreams::Stream stream_;
   RpcMetrics::Method* const metrics_;
   v1::PutResponse* const response_;
   const absl::Time start_ = absl::Now();
@@ -131,12 +150,10 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
 
 }  // namespace
 
-grpc::ServerReadReactor<v1::PutRequest>* NewPutReactor(grpc::CallbackServerContext* ctx,
-                                                       KvStore* store,
-                                                       const ServiceOptions* options,
-                                                       RpcMetrics::Method* metrics,
-                                                       v1::PutResponse* response) {
-  return new PutReactor(ctx, store, options, metrics, response);
+grpc::ServerReadReactor<v1::PutRequest>* NewPutReactor(
+    grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
+    PutStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response) {
+  return new PutReactor(ctx, store, options, streams, metrics, response);
 }
 
 }  // namespace kvpool

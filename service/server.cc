@@ -37,8 +37,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
       .Set(1);
   s->rpc_metrics_ = std::make_unique<RpcMetrics>(&s->registry_);
   RegisterStoreMetrics(s->store_.get(), &s->registry_);
-  s->service_ =
-      std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(), options.service);
+  s->service_ = std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(),
+                                                options.service, options.store.clock);
   s->attend_server_ = std::make_unique<AttendServer>(s->service_.get(), s->store_.get(),
                                                      s->rpc_metrics_.get(), options.attend);
   if (s->backend_->name() == "cuda" && options.nccl_device >= 0) {
@@ -103,7 +103,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   if (options.lease_sweep_interval > absl::ZeroDuration()) {
     const absl::Duration interval = options.lease_sweep_interval;
     Server* raw = s.get();
-    s->sweeper_ = std::thread([raw, interval] { raw->SweepLeases(interval); });
+    s->sweeper_ = std::thread([raw, interval] { raw->SweepEvery(interval); });
   }
   return s;
 }
@@ -123,8 +123,13 @@ std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
   return grpc_server_->InProcessChannel(args);
 }
 
-void Server::SweepLeases(absl::Duration interval) {
-  while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) store_->ExpireLeases();
+void Server::Sweep() {
+  store_->ExpireLeases();
+  service_->CancelIdlePuts();
+}
+
+void Server::SweepEvery(absl::Duration interval) {
+  while (!stop_sweeper_.WaitForNotificationWithTimeout(interval)) Sweep();
 }
 
 void Server::Shutdown(absl::Duration grace) {

@@ -1,7 +1,7 @@
 // The kvpool server assembled: compute backend, store (with its start-up namespaces), gRPC
 // server (KvPool service, KvPoolTransport (the NCCL data plane) on a CUDA backend built with
 // NCCL, grpc.health.v1, server reflection), the AttendSocket listener, the /metrics exposer and
-// a lease-sweeper thread.
+// a sweeper thread (expired leases, idle Put streams).
 // Shutdown is graceful: health turns NOT_SERVING, in-flight RPCs drain until the deadline, then
 // the rest are cancelled.
 #ifndef KVPOOL_SERVICE_SERVER_H_
@@ -56,7 +56,8 @@ struct ServerOptions {
   int nccl_device = -1;
   TransportOptions transport;
   int max_message_bytes = 64 << 20;
-  // Period of the lease sweeper; zero disables it (leases still expire lazily on every call).
+  // Period of the sweeper (Sweep); zero disables it (leases still expire lazily on every call,
+  // but idle Put streams are then never cancelled).
   absl::Duration lease_sweep_interval = absl::Seconds(1);
 };
 
@@ -86,9 +87,13 @@ class Server {
   // stops the sweeper and the exposer. Idempotent; thread-safe.
   void Shutdown(absl::Duration grace);
 
+  // What the sweeper thread does every lease_sweep_interval: drops expired leases and cancels
+  // the Put streams idle for longer than ServiceOptions::put_idle_timeout.
+  void Sweep();
+
  private:
   Server() = default;
-  void SweepLeases(absl::Duration interval);
+  void SweepEvery(absl::Duration interval);
 
   // Declaration order is destruction order in reverse: the gRPC server goes before the service,
   // the service before the store, the store before the backend.

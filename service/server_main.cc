@@ -66,8 +66,11 @@ ABSL_FLAG(uint64_t, attend_region_max_bytes, uint64_t{64} << 20,
 ABSL_FLAG(uint64_t, attend_region_total_bytes, uint64_t{1} << 30,
           "pinned host memory all AttendSocket sessions' regions may take together");
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
+ABSL_FLAG(int64_t, put_idle_timeout_ms, 60000,
+          "a Put stream with no message for longer is cancelled and its blocks freed (0 = never)");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 10000, "time in-flight RPCs get to finish on shutdown");
-ABSL_FLAG(int64_t, lease_sweep_ms, 1000, "period of the expired-lease sweep (0 = off)");
+ABSL_FLAG(int64_t, lease_sweep_ms, 1000,
+          "period of the sweep of expired leases and idle Put streams (0 = off)");
 
 namespace kvpool {
 namespace {
@@ -125,6 +128,7 @@ int Run() {
                                                    static_cast<double>(options.store.pool_bytes))));
   options.service.max_put_stream_bytes = absl::GetFlag(FLAGS_max_put_stream_bytes);
   options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
+  options.service.put_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_put_idle_timeout_ms));
   options.attend.threads = absl::GetFlag(FLAGS_attend_threads);
   options.attend.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_spin_us));
   const int attend_socket_port = absl::GetFlag(FLAGS_attend_socket_port);

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "absl/time/time.h"
+
 namespace kvpool {
 
 struct ServiceOptions {
@@ -11,6 +13,9 @@ struct ServiceOptions {
   uint64_t max_put_stream_bytes = uint64_t{4} << 30;
   // Upper bound on K+V payload bytes of one GetResponse (a single block may exceed it).
   uint32_t get_chunk_bytes = 4u << 20;
+  // A Put stream with no message for longer is cancelled by the server's sweep, and its blocks
+  // freed; zero = never.
+  absl::Duration put_idle_timeout = absl::Minutes(1);
 };
 
 }  // namespace kvpool

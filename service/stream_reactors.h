@@ -5,19 +5,19 @@
 
 #include "grpcpp/support/server_callback.h"
 #include "kvpool/v1/kvpool.pb.h"
+#include "service/put_streams.h"
 #include "service/rpc_metrics.h"
 #include "service/service_options.h"
 #include "service/store/kv_store.h"
 
 namespace kvpool {
 
-// Put: a header, then chunks; commits when the client half-closes. `store`, `options` and
-// `metrics` must outlive the call; `ctx` is the call's.
-grpc::ServerReadReactor<v1::PutRequest>* NewPutReactor(grpc::CallbackServerContext* ctx,
-                                                       KvStore* store,
-                                                       const ServiceOptions* options,
-                                                       RpcMetrics::Method* metrics,
-                                                       v1::PutResponse* response);
+// Put: a header, then chunks; commits when the client half-closes. Registered in `streams` while
+// open (the sweep cancels it after options->put_idle_timeout without a message). `store`,
+// `options`, `streams` and `metrics` must outlive the call; `ctx` is the call's.
+grpc::ServerReadReactor<v1::PutRequest>* NewPutReactor(
+    grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
+    PutStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response);
 
 // Get: streams the lease's blocks layer by layer, one message in flight.
 grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(KvStore* store,

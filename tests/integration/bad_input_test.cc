@@ -1,8 +1,13 @@
 // Every class of bad input gets its documented status code and changes nothing in the pool.
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/test_server.h"
 
@@ -313,6 +318,47 @@ TEST(BadInputLimits, AttendBatchOverLimitIsResourceExhausted) {
   grpc::ClientContext ctx;
   v1::AttendResponse resp;
   EXPECT_TRUE(t->stub->Attend(&ctx, req, &resp).ok());
+}
+
+// A Put that stalls after its header pins its blocks only until the sweep finds it idle for longer
+// than put_idle_timeout: then it is cancelled, stores nothing, and its blocks are free again.
+TEST(BadInputLimits, StalledPutIsCancelledAndItsBlocksFreed) {
+  NamespaceConfig c = SmallNamespace("small", 0);
+  c.capacity_bytes = 4 * BytesPerBlock(c);
+  auto t = TestServer::Start(
+      {c}, [](ServerOptions* o) { o->service.put_idle_timeout = absl::Minutes(1); });
+  ASSERT_NE(t, nullptr);
+  auto blocks_in_use = [&] {
+    return FindNamespace(GetStats(t->stub.get()), "small")->blocks_in_use();
+  };
+  auto wait_for_blocks_in_use = [&](uint64_t n) {
+    for (int i = 0; i < 500 && blocks_in_use() != n; ++i) absl::SleepFor(absl::Milliseconds(10));
+    return blocks_in_use();
+  };
+  const Sequence stalled = MakeSequence(c, 64, 1, 13);  // 4 blocks: the whole namespace
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));  // not hang
+  v1::PutResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer = t->stub->Put(&ctx, &resp);
+  v1::PutRequest header;
+  header.mutable_header()->set_namespace_("small");
+  for (int32_t id : stalled.tokens) header.mutable_header()->add_token_ids(id);
+  ASSERT_TRUE(writer->Write(header));
+  ASSERT_EQ(wait_for_blocks_in_use(4), 4u);
+
+  t->clock.Advance(absl::Seconds(59));
+  t->server->Sweep();
+  absl::SleepFor(absl::Milliseconds(50));
+  EXPECT_EQ(blocks_in_use(), 4u) << "cancelled before put_idle_timeout";
+  t->clock.Advance(absl::Seconds(2));
+  t->server->Sweep();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(wait_for_blocks_in_use(0), 0u);
+  EXPECT_EQ(FindNamespace(GetStats(t->stub.get()), "small")->tokens_stored(), 0u);
+
+  const Sequence next = MakeSequence(c, 64, 5000, 14);
+  v1::PutResponse r;
+  EXPECT_TRUE(PutSequence(t->stub.get(), "small", next, c.num_kv_heads * c.head_dim, 16, &r).ok());
 }
 
 TEST(BadInputLimits, PoolFullOfPinnedBlocksIsResourceExhaustedAndSaysSo) {

@@ -1,0 +1,43 @@
+#include "service/put_streams.h"
+
+#include "grpcpp/server_context.h"
+
+namespace kvpool {
+
+PutStreams::PutStreams(Clock* clock) : clock_(clock != nullptr ? clock : SystemClock()) {}
+
+void PutStreams::Add(Stream* stream) {
+  Touch(stream);
+  absl::MutexLock l(&mu_);
+  streams_.insert(stream);
+}
+
+void PutStreams::Touch(Stream* stream) {
+  const absl::Time now = clock_->Now();
+  absl::MutexLock l(&stream->mu_);
+  stream->last_message_ = now;
+}
+
+void PutStreams::Remove(Stream* stream) {
+  absl::MutexLock l(&mu_);
+  streams_.erase(stream);
+}
+
+int PutStreams::CancelIdle(absl::Duration idle) {
+  const absl::Time now = clock_->Now();
+  int cancelled = 0;
+  // Under mu_, so that no reactor is deleted (Remove) while its context is cancelled.
+  absl::MutexLock l(&mu_);
+  for (Stream* stream : streams_) {
+    {
+      absl::MutexLock sl(&stream->mu_);
+      if (stream->cancelled_idle_ || now - stream->last_message_ <= idle) continue;
+      stream->cancelled_idle_ = true;
+    }
+    stream->ctx_->TryCancel();
+    ++cancelled;
+  }
+  return cancelled;
+}
+
+}  // namespace kvpool
