@@ -318,6 +318,30 @@ INSTANTIATE_TEST_SUITE_P(KernelHostIo, CudaVsCpuStores, ::testing::Bool(),
                            return info.param ? "HostPointers" : "DmaCopies";
                          });
 
+// A store over the CUDA backend refuses a namespace its kernels do not serve, and creates the
+// test's own.
+TEST(CudaBackend, StoreRefusesNamespacesItsKernelsDoNotServe) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  auto backend = NewCudaBackend(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  KvStore::Options o;
+  o.pool_bytes = 256 << 20;
+  o.backend = backend->get();
+  auto store = KvStore::Create(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  for (auto change : std::vector<void (*)(NamespaceConfig&)>{
+           [](NamespaceConfig& c) { c.head_dim = 32; },
+           [](NamespaceConfig& c) { c.block_tokens = 8; },
+           [](NamespaceConfig& c) { c.group_size = 8; },
+           [](NamespaceConfig& c) { c.head_dim = c.rotation_block = 256; }}) {
+    NamespaceConfig c = TestConfig();
+    change(c);
+    EXPECT_EQ((*store)->CreateNamespace(c).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_TRUE((*store)->ListNamespaces().empty());
+  EXPECT_TRUE((*store)->CreateNamespace(TestConfig()).ok());
+}
+
 TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
   KVPOOL_SKIP_WITHOUT_GPU();
   auto backend = NewCudaBackend(0);
