@@ -130,6 +130,8 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
     sent_.set_sm_scale(request.sm_scale());
     sent_.set_output_dtype(request.output_dtype());
     sent_.set_return_lse(request.return_lse());
+    sent_.set_region_q_bytes(layout_.q_bytes);
+    sent_.set_region_kv_bytes(layout_.kv_bytes);
     uint8_t* const base = region_->data();
     size_t appended = 0;
     for (int i = 0; i < n; ++i) {

@@ -48,8 +48,9 @@ class InPlaceAttendSession {
   virtual uint8_t* region() const = 0;
   virtual uint64_t region_bytes() const = 0;
   // Runs a step whose items carry no q, new_k or new_v (append_in_region marks an append), their
-  // bytes being in the region already; the output is in the region when it returns (the
-  // response's `out` is empty). After an error the session is finished, as for
+  // bytes being in the region already, laid out as the request's region_q_bytes and
+  // region_kv_bytes say (attend_socket::RegionStepLayout); the output is in the region when it
+  // returns (the response's `out` is empty). After an error the session is finished, as for
   // AttendSession::Step.
   virtual absl::StatusOr<v1::AttendResponse> StepInPlace(const v1::AttendRequest& request) = 0;
   // Closes the session and returns its final status.

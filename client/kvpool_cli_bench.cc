@@ -223,6 +223,8 @@ int RunBenchAttend() {
         item->clear_new_v();
         item->set_append_in_region(true);
       }
+      req.set_region_q_bytes(layout->q_bytes);
+      req.set_region_kv_bytes(layout->kv_bytes);
     }
     const absl::Time start = absl::Now();
     if (session) {  // into the same message every step, as a decode loop would

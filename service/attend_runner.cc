@@ -61,6 +61,16 @@ absl::Status AttendRunner::Step(const v1::AttendRequest& request,
       }
       appending += in.append_in_region() ? 1 : 0;
     }
+    // The sizes the client laid the arrays out with must be the namespace's: the region itself
+    // tells nothing.
+    if (request.region_q_bytes() != q_values * 2 ||
+        (appending > 0 && request.region_kv_bytes() != kv_bytes)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "region request laid out with ", request.region_q_bytes(), " bytes of q and ",
+          request.region_kv_bytes(), " of new_k / new_v per item; ", request.num_q_heads(),
+          " q heads and ", num_kv_heads_, " KV heads x ", head_dim_, " dims fp16 need ",
+          q_values * 2, " and ", kv_bytes));
+    }
     const std::optional<attend_socket::RegionStepLayout> l =
         attend_socket::LayoutRegionStep(n, appending, q_values * 2, kv_bytes, out_item_bytes);
     if (!l.has_value() || l->end > region->size()) {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/time/clock.h"
@@ -227,6 +228,7 @@ TEST(AttendRegion, BadRegionStepsChangeNothing) {
     ASSERT_TRUE(raw.ok()) << raw.status();
     v1::AttendRequest req = AttendRequestFor(r.f, r.f.leases[0], 1);
     req.mutable_items(0)->clear_q();
+    req.set_region_q_bytes(q_bytes);
     for (size_t i = 1; i * q_bytes <= 4096; ++i) req.add_items()->CopyFrom(req.items(0));
     EXPECT_EQ(StatusOfFrame(*raw->conn, FrameType::kRegionRequest, req).code(),
               absl::StatusCode::kInvalidArgument);
@@ -249,8 +251,26 @@ TEST(AttendRegion, BadRegionStepsChangeNothing) {
     const std::vector<uint16_t> v = ToHalf(MakeNormal(per_token, 6));
     std::memcpy(base + layout->new_k, k.data(), k.size() * 2);
     std::memcpy(base + layout->new_v, v.data(), v.size() * 2);
+    req.set_region_q_bytes(layout->q_bytes);
+    req.set_region_kv_bytes(layout->kv_bytes);
     EXPECT_EQ(StatusOfFrame(*raw->conn, FrameType::kRegionRequest, req).code(),
               absl::StatusCode::kInvalidArgument);
+  }
+  // An appending step laid out with sizes other than the namespace's (q of half the heads, or
+  // new K/V of one KV head; or no sizes at all): the server cannot see it in the region, so the
+  // request says them; refused before anything is read, nothing appended.
+  for (const auto& [region_q, region_kv] : std::vector<std::pair<size_t, size_t>>{
+           {q_bytes / 2, size_t(per_token) * 2}, {q_bytes, size_t(per_token)}, {0, 0}}) {
+    absl::StatusOr<RawRegion> raw = AttachRaw(unix_address, 64 << 10);
+    ASSERT_TRUE(raw.ok()) << raw.status();
+    v1::AttendRequest req = AttendRequestFor(r.f, r.f.leases[0], 1);
+    req.mutable_items(0)->clear_q();
+    req.mutable_items(0)->set_append_in_region(true);
+    req.set_region_q_bytes(region_q);
+    req.set_region_kv_bytes(region_kv);
+    const absl::Status s = StatusOfFrame(*raw->conn, FrameType::kRegionRequest, req);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << region_q << " " << region_kv;
+    EXPECT_NE(s.message().find("laid out with"), std::string::npos) << s;
   }
   // append_in_region outside a region request.
   auto session = r.region_client->OpenAttendStream();
@@ -296,6 +316,7 @@ TEST(AttendRegion, InPlaceStepsMatchUnaryAttend) {
       std::memcpy(region + layout->q + i * q_bytes, request.items(i).q().data(), q_bytes);
       request.mutable_items(i)->clear_q();
     }
+    request.set_region_q_bytes(layout->q_bytes);
     absl::StatusOr<v1::AttendResponse> got = (*session)->StepInPlace(request);
     ASSERT_TRUE(got.ok()) << got.status();
     EXPECT_TRUE(got->out().empty());

@@ -62,12 +62,15 @@ class RegionStepLayout:
     """Byte offsets of one region step's arrays (proto/kvpool/v1/attend_region.h): q
     [items][num_q_heads][head_dim] fp16, new_k and new_v [appending items][num_kv_heads][head_dim]
     fp16 in item order, out [items][num_q_heads][head_dim] in the output dtype; `end` is the bytes
-    the step needs."""
+    the step needs. q_bytes and kv_bytes are an item's q and new_k (new_v) bytes, which a region
+    request carries as region_q_bytes and region_kv_bytes."""
     q: int
     new_k: int
     new_v: int
     out: int
     end: int
+    q_bytes: int
+    kv_bytes: int
 
 
 def region_step_layout(items: int, appending: int, q_bytes: int, kv_bytes: int,
@@ -77,7 +80,7 @@ def region_step_layout(items: int, appending: int, q_bytes: int, kv_bytes: int,
     new_k = _align(items * q_bytes)
     new_v = _align(new_k + appending * kv_bytes)
     out = _align(new_v + appending * kv_bytes)
-    return RegionStepLayout(0, new_k, new_v, out, out + items * out_bytes)
+    return RegionStepLayout(0, new_k, new_v, out, out + items * out_bytes, q_bytes, kv_bytes)
 
 
 class AttendSocketSession:
@@ -184,7 +187,8 @@ class AttendSocketSession:
                                     f"{len(self._region)}-byte region (attend_region_bytes)")
         sent = pb.AttendRequest(layer=req.layer, num_q_heads=req.num_q_heads,
                                 sm_scale=req.sm_scale, output_dtype=req.output_dtype,
-                                return_lse=req.return_lse)
+                                return_lse=req.return_lse, region_q_bytes=q_bytes,
+                                region_kv_bytes=kv_bytes)
         appended = 0
         for i, it in enumerate(items):
             self._region[i * q_bytes:(i + 1) * q_bytes] = it.q
@@ -206,7 +210,8 @@ class AttendSocketSession:
     def request_in_place(self, req: "pb.AttendRequest") -> "pb.AttendResponse":
         """Sends `req`, whose items carry no q, new_k or new_v (append_in_region marks an
         append), as a region request: its arrays are in the region already, at the offsets of
-        region_step_layout, and so is the output when this returns (the response's `out` is
+        region_step_layout (whose q_bytes and kv_bytes req carries as region_q_bytes and
+        region_kv_bytes), and so is the output when this returns (the response's `out` is
         empty)."""
         if self._region is None:
             raise AttendSocketError(grpc.StatusCode.FAILED_PRECONDITION,

@@ -154,7 +154,8 @@ class InPlaceAttendStream:
         is a view of the region, overwritten by the next step (and kept mapped while it lives)."""
         req = pb.AttendRequest(layer=layer, num_q_heads=num_q_heads, sm_scale=sm_scale,
                                return_lse=return_lse,
-                               output_dtype=pb.OUTPUT_DTYPE_FP32 if fp32 else pb.OUTPUT_DTYPE_FP16)
+                               output_dtype=pb.OUTPUT_DTYPE_FP32 if fp32 else pb.OUTPUT_DTYPE_FP16,
+                               region_q_bytes=layout.q_bytes, region_kv_bytes=layout.kv_bytes)
         for i, lease in enumerate(lease_ids):
             req.items.add(lease_id=lease,
                           new_token_id=new_token_ids[i] if new_token_ids is not None else -1,

@@ -50,6 +50,8 @@ std::optional<RegionStepLayout> LayoutRegionStep(uint64_t items, uint64_t append
     return std::nullopt;
   }
   l.end = offset;
+  l.q_bytes = q_bytes;
+  l.kv_bytes = kv_bytes;
   return l;
 }
 

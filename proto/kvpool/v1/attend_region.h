@@ -5,7 +5,8 @@
 // pins it for direct device copies, and answers with a region frame (kRegion) that passes its
 // descriptor; the client maps it. From then on a step is a region request frame (kRegionRequest):
 // an AttendRequest whose items leave q, new_k and new_v empty and set append_in_region for a
-// token to append, while the bytes sit in the region at the offsets of RegionStepLayout; the
+// token to append, and carry the per-item sizes the client laid out (region_q_bytes,
+// region_kv_bytes), while the bytes sit in the region at the offsets of RegionStepLayout; the
 // response frame is an AttendResponse whose `out` is empty, the output being in the region. A
 // session attaches at most once; its region lives until the session ends.
 #ifndef KVPOOL_PROTO_KVPOOL_V1_ATTEND_REGION_H_
@@ -31,6 +32,9 @@ namespace kvpool::attend_socket {
 struct RegionStepLayout {
   uint64_t q = 0, new_k = 0, new_v = 0, out = 0;
   uint64_t end = 0;  // bytes the step needs
+  // Per item: the bytes of its q and of an appending item's new_k (and new_v), which a region
+  // request carries as region_q_bytes and region_kv_bytes.
+  uint64_t q_bytes = 0, kv_bytes = 0;
 };
 // The layout for `items` items of which `appending` append, with q_bytes and kv_bytes per item
 // and out_bytes of output per item; nullopt when it does not fit in 64 bits.
