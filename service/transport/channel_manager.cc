@@ -45,15 +45,17 @@ absl::StatusOr<ChannelManager::Opened> ChannelManager::Open(absl::Duration join_
   ExpireIdle();
   {
     absl::MutexLock l(&mu_);
-    if (channels_.size() >= options_.max_channels) {
-      return absl::ResourceExhaustedError(
-          absl::StrFormat("%d NCCL channels open, the server's limit", channels_.size()));
+    if (channels_.size() + opening_ >= options_.max_channels) {
+      return absl::ResourceExhaustedError(absl::StrFormat(
+          "%d NCCL channels open or opening, the server's limit", channels_.size() + opening_));
     }
+    ++opening_;
   }
   absl::StatusOr<OpenedTransport> opened = factory_->Open(clock_->Now() + join_timeout);
+  absl::MutexLock l(&mu_);
+  --opening_;
   if (!opened.ok()) return opened.status();
   auto channel = std::make_shared<Channel>(std::move(opened->transport));
-  absl::MutexLock l(&mu_);
   // The join deadline is shorter than the idle timeout in any sane configuration; a channel is
   // never expired while its worker may still be joining.
   channel->last_used = clock_->Now() + join_timeout;

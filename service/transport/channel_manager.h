@@ -91,6 +91,8 @@ class ChannelManager {
   mutable absl::Mutex mu_;
   uint64_t next_id_ ABSL_GUARDED_BY(mu_) = 1;
   absl::flat_hash_map<uint64_t, std::shared_ptr<Channel>> channels_ ABSL_GUARDED_BY(mu_);
+  // Opens under way (the factory is called outside mu_): they count against max_channels.
+  size_t opening_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace kvpool

@@ -1,6 +1,7 @@
 // The NCCL data plane's protocol (KvPoolTransport) end to end over in-process gRPC, with the
 // transport faked on the CPU: a test worker drives the RPCs and the fake worker end exactly as a
 // real worker drives ncclRecv/ncclSend.
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -10,11 +11,13 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/fp16.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
 #include "service/proto_convert.h"
+#include "service/transport/channel_manager.h"
 #include "service/transport/fake_peer_transport.h"
 #include "service/transport/transport_service.h"
 #include "tests/service/kv_store_test_util.h"
@@ -170,6 +173,44 @@ TEST_F(TransportProtocolTest, OpensAndClosesChannels) {
   v1::NcclGetRequest req;
   req.set_lease_id(PutAndMatch(8, 1));
   EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kNotFound);
+}
+
+// The fake network, except that the first Open waits until released.
+class FirstOpenWaits final : public PeerTransportFactory {
+ public:
+  explicit FirstOpenWaits(FakePeerNetwork* inner) : inner_(inner) {}
+  absl::StatusOr<OpenedTransport> Open(absl::Time join_deadline) override {
+    if (!first_.exchange(false)) return inner_->Open(join_deadline);
+    entered_.Notify();
+    release_.WaitForNotification();
+    return inner_->Open(join_deadline);
+  }
+  absl::Notification entered_, release_;
+
+ private:
+  FakePeerNetwork* const inner_;
+  std::atomic<bool> first_{true};
+};
+
+// Opens still under way count against max_channels: the factory runs outside the manager's lock,
+// and a second open racing the first used to pass the check too.
+TEST(ChannelManager, OpensUnderWayCountAgainstTheLimit) {
+  FakeClock clock;
+  FakePeerNetwork network(&clock);
+  FirstOpenWaits factory(&network);
+  ChannelOptions options;
+  options.max_channels = 1;
+  ChannelManager manager(&factory, &clock, options);
+  absl::StatusOr<ChannelManager::Opened> first;
+  std::thread opener([&] { first = manager.Open(absl::Seconds(1)); });
+  factory.entered_.WaitForNotification();
+  EXPECT_EQ(manager.Open(absl::Seconds(1)).status().code(), absl::StatusCode::kResourceExhausted);
+  factory.release_.Notify();
+  opener.join();
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(manager.Open(absl::Seconds(1)).status().code(), absl::StatusCode::kResourceExhausted);
+  ASSERT_TRUE(manager.Close(first->channel_id).ok());
+  EXPECT_TRUE(manager.Open(absl::Seconds(1)).ok());
 }
 
 TEST_F(TransportProtocolTest, IdleChannelExpires) {
