@@ -14,6 +14,17 @@
 namespace kvpool::testing {
 namespace {
 
+// A Match of all of `s` in "small".
+v1::MatchResponse MatchSmall(v1::KvPool::Stub* stub, const Sequence& s) {
+  grpc::ClientContext ctx;
+  v1::MatchRequest req;
+  req.set_namespace_("small");
+  for (int32_t t : s.tokens) req.add_token_ids(t);
+  v1::MatchResponse r;
+  EXPECT_TRUE(stub->Match(&ctx, req, &r).ok());
+  return r;
+}
+
 class BadInput : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -55,15 +66,7 @@ class BadInput : public ::testing::Test {
     return r;
   }
 
-  uint64_t Match(const Sequence& s) {
-    grpc::ClientContext ctx;
-    v1::MatchRequest req;
-    req.set_namespace_("small");
-    for (int32_t t : s.tokens) req.add_token_ids(t);
-    v1::MatchResponse r;
-    EXPECT_TRUE(stub()->Match(&ctx, req, &r).ok());
-    return r.lease_id();
-  }
+  uint64_t Match(const Sequence& s) { return MatchSmall(stub(), s).lease_id(); }
 
   // Nothing stored and nothing pinned in "small".
   void ExpectPoolUntouched() {
@@ -290,12 +293,7 @@ TEST(BadInputLimits, AttendBatchOverLimitIsResourceExhausted) {
   const Sequence s = MakeSequence(c, 32, 1, 12);
   v1::PutResponse r;
   ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, c.num_kv_heads * c.head_dim, 16, &r).ok());
-  grpc::ClientContext mctx;
-  v1::MatchRequest m;
-  m.set_namespace_("small");
-  for (int32_t id : s.tokens) m.add_token_ids(id);
-  v1::MatchResponse mr;
-  ASSERT_TRUE(t->stub->Match(&mctx, m, &mr).ok());
+  const v1::MatchResponse mr = MatchSmall(t->stub.get(), s);
   const std::vector<uint16_t> q(4 * c.head_dim, 0x3c00);  // 1.0
   v1::AttendRequest req;
   req.set_num_q_heads(4);
@@ -370,13 +368,7 @@ TEST(BadInputLimits, PoolFullOfPinnedBlocksIsResourceExhaustedAndSaysSo) {
   const Sequence held = MakeSequence(c, 64, 1, 10);
   v1::PutResponse r;
   ASSERT_TRUE(PutSequence(t->stub.get(), "small", held, pt, 16, &r).ok());
-  grpc::ClientContext ctx;
-  v1::MatchRequest m;
-  m.set_namespace_("small");
-  for (int32_t id : held.tokens) m.add_token_ids(id);
-  v1::MatchResponse mr;
-  ASSERT_TRUE(t->stub->Match(&ctx, m, &mr).ok());
-  ASSERT_EQ(mr.cached_tokens(), 64u);
+  ASSERT_EQ(MatchSmall(t->stub.get(), held).cached_tokens(), 64u);
 
   const Sequence other = MakeSequence(c, 32, 5000, 11);
   const grpc::Status st = PutSequence(t->stub.get(), "small", other, pt, 16, &r);

@@ -56,9 +56,9 @@ class GatedBackend final : public ForwardingBackend {
 class AppendOrderTest : public StoreTest {
  protected:
   // A store over a GatedBackend holding tokens [0, 8) of 16 (blocks of 4), a lease on them, and
-  // tokens [8, 16) appended to layer 1, so that blocks 2 and 3 are complete once layer 0 has
-  // them too.
-  void SetUpLease() {
+  // (with `layer_one_ahead`) tokens [8, 16) appended to layer 1, so that blocks 2 and 3 are
+  // complete once layer 0 has them too.
+  void SetUpLease(bool layer_one_ahead = true) {
     auto backend = std::make_unique<GatedBackend>();
     gate_ = backend.get();
     backend_ = std::move(backend);
@@ -70,7 +70,7 @@ class AppendOrderTest : public StoreTest {
                                absl::ZeroDuration());
     ASSERT_TRUE(lease.ok()) << lease.status();
     lease_ = lease->lease_id;
-    ASSERT_TRUE(AppendTokens(1, 8, 8).ok());
+    if (layer_one_ahead) ASSERT_TRUE(AppendTokens(1, 8, 8).ok());
   }
 
   absl::Status AppendTokens(uint32_t layer, int first, int n) {
@@ -150,17 +150,7 @@ TEST_F(AppendOrderTest, AFailedAppendGivesItsSlotsBack) {
 // The ids a failed append named are forgotten where no layer holds the tokens: appends of unnamed
 // tokens there later publish nothing (before, the failed append's ids stayed and named them).
 TEST_F(AppendOrderTest, AFailedAppendForgetsTheIdsItNamed) {
-  auto backend = std::make_unique<GatedBackend>();
-  gate_ = backend.get();
-  backend_ = std::move(backend);
-  MakeStore(16);
-  ids_ = TokenIds(16, 7);
-  kv_ = MakeSequenceKv(config_, 16, 31);
-  ASSERT_TRUE(Put(std::vector<int32_t>(ids_.begin(), ids_.begin() + 8), kv_).ok());
-  auto lease = store_->Match("main", std::vector<int32_t>(ids_.begin(), ids_.begin() + 8),
-                             absl::ZeroDuration());
-  ASSERT_TRUE(lease.ok()) << lease.status();
-  lease_ = lease->lease_id;
+  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false));
   gate_->Arm(GatedBackend::Mode::kFail);
   EXPECT_EQ(AppendTokens(0, 8, 4).code(), absl::StatusCode::kInternal);
   const size_t pt = PerToken();
