@@ -26,7 +26,9 @@ void PutStreams::Remove(Stream* stream) {
 int PutStreams::CancelIdle(absl::Duration idle) {
   const absl::Time now = clock_->Now();
   int cancelled = 0;
-  // Under mu_, so that no reactor is deleted (Remove) while its context is cancelled.
+  // Under mu_, so that no reactor is deleted (its OnDone calls Remove first) while its context is
+  // cancelled. TryCancel does not run the Put reactor's reactions on this thread: they are not
+  // inlineable, and gRPC hands them to its executor, which then waits in Remove for mu_.
   absl::MutexLock l(&mu_);
   for (Stream* stream : streams_) {
     {
