@@ -73,7 +73,7 @@ struct PagedDecodeAttentionParams {
   int num_seqs = 0;
   int num_q_heads = 0;                    // a multiple of num_kv_heads (GQA)
   const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq] block ids
-  int max_blocks_per_seq = 0;
+  int max_blocks_per_seq = 0;  // times block_tokens at most kMaxAttentionTableTokens (2^30)
   const int32_t* seq_lens = nullptr;  // [num_seqs], each in [1, max_blocks_per_seq*block_tokens]
   float sm_scale = 0.0f;              // usually 1/sqrt(head_dim)
   float* out = nullptr;               // [num_seqs][num_q_heads][head_dim] fp32, or
