@@ -80,7 +80,7 @@ struct GetLayer {
   // partial tail block. RAW: k/v are [num_blocks][heads] head pages.
   uint32_t valid_tokens = 0;
   std::string k, v;
-  v1::PageLayoutDescriptor layout;  // RAW only
+  v1::PageLayoutDescriptor layout;  // the layer's page layout (needed to read RAW pages)
 };
 struct GetResult {
   v1::GetFormat format = v1::GET_FORMAT_FP16;

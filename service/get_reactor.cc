@@ -107,7 +107,7 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
     response_.set_block_begin(block_);
     response_.set_num_blocks(n);
     response_.set_valid_tokens(std::min(n * bt, layer_tokens - block_ * bt));
-    if (raw_ && block_ == 0) ToProtoLayout(layout, response_.mutable_layout());
+    if (block_ == 0) ToProtoLayout(layout, response_.mutable_layout());
     std::string* k = response_.mutable_k();
     std::string* v = response_.mutable_v();
     k->resize(n * block_bytes);

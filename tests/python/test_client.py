@@ -2,6 +2,9 @@
 remote attention, AttendStream decode over gRPC and over the AttendSocket, stats, and status
 codes of bad requests."""
 
+import threading
+import time
+
 import grpc
 import numpy as np
 import pytest
@@ -60,16 +63,43 @@ def test_put_match_get_round_trips_fp16_within_int4_tolerance(client):
     m = client.match(ids, namespace="pytest")
     assert m.cached_tokens == 32 and m.num_blocks == 2
     try:
-        got = client.get(m.lease_id, namespace="pytest")
+        got = client.get(m.lease_id)
         assert got.k.shape == (LAYERS, 32, HEADS, DIM)
         k_err = rel_err(got.k, k[:, :32].astype(np.float64))
         v_err = rel_err(got.v, v[:, :32].astype(np.float64))
         assert 0 < k_err < 0.15 and 0 < v_err < 0.15, (k_err, v_err)
-        raw = client.get(m.lease_id, namespace="pytest", fmt="raw")
+        raw = client.get(m.lease_id, fmt="raw")
         assert raw.layouts[0].head_dim == DIM and raw.layouts[0].codes_bytes > 0
         assert len(raw.pages[0][0]) == 2 * HEADS * raw.layouts[0].head_page_bytes
     finally:
         client.release(m.lease_id)
+
+
+def test_get_reports_each_layers_tokens_when_appends_are_in_flight(client):
+    ids, k, v, _ = put_sequence(client, 32, seed=15)
+    m = client.match(ids, namespace="pytest")
+    try:
+        new_k, new_v = outlier_kv(1, 16)
+        assert client.append(m.lease_id, 0, new_k[0], new_v[0]) == 33
+        got = client.get(m.lease_id)  # geometry from the server: not the default namespace's
+        assert got.tokens == [33, 32]
+        assert got.k.shape == (LAYERS, 33, HEADS, DIM)
+        assert not got.k[1, 32].any() and not got.v[1, 32].any()
+        assert rel_err(got.k[0, 32:], new_k[0].astype(np.float64)) < 0.15
+    finally:
+        client.release(m.lease_id)
+
+
+def test_a_stream_left_on_an_exception_leaves_no_thread_behind(client):
+    before = threading.active_count()
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError):
+            with client.attend_stream(timeout=10) as stream:
+                stream.step(0, [AttendItem(123456789, np.zeros((4 * HEADS, DIM), np.float16))])
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
 
 
 def test_second_put_of_a_shared_prefix_is_a_prefix_hit(client):
@@ -89,7 +119,7 @@ def test_attend_matches_fp64_attention_over_the_fp16_kv(client):
         assert res.out.shape == (1, 4 * HEADS, DIM) and res.lse.shape == (1, 4 * HEADS)
         # Exact up to rounding against the pool's own (dequantized) K/V; within the INT4
         # error of the recipe (~0.2 with outlier channels) against the fp16 that was sent.
-        deq = client.get(m.lease_id, namespace="pytest")
+        deq = client.get(m.lease_id)
         assert rel_err(res.out[0], attention(q, deq.k[1], deq.v[1])) < 0.02
         err = rel_err(res.out[0], attention(q, k[1], v[1]))
         assert 0 < err < 0.35, err

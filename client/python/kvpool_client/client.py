@@ -56,13 +56,16 @@ class AttendResult:
 
 @dataclasses.dataclass
 class GetResult:
-    """fp16: k, v are [layers, tokens, heads, head_dim] float16 (tokens = the lease's real
-    tokens). raw: pages[i] = (k bytes, v bytes) of layers[i], and layouts[i] its descriptor."""
+    """tokens[i]: the real tokens layers[i] holds (layers may differ while a decode step's
+    appends are in flight). fp16: k, v are [layers, max(tokens), heads, head_dim] float16, rows
+    past a layer's tokens zero. raw: pages[i] = (k bytes, v bytes) of layers[i]. layouts[i]:
+    layers[i]'s page layout descriptor."""
     layers: List[int]
+    tokens: List[int]
+    layouts: List[object]
     k: Optional[np.ndarray] = None
     v: Optional[np.ndarray] = None
     pages: Optional[List[tuple]] = None
-    layouts: Optional[List[object]] = None
 
 
 def _attend_request(layer, items: Sequence[AttendItem], sm_scale, return_lse):
@@ -125,6 +128,7 @@ class AttendStream:
         if exc[0] is None or self._socket is not None:
             self.close()
         else:
+            self._requests.put(self._END)  # ends gRPC's request-consuming thread
             self._responses.cancel()
 
 
@@ -275,38 +279,51 @@ class Client:
     def release(self, lease_id: int, timeout=None):
         self._stub.Release(pb.ReleaseRequest(lease_id=lease_id), timeout=self._t(timeout))
 
-    def get(self, lease_id: int, namespace: str = "", layers: Optional[range] = None,
-            heads: Optional[range] = None, fmt: str = "fp16", max_chunk_bytes: int = 0,
-            timeout=None) -> GetResult:
-        """Reads a lease's blocks. `namespace` (the lease's) gives the geometry to shape fp16
-        arrays; layers/heads are contiguous ranges (None = all)."""
-        spec = self.namespace(namespace, timeout).spec
-        layers = layers if layers is not None else range(spec.num_layers)
-        heads = heads if heads is not None else range(spec.num_kv_heads)
-        req = pb.GetRequest(lease_id=lease_id, layer_begin=layers.start, layer_end=layers.stop,
-                            head_begin=heads.start, head_end=heads.stop,
+    def get(self, lease_id: int, layers: Optional[range] = None, heads: Optional[range] = None,
+            fmt: str = "fp16", max_chunk_bytes: int = 0, timeout=None) -> GetResult:
+        """Reads a lease's blocks; layers/heads are contiguous ranges of the lease's namespace
+        (None = all). fp16 arrays are shaped by the page layout the server sends with each
+        layer."""
+        req = pb.GetRequest(lease_id=lease_id,
+                            layer_begin=layers.start if layers is not None else 0,
+                            layer_end=layers.stop if layers is not None else 0,
+                            head_begin=heads.start if heads is not None else 0,
+                            head_end=heads.stop if heads is not None else 0,
                             format=pb.GET_FORMAT_RAW if fmt == "raw" else pb.GET_FORMAT_FP16,
                             max_chunk_bytes=max_chunk_bytes)
         parts = {}
         for msg in self._stub.Get(req, timeout=self._t(timeout)):
             parts.setdefault(msg.layer, []).append(msg)
-        result = GetResult(layers=sorted(parts))
-        joined = []
+        result = GetResult(layers=sorted(parts), tokens=[], layouts=[])
+        pages = []
         for layer in result.layers:
             msgs = sorted(parts[layer], key=lambda m: m.block_begin)
-            joined.append((b"".join(m.k for m in msgs), b"".join(m.v for m in msgs),
-                           sum(m.valid_tokens for m in msgs),
-                           next((m.layout for m in msgs if m.HasField("layout")), None)))
+            expect = msgs[0].block_begin
+            for m in msgs:
+                if m.block_begin != expect:
+                    raise RuntimeError(f"Get: layer {layer} is missing blocks [{expect}, "
+                                       f"{m.block_begin})")
+                expect += m.num_blocks
+            pages.append((b"".join(m.k for m in msgs), b"".join(m.v for m in msgs),
+                          sum(m.num_blocks for m in msgs)))
+            result.tokens.append(sum(m.valid_tokens for m in msgs))
+            result.layouts.append(next(m.layout for m in msgs if m.HasField("layout")))
         if fmt == "raw":
-            result.pages = [(k, v) for k, v, _, _ in joined]
-            result.layouts = [layout for _, _, _, layout in joined]
+            result.pages = [(k, v) for k, v, _ in pages]
             return result
-        shape = (-1, len(heads), spec.head_dim)
+        if not pages:
+            return result
 
-        def tensor(i):
-            return np.stack([np.frombuffer(j[i], dtype=np.float16).reshape(shape)[:j[2]]
-                             for j in joined]) if joined else None
-        result.k, result.v = tensor(0), tensor(1)
+        def rows(data, blocks, layout):  # [blocks * block_tokens, heads, head_dim]
+            x = np.frombuffer(data, dtype=np.float16)
+            return x.reshape(blocks * layout.block_tokens, -1, layout.head_dim)
+        first = rows(pages[0][0], pages[0][2], result.layouts[0])
+        shape = (len(pages), max(result.tokens), first.shape[1], first.shape[2])
+        result.k, result.v = np.zeros(shape, np.float16), np.zeros(shape, np.float16)
+        for i, (k, v, blocks) in enumerate(pages):
+            n = result.tokens[i]
+            result.k[i, :n] = rows(k, blocks, result.layouts[i])[:n]
+            result.v[i, :n] = rows(v, blocks, result.layouts[i])[:n]
         return result
 
     # ---- decode ---------------------------------------------------------------------------
