@@ -93,7 +93,7 @@ class NcclChannelImpl final : public NcclChannel {
     ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(5)));
     auto reader = stub_->NcclGet(&ctx, request);
     v1::NcclGetResponse msg;
-    if (!reader->Read(&msg) || !msg.has_header()) return FromGrpc(reader->Finish());
+    if (!reader->Read(&msg) || !msg.has_header()) return RefusedLocked(reader->Finish());
     const v1::NcclGetDescriptor header = msg.header();
     std::vector<Segment> segments;
     auto* base = static_cast<uint8_t*>(dst);
@@ -114,8 +114,8 @@ class NcclChannelImpl final : public NcclChannel {
   }
 
   absl::StatusOr<v1::PutResponse> Put(std::string_view ns, absl::Span<const int32_t> token_ids,
-                                      const void* k, const void* v, uint64_t token_bytes,
-                                      absl::Duration timeout) override {
+                                      uint32_t num_layers, const void* k, const void* v,
+                                      uint64_t token_bytes, absl::Duration timeout) override {
     absl::MutexLock l(&mu_);
     if (comm_ == nullptr) return absl::UnavailableError("NCCL channel aborted");
     v1::NcclPutRequest request;
@@ -128,12 +128,19 @@ class NcclChannelImpl final : public NcclChannel {
     ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(5)));
     auto reader = stub_->NcclPut(&ctx, request);
     v1::NcclPutResponse msg;
-    if (!reader->Read(&msg) || !msg.has_plan()) return FromGrpc(reader->Finish());
+    if (!reader->Read(&msg) || !msg.has_plan()) return RefusedLocked(reader->Finish());
     const v1::NcclPutPlan plan = msg.plan();
-    if (plan.layer_bytes() != uint64_t{plan.num_tokens()} * token_bytes) {
+    if (plan.layer_bytes() != uint64_t{plan.num_tokens()} * token_bytes ||
+        plan.num_layers() != num_layers) {
+      // The server waits for the segments; cancelled, it aborts its end, and so must we.
       ctx.TryCancel();
       reader->Finish();
-      return absl::InvalidArgumentError("token_bytes does not match the namespace's geometry");
+      AbortLocked();
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "the K/V buffers hold %d layers of %d-byte tokens; namespace %s has %d layers of "
+          "%d-byte tokens",
+          num_layers, token_bytes, ns, plan.num_layers(),
+          plan.num_tokens() > 0 ? plan.layer_bytes() / plan.num_tokens() : 0));
     }
     std::vector<Segment> segments;
     const uint64_t layer_stride = token_ids.size() * token_bytes;
@@ -205,6 +212,14 @@ class NcclChannelImpl final : public NcclChannel {
     }
   }
 
+  // The status of a transfer the server refused before any byte moved. UNAVAILABLE: the server no
+  // longer has the channel (or cannot be reached), so this end is aborted too.
+  absl::Status RefusedLocked(const grpc::Status& finished) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Status s = FromGrpc(finished);
+    if (absl::IsUnavailable(s)) AbortLocked();
+    return s;
+  }
+
   void AbortLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
@@ -223,6 +238,9 @@ class NcclChannelImpl final : public NcclChannel {
 
 absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Open(
     std::shared_ptr<grpc::Channel> channel, int device, absl::Duration join_timeout) {
+  if (join_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("NcclChannel::Open takes a positive join timeout");
+  }
   auto stub = v1::KvPoolTransport::NewStub(channel);
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + join_timeout));

@@ -24,11 +24,13 @@ namespace kvpool::client {
 class NcclChannel {
  public:
   // OpenChannel on the server behind `channel`, then a blocking join as rank 1 on CUDA device
-  // `device` (bounded by join_timeout through a non-blocking init).
+  // `device` (bounded by join_timeout, which must be positive, through a non-blocking init).
   static absl::StatusOr<std::unique_ptr<NcclChannel>> Open(std::shared_ptr<grpc::Channel> channel,
                                                            int device, absl::Duration join_timeout);
   virtual ~NcclChannel() = default;
 
+  // False once the channel is aborted: after a failed transfer, or when the server answered that
+  // it no longer has the channel (UNAVAILABLE).
   virtual bool healthy() const = 0;
   virtual uint64_t channel_id() const = 0;
 
@@ -38,11 +40,13 @@ class NcclChannel {
                                                     uint64_t capacity, absl::Duration timeout) = 0;
   // NcclPut of a sequence whose fp16 K and V sit in device memory as
   // [num_layers][token_ids.size()][num_kv_heads][head_dim]; `token_bytes` is
-  // num_kv_heads * head_dim * 2. The server says which tokens it needs; only those move.
+  // num_kv_heads * head_dim * 2. The server says which tokens it needs; only those move. A
+  // num_layers or token_bytes that is not the namespace's is INVALID_ARGUMENT, nothing read (the
+  // channel is aborted with the server's end).
   virtual absl::StatusOr<v1::PutResponse> Put(std::string_view ns,
-                                              absl::Span<const int32_t> token_ids, const void* k,
-                                              const void* v, uint64_t token_bytes,
-                                              absl::Duration timeout) = 0;
+                                              absl::Span<const int32_t> token_ids,
+                                              uint32_t num_layers, const void* k, const void* v,
+                                              uint64_t token_bytes, absl::Duration timeout) = 0;
 };
 
 }  // namespace kvpool::client

@@ -10,6 +10,13 @@
 namespace kvpool::client {
 namespace {
 
+// A zero or negative timeout would expire the NCCL attempt at once, aborting the channel.
+absl::Status CheckTimeout(absl::Duration timeout) {
+  return timeout > absl::ZeroDuration()
+             ? absl::OkStatus()
+             : absl::InvalidArgumentError("transfers take a positive timeout");
+}
+
 absl::Status CheckPutSource(const PutSource& src, size_t num_tokens) {
   if (num_tokens == 0) return absl::InvalidArgumentError("Put of an empty sequence");
   if (src.num_layers == 0 || src.num_kv_heads == 0 || src.head_dim == 0 || src.k == nullptr ||
@@ -60,6 +67,7 @@ void TransferClient::DropChannel(const std::shared_ptr<NcclChannel>& channel) {
 absl::StatusOr<TransferGetResult> TransferClient::Get(const v1::GetRequest& request, void* dst,
                                                       uint64_t capacity, absl::Duration timeout) {
   if (dst == nullptr) return absl::InvalidArgumentError("Get into a null buffer");
+  if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
   absl::Status nccl_error;
   if (std::shared_ptr<NcclChannel> channel = HealthyChannel()) {
     v1::NcclGetRequest nccl;
@@ -93,11 +101,12 @@ absl::StatusOr<TransferPutResult> TransferClient::Put(std::string_view ns,
                                                       const PutSource& src,
                                                       absl::Duration timeout) {
   if (absl::Status s = CheckPutSource(src, token_ids.size()); !s.ok()) return s;
+  if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
   absl::Status nccl_error;
   if (std::shared_ptr<NcclChannel> channel = HealthyChannel()) {
     const uint64_t token_bytes = uint64_t{src.num_kv_heads} * src.head_dim * sizeof(uint16_t);
     absl::StatusOr<v1::PutResponse> r =
-        channel->Put(ns, token_ids, src.k, src.v, token_bytes, timeout);
+        channel->Put(ns, token_ids, src.num_layers, src.k, src.v, token_bytes, timeout);
     if (r.ok()) {
       TransferPutResult result;
       result.path = TransferPath::kNccl;

@@ -108,8 +108,8 @@ absl::StatusOr<ChannelManager::Use> ChannelManager::Acquire(uint64_t channel_id)
   }
   AbortAll(expired);
   if (channel == nullptr) {
-    return absl::NotFoundError(
-        absl::StrFormat("no NCCL channel %d (closed, idle-expired or failed)", channel_id));
+    return absl::UnavailableError(absl::StrFormat(
+        "no NCCL channel %d (closed, idle-expired or failed): open a new one", channel_id));
   }
   if (busy) {
     return absl::AbortedError(absl::StrFormat(

@@ -59,6 +59,7 @@ class FakeKvPool final : public v1::KvPool::Service {
 struct ChannelLog {
   int gets = 0;
   int puts = 0;
+  uint32_t put_num_layers = 0;
   uint64_t put_token_bytes = 0;
   bool destroyed = false;
 };
@@ -85,9 +86,10 @@ class FakeNcclChannel final : public NcclChannel {
     return descriptor_;
   }
   absl::StatusOr<v1::PutResponse> Put(std::string_view, absl::Span<const int32_t> token_ids,
-                                      const void*, const void*, uint64_t token_bytes,
-                                      absl::Duration) override {
+                                      uint32_t num_layers, const void*, const void*,
+                                      uint64_t token_bytes, absl::Duration) override {
     ++log_->puts;
+    log_->put_num_layers = num_layers;
     log_->put_token_bytes = token_bytes;
     if (!error_.ok()) {
       healthy_ = !breaks_;
@@ -225,6 +227,7 @@ TEST_F(TransferClientTest, HealthyChannelCarriesGetAndPutWithoutGrpcData) {
   EXPECT_EQ(put->response.tokens_stored(), ids.size());
   EXPECT_EQ(log.gets, 1);
   EXPECT_EQ(log.puts, 1);
+  EXPECT_EQ(log.put_num_layers, static_cast<uint32_t>(kLayers));
   EXPECT_EQ(log.put_token_bytes, kTokenBytes);
   EXPECT_EQ(GrpcGets(), 0);
   EXPECT_EQ(GrpcPuts(), 0);
@@ -307,6 +310,26 @@ TEST_F(TransferClientTest, PutOverGrpcSendsTheWholeSequenceFromTheBuffer) {
   }
   EXPECT_EQ(got_k, k);
   EXPECT_EQ(got_v, v);
+}
+
+// A zero timeout would expire an NCCL attempt at once and abort the channel: refused up front.
+TEST_F(TransferClientTest, RejectsTimeoutsThatAreNotPositive) {
+  ChannelLog log;
+  TransferClient client(kv_.get(), HostBufferCopy(), Channel(&log));
+  std::string buffer(ExpectedBuffer().size(), '\0');
+  const std::vector<int32_t> ids(4, 1);
+  const std::vector<uint16_t> k(kLayers * ids.size() * kHeads * kDim, 0x3c00);
+  for (absl::Duration t : {absl::ZeroDuration(), absl::Seconds(-1)}) {
+    EXPECT_EQ(client.Get(v1::GetRequest(), buffer.data(), buffer.size(), t).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(client.Put("ns", ids, PutSource{kLayers, kHeads, kDim, k.data(), k.data()}, t)
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  EXPECT_EQ(log.gets + log.puts, 0);
+  EXPECT_FALSE(log.destroyed);
+  EXPECT_EQ(GrpcGets() + GrpcPuts(), 0);
 }
 
 TEST_F(TransferClientTest, RejectsAPutSourceWithoutShapeOrBuffers) {

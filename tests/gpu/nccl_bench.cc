@@ -251,7 +251,7 @@ int RunWorker(const std::vector<uint64_t>& raw_sizes) {
         "put", "fp16", reps,
         [&]() -> uint64_t {
           const std::vector<int32_t> ids = nccl_test::SequenceTokens(++sequence, tokens);
-          auto r = (*channel)->Put(kNs, ids, buffer, buffer + put_bytes,
+          auto r = (*channel)->Put(kNs, ids, config.num_layers, buffer, buffer + put_bytes,
                                    static_cast<uint64_t>(config.num_kv_heads) * config.head_dim * 2,
                                    absl::Seconds(60));
           if (!r.ok()) std::fprintf(stderr, "NcclPut: %s\n", r.status().ToString().c_str());

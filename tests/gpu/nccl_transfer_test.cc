@@ -101,8 +101,9 @@ TEST(NcclWorker, Main) {
               cudaSuccess);
     const std::vector<int32_t> ids = nccl_test::SequenceTokens(kSeed, kTokens);
     const uint64_t token_bytes = static_cast<uint64_t>(config.num_kv_heads) * config.head_dim * 2;
-    absl::StatusOr<v1::PutResponse> put = (*channel)->Put(kNs, ids, buffer, buffer + capacity / 2,
-                                                          token_bytes, absl::Seconds(120));
+    absl::StatusOr<v1::PutResponse> put =
+        (*channel)->Put(kNs, ids, config.num_layers, buffer, buffer + capacity / 2, token_bytes,
+                        absl::Seconds(120));
     ASSERT_TRUE(put.ok()) << put.status();
     EXPECT_EQ(put->tokens_stored(), kTokens);
     std::unique_ptr<client::KvPoolClient> kv = client::KvPoolClient::Create(target);
@@ -137,6 +138,35 @@ TEST(NcclWorker, Main) {
         (*channel)->Get(request, buffer, capacity, absl::Seconds(120));
     ASSERT_TRUE(d.ok()) << d.status();
     for (const std::string& line : SegmentDigests("raw", *d, buffer)) out << line << "\n";
+
+    // A channel the server no longer has (closed here by the worker's own CloseChannel): the
+    // transfer is UNAVAILABLE and this end is aborted too, so a TransferClient drops it.
+    auto stub = v1::KvPoolTransport::NewStub(
+        grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+    grpc::ClientContext close_ctx;
+    v1::CloseChannelRequest close;
+    close.set_channel_id((*channel)->channel_id());
+    v1::CloseChannelResponse closed;
+    ASSERT_TRUE(stub->CloseChannel(&close_ctx, close, &closed).ok());
+    request.set_format(v1::GET_FORMAT_FP16);
+    EXPECT_EQ((*channel)->Get(request, buffer, capacity, absl::Seconds(30)).status().code(),
+              absl::StatusCode::kUnavailable);
+    EXPECT_FALSE((*channel)->healthy());
+
+    // A Put whose buffers hold fewer layers than the namespace: refused before any byte is
+    // read, and the channel (whose server end waited for the segments) aborted.
+    absl::StatusOr<std::unique_ptr<client::NcclChannel>> fresh =
+        client::NcclChannel::Open(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()),
+                                  kWorkerDevice, absl::Seconds(60));
+    ASSERT_TRUE(fresh.ok()) << fresh.status();
+    const std::vector<int32_t> other = nccl_test::SequenceTokens(kSeed + 1, kTokens);
+    EXPECT_EQ((*fresh)
+                  ->Put(kNs, other, config.num_layers - 1, buffer, buffer + capacity / 2,
+                        uint64_t{config.num_kv_heads} * config.head_dim * 2, absl::Seconds(30))
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_FALSE((*fresh)->healthy());
   }
   out.close();
   cudaFree(buffer);

@@ -172,7 +172,7 @@ TEST_F(TransportProtocolTest, OpensAndClosesChannels) {
   std::vector<uint8_t> buf;
   v1::NcclGetRequest req;
   req.set_lease_id(PutAndMatch(8, 1));
-  EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kUnavailable);
 }
 
 // The fake network, except that the first Open waits until released.
