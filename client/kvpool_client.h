@@ -168,7 +168,9 @@ class KvPoolClient {
 // Index in `targets` of the shard for a sequence, by rendezvous (highest random weight) hashing
 // of the namespace and the token ids of its first block (all ids when shorter). The hash is
 // stable across processes and builds, so every client places a shared system prompt on the same
-// shard, and removing a target moves only the sequences it held. Requires non-empty targets.
+// shard, and removing a target moves only the sequences it held. "" hashes as "default", the
+// name kvpool-server gives its default namespace, so either spelling places a sequence alike.
+// Requires non-empty targets.
 size_t RendezvousShard(absl::Span<const std::string> targets, std::string_view ns,
                        absl::Span<const int32_t> first_block_token_ids);
 

@@ -29,7 +29,8 @@ uint64_t HashBytes(std::string_view bytes, uint64_t seed) {
 
 size_t RendezvousShard(absl::Span<const std::string> targets, std::string_view ns,
                        absl::Span<const int32_t> first_block_token_ids) {
-  uint64_t key = HashBytes(ns, 0);
+  // The servers resolve "" to their default namespace, which kvpool-server names "default".
+  uint64_t key = HashBytes(ns.empty() ? std::string_view("default") : ns, 0);
   for (int32_t id : first_block_token_ids) {
     key = Mix(key ^ static_cast<uint32_t>(id)) + 0x9E3779B97F4A7C15ull;
   }

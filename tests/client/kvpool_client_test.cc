@@ -415,6 +415,16 @@ TEST(RendezvousShard, NamespaceIsPartOfThePlacement) {
   EXPECT_GT(differ, 100);
 }
 
+// "" names the servers' default namespace: it places a sequence as "default" does.
+TEST(RendezvousShard, TheDefaultNamespaceSpelledEitherWayPlacesAlike) {
+  const std::vector<std::string> targets = {"a:1", "b:1", "c:1", "d:1", "e:1", "f:1"};
+  std::mt19937_64 rng(13);
+  for (int i = 0; i < 200; ++i) {
+    const std::vector<int32_t> ids = RandomIds(rng, 16);
+    EXPECT_EQ(RendezvousShard(targets, "", ids), RendezvousShard(targets, "default", ids));
+  }
+}
+
 TEST(ShardedKvPoolClient, RejectsNoTargetsAndDuplicateTargets) {
   EXPECT_EQ(ShardedKvPoolClient::Create({}).status().code(),
             absl::StatusCode::kInvalidArgument);
