@@ -41,8 +41,10 @@ class ComputeBackend {
 
   // The params' pointer fields name HOST memory for k, v, slot_mapping and positions, and
   // arena memory for pages and sink_pages. May return before the work completes (the inputs are
-  // copied first); Synchronize() waits for everything queued by this thread's calls, and every
-  // synchronous call below starts after the appends queued before it (it sees their writes).
+  // copied first), but appends land in the order they were queued, from any thread (a block
+  // freed and allocated again never gets an older write after a newer one); Synchronize() waits
+  // for everything queued, and every synchronous call below starts after the appends queued
+  // before it (it sees their writes).
   [[nodiscard]] virtual absl::Status QuantizeAppend(const QuantizeAppendParams& p) = 0;
   // block_ids and k_out/v_out are host memory; pages are arena memory. Synchronous.
   [[nodiscard]] virtual absl::Status Dequantize(const DequantizeParams& p) = 0;

@@ -3,11 +3,13 @@
 // Work is spread over a few "lanes", each a CUDA stream with two staging slots (pinned host
 // buffer + device buffer + an event marking the slot free again). QuantizeAppend copies the
 // caller's inputs into a free slot, enqueues the upload and the fused kernel on its lane and
-// returns, so the host copy of the next chunk overlaps the kernel of this one, and lanes overlap
-// each other on the GPU. Synchronous calls (Dequantize, PagedDecodeAttention, ReadArena and the
-// four transfer paths) first make their lane's stream wait, on the GPU, for every append queued
-// so far on every lane. PagedDecodeAttention's own append (a decode step's new tokens) rides in
-// its upload and runs on its stream just before the attention.
+// returns, so the host copy of the next chunk overlaps the kernel of this one, and the lanes'
+// uploads overlap each other on the GPU; the kernels run in the order the appends were queued
+// (each waits for the one before it, whatever its lane), so a block freed and handed out again
+// never receives an older append's write after a newer one's. Synchronous calls (Dequantize,
+// PagedDecodeAttention, ReadArena and the four transfer paths) first make their lane's stream wait,
+// on the GPU, for every append queued so far on every lane. PagedDecodeAttention's own append (a
+// decode step's new tokens) rides in its upload and runs on its stream just before the attention.
 //
 // The transfer paths (NCCL data plane) keep their bulk inputs and outputs in device memory; only
 // their small host-side tables (run list, block ids, slot mapping, positions) and results go
@@ -177,8 +179,16 @@ class CudaBackend final : public ComputeBackend {
     staging.Fill(slot.host);
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
                                                 cudaMemcpyHostToDevice, lane.stream));
-    const KernelStatus ks = cuda::QuantizeAppend(staging.DeviceParams(slot.device), lane.stream);
-    KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.free, lane.stream));
+    KernelStatus ks;
+    {
+      absl::MutexLock order(&append_order_mu_);
+      if (last_append_ != nullptr) {
+        KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(lane.stream, last_append_, 0));
+      }
+      ks = cuda::QuantizeAppend(staging.DeviceParams(slot.device), lane.stream);
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.free, lane.stream));
+      last_append_ = slot.free;
+    }
     slot.records.fetch_add(1, std::memory_order_release);
     return KernelResult(ks, "QuantizeAppend");
   }
@@ -567,6 +577,10 @@ class CudaBackend final : public ComputeBackend {
   std::vector<ArenaRun> registered_ ABSL_GUARDED_BY(registered_mu_);  // host ranges
   Lane lanes_[kNumLanes];
   std::atomic<uint32_t> next_lane_{0};
+  // The event recorded after the last append's kernel, which the next one waits for. Lock order:
+  // a lane's mu, then this.
+  absl::Mutex append_order_mu_;
+  cudaEvent_t last_append_ ABSL_GUARDED_BY(append_order_mu_) = nullptr;
   ArenaRegistry arenas_;
 };
 

@@ -28,10 +28,6 @@ class PutSessionImpl final : public KvStore::PutSession {
 
   ~PutSessionImpl() override {
     if (done_) return;
-    // QuantizeAppend may return before its writes land: the blocks go back to the pool only once
-    // they have, or the next Put that gets them could be overwritten by this one's chunks. (If
-    // the device failed, nothing it had queued runs any more.)
-    if (queued_) store_->backend()->Synchronize().IgnoreError();
     absl::MutexLock l(&store_->mu());
     ReleaseLocked(/*free_blocks=*/true);
   }
@@ -84,7 +80,6 @@ class PutSessionImpl final : public KvStore::PutSession {
   const std::vector<int32_t> blocks_;   // ids of chain_[cached_ ..]
   std::vector<bool> covered_;           // [block][layer][token] written
   bool done_ = false;                   // committed, or released after a failed commit
-  bool queued_ = false;                 // a chunk was handed to the backend
 };
 
 absl::Status PutSessionImpl::AddChunkFrom(Src src, uint32_t layer, uint32_t token_begin,
@@ -141,7 +136,6 @@ absl::Status PutSessionImpl::AddChunkFrom(Src src, uint32_t layer, uint32_t toke
   p.pages = pool.layer_base(layer);
   p.sink_pages = pool.sink_base(layer);
   p.num_blocks = pool.num_blocks();
-  queued_ = true;
   if (absl::Status s = src == Src::kArena ? backend->QuantizeAppendFromArena(p)
                                            : backend->QuantizeAppend(p);
       !s.ok()) {

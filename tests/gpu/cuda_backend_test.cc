@@ -393,6 +393,70 @@ TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
   (*backend)->FreeArena(*arena);
 }
 
+// Appends land in the order they were queued, whatever lanes they take: a large append and then a
+// small one into the last block it also wrote (which its last CTAs reach last) leave the small
+// one's codes there (a block freed and handed out again must not receive an older append's write
+// after a newer one's). That block's pages must equal those of the small append alone, in each
+// of 16 rounds.
+TEST(CudaBackend, AppendsLandInTheOrderTheyWereQueued) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  auto backend = NewCudaBackend(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  PageLayout l = LayerLayout(TestConfig(), 1);
+  l.sink_tokens = 0;
+  // Long enough that the small append's kernel runs while the large one's is still writing.
+  const int64_t num_blocks = 4096;
+  const int big_tokens = static_cast<int>(num_blocks) * l.block_tokens;
+  const testing::KvData big =
+      testing::MakeKv(big_tokens, l.num_kv_heads, l.head_dim, testing::Outliers::kOffset, 100);
+  const std::vector<uint16_t> big_k = testing::ToHalf(big.k), big_v = testing::ToHalf(big.v);
+  auto append = [&](uint8_t* pages, int first_slot, int tokens, uint64_t seed) {
+    std::vector<uint16_t> k, v;
+    if (tokens == big_tokens) {
+      k = big_k;
+      v = big_v;
+    } else {
+      const testing::KvData d =
+          testing::MakeKv(tokens, l.num_kv_heads, l.head_dim, testing::Outliers::kOffset, seed);
+      k = testing::ToHalf(d.k);
+      v = testing::ToHalf(d.v);
+    }
+    std::vector<int64_t> slots(tokens);
+    std::vector<int32_t> positions(tokens);
+    for (int t = 0; t < tokens; ++t) {
+      slots[t] = first_slot + t;
+      positions[t] = first_slot + t;
+    }
+    QuantizeAppendParams p;
+    p.layout = l;
+    p.k = k.data();
+    p.v = v.data();
+    p.slot_mapping = slots.data();
+    p.positions = positions.data();
+    p.num_tokens = tokens;
+    p.pages = pages;
+    p.num_blocks = num_blocks;
+    return (*backend)->QuantizeAppend(p);  // its inputs are copied before it returns
+  };
+  auto arena = (*backend)->AllocateArena(num_blocks * l.layer_page_bytes());
+  auto alone = (*backend)->AllocateArena(num_blocks * l.layer_page_bytes());
+  ASSERT_TRUE(arena.ok() && alone.ok());
+  const int last = big_tokens - l.block_tokens;  // the first slot of the last block
+  const size_t at = static_cast<size_t>(num_blocks - 1) * l.layer_page_bytes();
+  std::vector<uint8_t> got(l.layer_page_bytes()), want(l.layer_page_bytes());
+  for (int round = 0; round < 16; ++round) {
+    ASSERT_TRUE(append(*arena, 0, big_tokens, 100 + round).ok());
+    ASSERT_TRUE(append(*arena, last, l.block_tokens, 200 + round).ok());
+    ASSERT_TRUE(append(*alone, last, l.block_tokens, 200 + round).ok());
+    ASSERT_TRUE((*backend)->Synchronize().ok());
+    ASSERT_TRUE((*backend)->ReadArena(*arena + at, got.size(), got.data()).ok());
+    ASSERT_TRUE((*backend)->ReadArena(*alone + at, want.size(), want.data()).ok());
+    ASSERT_EQ(got, want) << "round " << round << ": the earlier, larger append landed last";
+  }
+  (*backend)->FreeArena(*arena);
+  (*backend)->FreeArena(*alone);
+}
+
 TEST(CudaBackend, ReportsMissingDevice) {
   KVPOOL_SKIP_WITHOUT_GPU();
   const auto backend = NewCudaBackend(4096);

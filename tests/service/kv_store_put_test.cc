@@ -1,8 +1,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -114,91 +112,6 @@ TEST_F(StoreTest, UncommittedPutLeavesNothing) {
   auto match = store_->Match("main", ids, absl::ZeroDuration());
   ASSERT_TRUE(match.ok());
   EXPECT_EQ(match->cached_tokens, 0u);
-}
-
-// The CPU backend with QuantizeAppend's writes held back until Synchronize or the next synchronous
-// call, and then run newest first: an order the backend contract allows (the CUDA backend's
-// lanes do not order appends among themselves), and the one that lands a write late.
-class DeferringBackend final : public ForwardingBackend {
- public:
-  absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
-    auto d = std::make_unique<Deferred>();
-    const size_t values =
-        static_cast<size_t>(p.num_tokens) * p.layout.num_kv_heads * p.layout.head_dim;
-    d->k.assign(p.k, p.k + values);
-    d->v.assign(p.v, p.v + values);
-    d->slots.assign(p.slot_mapping, p.slot_mapping + p.num_tokens);
-    if (p.positions != nullptr) d->positions.assign(p.positions, p.positions + p.num_tokens);
-    d->params = p;
-    d->params.k = d->k.data();
-    d->params.v = d->v.data();
-    d->params.slot_mapping = d->slots.data();
-    d->params.positions = p.positions != nullptr ? d->positions.data() : nullptr;
-    deferred_.push_back(std::move(d));
-    return absl::OkStatus();
-  }
-  absl::Status Synchronize() override { return Flush(); }
-  absl::Status Dequantize(const DequantizeParams& p) override {
-    if (absl::Status s = Flush(); !s.ok()) return s;
-    return inner().Dequantize(p);
-  }
-  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
-                                    const QuantizeAppendParams* append) override {
-    if (absl::Status s = Flush(); !s.ok()) return s;
-    return inner().PagedDecodeAttention(p, append);
-  }
-  absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) override {
-    if (absl::Status s = Flush(); !s.ok()) return s;
-    return inner().ReadArena(src, bytes, dst);
-  }
-
- private:
-  struct Deferred {
-    QuantizeAppendParams params;
-    std::vector<uint16_t> k, v;
-    std::vector<int64_t> slots;
-    std::vector<int32_t> positions;
-  };
-  absl::Status Flush() {
-    std::vector<std::unique_ptr<Deferred>> queued = std::move(deferred_);
-    deferred_.clear();
-    for (auto it = queued.rbegin(); it != queued.rend(); ++it) {
-      if (absl::Status s = inner().QuantizeAppend((*it)->params); !s.ok()) return s;
-    }
-    return absl::OkStatus();
-  }
-  std::vector<std::unique_ptr<Deferred>> deferred_;
-};
-
-// A Put abandoned before its commit gives its blocks back only once its writes have landed: the
-// next Put, which gets the same blocks, publishes its own K/V, not the abandoned one's (before,
-// the abandoned chunks could land after the next Put's and be published under its hashes).
-TEST_F(StoreTest, AbandonedPutsWritesLandBeforeItsBlocksAreReused) {
-  backend_ = std::make_unique<DeferringBackend>();
-  // 8 tokens: the one sequence's two blocks. No chunk read back for its error: that would land
-  // the deferred writes early.
-  MakeStore(2, /*sink_tokens=*/0, /*sample_every=*/0);
-  const SequenceKv abandoned = MakeSequenceKv(config_, 8, 41);
-  {
-    auto session = store_->BeginPut("main", TokenIds(8, 1));
-    ASSERT_TRUE(session.ok());
-    for (int l = 0; l < config_.num_layers; ++l) {
-      ASSERT_TRUE((*session)->AddChunk(l, 0, 8, abandoned.k[l].data(), abandoned.v[l].data()).ok());
-    }
-  }
-  const std::vector<int32_t> ids = TokenIds(8, 100);
-  const SequenceKv kv = MakeSequenceKv(config_, 8, 42);
-  ASSERT_TRUE(Put(ids, kv).ok());
-  auto lease = store_->Match("main", ids, absl::ZeroDuration());
-  ASSERT_TRUE(lease.ok());
-  ASSERT_EQ(lease->cached_tokens, 8u);
-  for (int l = 0; l < config_.num_layers; ++l) {
-    std::vector<uint16_t> k(8 * PerToken()), v(8 * PerToken());
-    ASSERT_TRUE(store_->ReadFp16(lease->lease_id, l, 0, 2, 0, 2, k.data(), v.data()).ok());
-    const auto [rk, rv] = ReferenceFp16(kv, l, 8);
-    EXPECT_EQ(k, rk) << "layer " << l;
-    EXPECT_EQ(v, rv) << "layer " << l;
-  }
 }
 
 TEST_F(StoreTest, CommitBeforeEveryLayerArrivedFailsAndPublishesNothing) {

@@ -89,15 +89,14 @@ class ForwardingBackend : public ComputeBackend {
 
 class StoreTest : public ::testing::Test {
  protected:
-  // A store whose pool holds exactly `blocks` blocks of SmallConfig("main", sink_tokens), reading
-  // back every `sample_every`th Put chunk to measure its error (0: none).
-  void MakeStore(uint64_t blocks, int sink_tokens = 0, int sample_every = 1) {
+  // A store whose pool holds exactly `blocks` blocks of SmallConfig("main", sink_tokens).
+  void MakeStore(uint64_t blocks, int sink_tokens = 0) {
     config_ = SmallConfig("main", sink_tokens);
     KvStore::Options o;
     o.pool_bytes = BytesPerBlock(config_) * blocks;
     o.backend = backend_.get();
     o.clock = &clock_;
-    o.quality_sample_every = sample_every;
+    o.quality_sample_every = 1;
     auto store = KvStore::Create(o);
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = *std::move(store);
