@@ -45,6 +45,7 @@ namespace {
 using cuda_backend_internal::AppendStaging;
 using cuda_backend_internal::StagingLayout;
 using cuda_backend_internal::ValidateDequantize;
+using cuda_backend_internal::ValidatePagedDecodeAttention;
 using cuda_backend_internal::ValidateQuantizeAppend;
 
 constexpr int kNumLanes = 4;
@@ -228,31 +229,8 @@ class CudaBackend final : public ComputeBackend {
   absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
                                     const QuantizeAppendParams* append) override {
     const PageLayout& l = p.layout;
-    if (p.num_seqs < 0 || p.num_q_heads <= 0 || !AttentionTableSpanOk(l, p.max_blocks_per_seq)) {
-      return absl::InvalidArgumentError(
-          "PagedDecodeAttention: bad batch shape (or tables spanning over 2^30 tokens)");
-    }
+    if (absl::Status s = ValidatePagedDecodeAttention(p, append); !s.ok()) return s;
     if (p.num_seqs == 0) return append != nullptr ? QuantizeAppend(*append) : absl::OkStatus();
-    if (append != nullptr) {
-      if (absl::Status s = ValidateQuantizeAppend(*append); !s.ok()) return s;
-    }
-    if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
-        (p.out == nullptr) == (p.out_fp16 == nullptr)) {
-      return absl::InvalidArgumentError(
-          "PagedDecodeAttention: null argument, or not exactly one of out and out_fp16");
-    }
-    if (const BadAttentionSequence bad = FindBadAttentionSequence(
-            l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq, p.num_blocks);
-        bad.seq >= 0) {
-      return absl::InvalidArgumentError(
-          bad.block < 0
-              ? absl::StrFormat("PagedDecodeAttention: seq %d length %d out of range", bad.seq,
-                                p.seq_lens[bad.seq])
-              : absl::StrFormat("PagedDecodeAttention: seq %d block %d id %d out of range", bad.seq,
-                                bad.block,
-                                p.block_tables[static_cast<size_t>(bad.seq) * p.max_blocks_per_seq +
-                                               bad.block]));
-    }
     const size_t rows = static_cast<size_t>(p.num_seqs) * p.num_q_heads;
     const size_t q_bytes = rows * l.head_dim * sizeof(uint16_t);
     const size_t table_bytes =

@@ -41,6 +41,37 @@ inline absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
 }
 
 // Host-side checks of Dequantize's arguments (block_ids is host memory).
+// Host-side checks of PagedDecodeAttention's arguments and of the append riding in it (tables,
+// lengths and q are host memory), before anything is queued: the kernels must never see an
+// out-of-range block id or length.
+inline absl::Status ValidatePagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                                 const QuantizeAppendParams* append) {
+  const PageLayout& l = p.layout;
+  if (p.num_seqs < 0 || p.num_q_heads <= 0 || !AttentionTableSpanOk(l, p.max_blocks_per_seq)) {
+    return absl::InvalidArgumentError(
+        "PagedDecodeAttention: bad batch shape (or tables spanning over 2^30 tokens)");
+  }
+  if (p.num_seqs == 0) return absl::OkStatus();
+  if (append != nullptr) {
+    if (absl::Status s = ValidateQuantizeAppend(*append); !s.ok()) return s;
+  }
+  if (p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
+      (p.out == nullptr) == (p.out_fp16 == nullptr)) {
+    return absl::InvalidArgumentError(
+        "PagedDecodeAttention: null argument, or not exactly one of out and out_fp16");
+  }
+  const BadAttentionSequence bad = FindBadAttentionSequence(
+      l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq, p.num_blocks);
+  if (bad.seq < 0) return absl::OkStatus();
+  if (bad.block < 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "PagedDecodeAttention: seq %d length %d out of range", bad.seq, p.seq_lens[bad.seq]));
+  }
+  return absl::InvalidArgumentError(absl::StrFormat(
+      "PagedDecodeAttention: seq %d block %d id %d out of range", bad.seq, bad.block,
+      p.block_tables[static_cast<size_t>(bad.seq) * p.max_blocks_per_seq + bad.block]));
+}
+
 inline absl::Status ValidateDequantize(const DequantizeParams& p) {
   if (p.num_out_blocks < 0 || p.head_begin < 0 || p.head_end <= p.head_begin ||
       p.head_end > p.layout.num_kv_heads) {
