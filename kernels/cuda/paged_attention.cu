@@ -235,18 +235,16 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
 // loads and stores on them).
 KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   const PageLayout& l = p.layout;
-  if (ValidatePageLayout(l) != nullptr || p.num_seqs < 0 || p.num_q_heads <= 0 ||
-      p.num_q_heads % l.num_kv_heads != 0 || !AttentionTableSpanOk(l, p.max_blocks_per_seq) ||
-      p.num_splits < 0 || (l.quantized() && l.group_size % 16 != 0)) {
+  // Invalid layouts, and the layouts these kernels were not built for (ServesLayout: group sizes,
+  // 32-bit page offsets), before anything else.
+  if (const KernelStatus served = ServesLayout(l); served != KernelStatus::kOk) return served;
+  if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.num_q_heads % l.num_kv_heads != 0 ||
+      !AttentionTableSpanOk(l, p.max_blocks_per_seq) || p.num_splits < 0) {
     return KernelStatus::kInvalidArgument;
   }
-  // The tensor-core split kernel multiplies block ids by the layer page size in 32 bits; the
-  // split kernels' grids take sequences as z and the merge kernel's query heads as y (at most
-  // 65535 each).
-  if (l.layer_page_bytes() > UINT32_MAX || !FitsPageGeometry(l) || p.num_seqs > kMaxGridYZ ||
-      p.num_q_heads > kMaxGridYZ) {
-    return KernelStatus::kUnsupported;
-  }
+  // The split kernels' grids take sequences as z and the merge kernel's query heads as y (at
+  // most 65535 each).
+  if (p.num_seqs > kMaxGridYZ || p.num_q_heads > kMaxGridYZ) return KernelStatus::kUnsupported;
   if (p.num_seqs == 0) return KernelStatus::kOk;
   if (p.pages == nullptr || p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
       (p.out == nullptr) == (p.out_fp16 == nullptr) ||

@@ -301,8 +301,8 @@ TEST(CudaPagedAttention, RejectsWhatItCannotServe) {
   p.out_fp16 = nullptr;  // neither
   EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
   p.out = out.data();
-  p.layout.group_size = 8;  // valid for the CPU, not a multiple of 16
-  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
+  p.layout.group_size = 8;  // valid for the CPU, not a multiple of 16 (cuda::ServesLayout)
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kUnsupported);
   p.layout = b.layout;
   p.layout.head_dim = 96;  // valid layout, not compiled
   p.layout.group_size = 96;
