@@ -9,20 +9,13 @@
 #include "absl/status/status.h"
 #include "gtest/gtest.h"
 #include "kernels/kv_kernels.h"
+#include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::cuda_backend_internal {
 namespace {
 
-PageLayout Layout() {
-  PageLayout l;
-  l.num_kv_heads = 2;
-  l.head_dim = 64;
-  l.block_tokens = 16;
-  l.dtype = KvDtype::kInt4;
-  l.group_size = 64;
-  l.rot_block = 64;
-  return l;
-}
+// INT4, 2 KV heads, head_dim 64, 16-token blocks.
+PageLayout Layout() { return testing::MakeLayout(KvDtype::kInt4, 64, 64, 2, 64, 16); }
 
 TEST(ValidatePagedDecodeAttention, RefusesWhatTheKernelsMustNotSeeAndSaysWhich) {
   const std::vector<uint16_t> q(2 * 64);
