@@ -37,6 +37,9 @@ ABSL_FLAG(uint64_t, max_leases, 65536, "leases alive at once");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "largest gRPC message, either direction");
 ABSL_FLAG(uint64_t, max_put_stream_bytes, uint64_t{4} << 30, "largest Put stream");
 ABSL_FLAG(uint32_t, max_sequence_tokens, 1 << 20, "tokens per Put or lease sequence");
+ABSL_FLAG(uint64_t, max_lease_token_ids, uint64_t{1} << 28,
+          "token ids all live leases keep together, 4 bytes of host memory each (a Match or an "
+          "append past it gets RESOURCE_EXHAUSTED)");
 ABSL_FLAG(uint32_t, max_attend_batch, 1024, "items per Attend request");
 ABSL_FLAG(int, attend_threads, 4,
           "threads (one completion queue each) that run unary Attend calls and AttendStream "
@@ -122,6 +125,7 @@ int Run() {
   options.store.max_lease_ttl = absl::Milliseconds(absl::GetFlag(FLAGS_max_lease_ttl_ms));
   options.store.max_leases = absl::GetFlag(FLAGS_max_leases);
   options.store.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
+  options.store.max_lease_token_ids = absl::GetFlag(FLAGS_max_lease_token_ids);
   options.store.max_attend_batch = absl::GetFlag(FLAGS_max_attend_batch);
   options.namespaces.push_back(
       DefaultNamespaceConfig(static_cast<uint64_t>(absl::GetFlag(FLAGS_default_namespace_fraction) *

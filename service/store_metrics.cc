@@ -23,6 +23,8 @@ struct StoreFamilies {
         quantized_bytes(r->AddCounter("kvpool_quantized_bytes_total",
                                       "Page bytes written by the quantize kernel.", {"namespace"})),
         active_leases(r->AddGauge("kvpool_active_leases", "Leases not yet released or expired.")),
+        lease_token_ids(r->AddGauge("kvpool_lease_token_ids",
+                                    "Token ids the leases keep (--max_lease_token_ids).")),
         bytes_per_token(r->AddGauge("kvpool_bytes_per_token",
                                     "Stored bytes per token (all layers, K and V).",
                                     {"namespace"})),
@@ -62,6 +64,7 @@ struct StoreFamilies {
       quant_error.WithLabels({ns}).Set(n.quant_rel_error);
     }
     active_leases.WithLabels({}).Set(static_cast<double>(s.active_leases));
+    lease_token_ids.WithLabels({}).Set(static_cast<double>(s.lease_token_ids));
     device_memory.WithLabels({"total"}).Set(static_cast<double>(s.memory.device_total_bytes));
     device_memory.WithLabels({"free"}).Set(static_cast<double>(s.memory.device_free_bytes));
     device_memory.WithLabels({"arena"}).Set(static_cast<double>(s.memory.arena_bytes));
@@ -75,6 +78,7 @@ struct StoreFamilies {
   metrics::CounterFamily& evictions;
   metrics::CounterFamily& quantized_bytes;
   metrics::GaugeFamily& active_leases;
+  metrics::GaugeFamily& lease_token_ids;
   metrics::GaugeFamily& bytes_per_token;
   metrics::GaugeFamily& fp16_bytes_per_token;
   metrics::GaugeFamily& compression_ratio;

@@ -235,6 +235,7 @@ absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
   ExpireLocked();
   absl::StatusOr<NamespaceState*> resolved = ResolveLocked(ns_name);
   if (!resolved.ok()) return resolved.status();
+  if (absl::Status s = CheckLeaseTokenIdsLocked(token_ids.size()); !s.ok()) return s;
   NamespaceState& ns = **resolved;
   const int bt = ns.block_tokens();
   const std::vector<BlockHash> chain = HashChain(ns.index.root(), token_ids, bt);
@@ -258,6 +259,7 @@ absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
   }
   absl::StatusOr<std::shared_ptr<Lease>> added = leases_.Add(lease, options_.clock->Now());
   if (!added.ok()) return added.status();
+  lease_token_ids_ += lease->token_ids.size();
   for (const Lease::Block& block : lease->blocks) {
     ns.index.Pin(block.hash);
     ns.index.Touch(block.hash);
@@ -307,6 +309,15 @@ void StoreImpl::FinishLeaseLocked(Lease& lease) {
   }
   lease.blocks.clear();
   lease.block_ids.clear();
+  lease_token_ids_ -= lease.token_ids.size();
+  lease.token_ids = {};
+}
+
+absl::Status StoreImpl::CheckLeaseTokenIdsLocked(uint64_t more) const {
+  if (more <= options_.max_lease_token_ids - lease_token_ids_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrFormat(
+      "leases keep %d token ids; %d more would pass the limit of %d (--max_lease_token_ids)",
+      lease_token_ids_, more, options_.max_lease_token_ids));
 }
 
 absl::StatusOr<std::shared_ptr<Lease>> StoreImpl::UseLeaseLocked(uint64_t id) {
@@ -334,6 +345,7 @@ StoreStats StoreImpl::Stats() const {
   StoreStats s;
   s.backend = options_.backend->name();
   s.active_leases = leases_.size();
+  s.lease_token_ids = lease_token_ids_;
   s.memory = options_.backend->Stats();
   for (const auto& ns : namespaces_) {
     NamespaceStoreStats n;
@@ -361,8 +373,8 @@ StoreStats StoreImpl::Stats() const {
 absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Create(const Options& options) {
   if (options.backend == nullptr) return absl::InvalidArgumentError("no compute backend");
   if (options.pool_bytes == 0) return absl::InvalidArgumentError("pool_bytes is 0");
-  if (options.max_leases == 0 || options.max_namespaces <= 0 ||
-      options.max_sequence_tokens == 0 || options.max_attend_batch == 0) {
+  if (options.max_leases == 0 || options.max_namespaces <= 0 || options.max_sequence_tokens == 0 ||
+      options.max_attend_batch == 0 || options.max_lease_token_ids == 0) {
     return absl::InvalidArgumentError("store limits must be positive");
   }
   if (options.default_lease_ttl <= absl::ZeroDuration() ||

@@ -55,6 +55,7 @@ struct NamespaceStoreStats {
 struct StoreStats {
   std::string backend;
   uint64_t active_leases = 0;
+  uint64_t lease_token_ids = 0;  // kept by the live leases together
   std::vector<NamespaceStoreStats> namespaces;
   ComputeBackendStats memory;
 };
@@ -69,6 +70,9 @@ class KvStore {
     absl::Duration max_lease_ttl = absl::Minutes(10);
     uint64_t max_leases = 1 << 16;
     uint32_t max_sequence_tokens = 1 << 20;  // tokens per Put / lease sequence
+    // Token ids all live leases keep together (4 bytes each: a Match's ids and those appends
+    // name, for publishing the leases' tail blocks).
+    uint64_t max_lease_token_ids = uint64_t{1} << 28;
     uint32_t max_attend_batch = 1024;        // items per Attend
     int max_namespaces = 64;
     // Every Nth Put chunk is read back to measure quantization error (0 = never).

@@ -185,16 +185,23 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
                                              std::vector<int64_t>* slots,
                                              std::vector<int32_t>* positions) {
   const size_t bt = ns.block_tokens();
-  // Tokens each distinct lease grows by, in first-seen order.
-  std::vector<std::pair<Lease*, uint64_t>> growth;
+  // Tokens each distinct lease grows by, in first-seen order, and whether a plan names ids.
+  struct Growth {
+    Lease* lease;
+    uint64_t tokens;
+    bool named;
+  };
+  std::vector<Growth> growth;
   absl::flat_hash_map<Lease*, size_t> slot_of;
   for (const AppendPlan& plan : plans) {
     auto [it, inserted] = slot_of.try_emplace(plan.lease, growth.size());
-    if (inserted) growth.push_back({plan.lease, 0});
-    growth[it->second].second += plan.num_tokens;
+    if (inserted) growth.push_back({plan.lease, 0, false});
+    growth[it->second].tokens += plan.num_tokens;
+    growth[it->second].named |= !plan.token_ids.empty();
   }
   size_t needed = 0;
-  for (const auto& [lease, n] : growth) {
+  uint64_t more_ids = 0;  // at most what the leases' token_ids grow by below
+  for (const auto& [lease, n, named] : growth) {
     const uint64_t after = lease->layer_tokens[layer] + n;
     if (after > options_.max_sequence_tokens) {
       return absl::ResourceExhaustedError(absl::StrFormat(
@@ -203,11 +210,13 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
     }
     const size_t blocks_after = (after + bt - 1) / bt;
     if (blocks_after > lease->blocks.size()) needed += blocks_after - lease->blocks.size();
+    if (named && after > lease->token_ids.size()) more_ids += after - lease->token_ids.size();
   }
+  if (absl::Status s = CheckLeaseTokenIdsLocked(more_ids); !s.ok()) return s;
   absl::StatusOr<std::vector<int32_t>> ids = AllocateLocked(ns, needed);
   if (!ids.ok()) return ids.status();
   size_t next = 0;
-  for (const auto& [lease, n] : growth) {
+  for (const auto& [lease, n, named] : growth) {
     const size_t blocks_after = (lease->layer_tokens[layer] + n + bt - 1) / bt;
     while (lease->blocks.size() < blocks_after) {
       Lease::Block block;
@@ -224,7 +233,10 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
       slots->push_back(static_cast<int64_t>(lease.blocks[pos / bt].id) * bt + pos % bt);
       positions->push_back(static_cast<int32_t>(pos));
       if (!plan.token_ids.empty() && plan.token_ids[i] >= 0) {
-        if (lease.token_ids.size() <= pos) lease.token_ids.resize(pos + 1, -1);
+        if (lease.token_ids.size() <= pos) {
+          lease_token_ids_ += pos + 1 - lease.token_ids.size();
+          lease.token_ids.resize(pos + 1, -1);
+        }
         lease.token_ids[pos] = plan.token_ids[i];
       }
     }

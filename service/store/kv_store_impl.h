@@ -119,6 +119,9 @@ class StoreImpl final : public KvStore {
   // INVALID_ARGUMENT for a token id list the store cannot hash (empty when !allow_empty, or with
   // a negative id); RESOURCE_EXHAUSTED over max_sequence_tokens.
   absl::Status CheckTokenIds(absl::Span<const int32_t> token_ids, bool allow_empty) const;
+  // RESOURCE_EXHAUSTED when the live leases' token ids and `more` of them would pass
+  // max_lease_token_ids.
+  absl::Status CheckLeaseTokenIdsLocked(uint64_t more) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Drops leases past their expiry.
   size_t ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks `lease` dropped and, unless a call still uses it, unpins and frees its blocks.
@@ -181,6 +184,8 @@ class StoreImpl final : public KvStore {
   std::vector<std::unique_ptr<NamespaceState>> namespaces_ ABSL_GUARDED_BY(mu_);
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);
+  // The token ids the leases in leases_, and those dropped but still in use, keep.
+  uint64_t lease_token_ids_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 // Leases used by one call outside mu_. Add and EndLocked require mu_; the destructor takes it

@@ -423,6 +423,7 @@ TEST(GrpcService, MetricsCountRpcsAndMirrorTheStore) {
            "kvpool_rpc_duration_seconds_count{method=\"Match\",code=\"NOT_FOUND\"} 1\n",
            "kvpool_tokens_stored{namespace=\"small\"} 32\n",
            "kvpool_active_leases 1\n",
+           "kvpool_lease_token_ids 40\n",
            "kvpool_build_info{version=\"0.1.0\",backend=\"cpu\"} 1\n",
            "kvpool_pool_blocks{namespace=\"small\",state=\"in_use\"} 2\n",
            "kvpool_device_memory_bytes{state=\"arena\"}",

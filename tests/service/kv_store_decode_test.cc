@@ -210,6 +210,47 @@ TEST_F(StoreTest, LeasesExpireWithTheClock) {
   EXPECT_EQ(stats.namespaces[0].blocks_evictable, 2u);
 }
 
+TEST_F(StoreTest, LeaseTokenIdsAreBoundedAcrossLeases) {
+  store_options_.max_lease_token_ids = 20;
+  MakeStore(16);
+  const size_t pt = PerToken();
+  const SequenceKv kv = MakeSequenceKv(config_, 12, 27);
+  auto first = store_->Match("main", TokenIds(12, 5), absl::ZeroDuration());
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(store_->Stats().lease_token_ids, 12u);
+  // 12 + 9 ids pass the limit: refused, and no lease is added.
+  EXPECT_EQ(store_->Match("main", TokenIds(9, 5), absl::ZeroDuration()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->Stats().active_leases, 1u);
+  auto second = store_->Match("main", {}, absl::ZeroDuration());
+  ASSERT_TRUE(second.ok());
+  // Appends that name ids grow the lease's list; past the limit one is refused whole.
+  ASSERT_TRUE(
+      store_->Append(second->lease_id, 0, TokenIds(4, 100), 4, kv.k[0].data(), kv.v[0].data())
+          .ok());
+  EXPECT_EQ(store_->Stats().lease_token_ids, 16u);
+  const std::vector<int32_t> five = TokenIds(5, 200);
+  EXPECT_EQ(store_->Append(second->lease_id, 0, five, 5, TokenK(kv, 0, 4, pt), TokenV(kv, 0, 4, pt))
+                .status()
+                .code(),
+            absl::StatusCode::kResourceExhausted);
+  auto view = store_->DescribeLease(second->lease_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->layer_tokens, (std::vector<uint32_t>{4, 0}));
+  EXPECT_EQ(store_->Stats().namespaces[0].blocks_in_use, 1u);
+  // Appends without ids keep none.
+  ASSERT_TRUE(
+      store_->Append(second->lease_id, 0, {}, 4, TokenK(kv, 0, 4, pt), TokenV(kv, 0, 4, pt)).ok());
+  EXPECT_EQ(store_->Stats().lease_token_ids, 16u);
+  // Releasing a lease gives its ids back.
+  ASSERT_TRUE(store_->Release(first->lease_id).ok());
+  EXPECT_EQ(store_->Stats().lease_token_ids, 4u);
+  ASSERT_TRUE(store_->Match("main", TokenIds(16, 5), absl::ZeroDuration()).ok());
+  EXPECT_EQ(store_->Stats().lease_token_ids, 20u);
+  ASSERT_TRUE(store_->Release(second->lease_id).ok());
+  EXPECT_EQ(store_->Stats().lease_token_ids, 16u);
+}
+
 TEST_F(StoreTest, LeaseTtlIsCappedByTheStore) {
   MakeStore(4);
   auto lease = store_->Match("main", TokenIds(4, 1), absl::Hours(5));

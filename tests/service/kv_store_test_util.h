@@ -89,10 +89,11 @@ class ForwardingBackend : public ComputeBackend {
 
 class StoreTest : public ::testing::Test {
  protected:
-  // A store whose pool holds exactly `blocks` blocks of SmallConfig("main", sink_tokens).
+  // A store whose pool holds exactly `blocks` blocks of SmallConfig("main", sink_tokens), with
+  // store_options_'s limits.
   void MakeStore(uint64_t blocks, int sink_tokens = 0) {
     config_ = SmallConfig("main", sink_tokens);
-    KvStore::Options o;
+    KvStore::Options o = store_options_;
     o.pool_bytes = BytesPerBlock(config_) * blocks;
     o.backend = backend_.get();
     o.clock = &clock_;
@@ -168,6 +169,7 @@ class StoreTest : public ::testing::Test {
 
   FakeClock clock_;
   std::unique_ptr<ComputeBackend> backend_ = NewCpuBackend();
+  KvStore::Options store_options_;  // MakeStore sets the pool, backend, clock and sampling
   NamespaceConfig config_;
   std::unique_ptr<KvStore> store_;
 };
