@@ -3,9 +3,11 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -105,22 +107,32 @@ void AttendSocketServer::Accept(int listen_fd) {
       if (fd >= 0) close(fd);
       return;
     }
+    // Ended sessions keep their descriptors until reaped: reaped on failed accepts too, which
+    // those descriptors may be what fails.
+    ReapLocked();
     if (fd < 0) continue;  // as above, or the peer gave up before the accept
     auto conn = std::make_unique<FrameConnection>(fd);
-    ReapLocked();
     if (sessions_.size() >= static_cast<size_t>(options_.max_connections)) {
-      // Best effort: a full socket buffer just drops the status.
-      conn->WriteStatus(absl::UnavailableError("AttendSocket: every session slot is taken "
-                                               "(--attend_socket_max_connections)"),
-                        absl::Now())
-          .IgnoreError();
-      metrics_.session.Finished(grpc::StatusCode::UNAVAILABLE, absl::ZeroDuration());
+      Refuse(*conn, "every session slot is taken (--attend_socket_max_connections)");
       continue;
     }
     Session& s = sessions_.emplace_back();
     s.conn = std::move(conn);
-    s.thread = std::thread([this, &s] { Serve(&s); });
+    try {
+      s.thread = std::thread([this, &s] { Serve(&s); });
+    } catch (const std::system_error& e) {  // out of threads or memory: the server stays up
+      conn = std::move(s.conn);
+      sessions_.pop_back();
+      Refuse(*conn, absl::StrCat("no thread for a session (", e.what(), ")"));
+    }
   }
+}
+
+void AttendSocketServer::Refuse(FrameConnection& conn, absl::string_view why) {
+  // Best effort: a full socket buffer just drops the status.
+  conn.WriteStatus(absl::UnavailableError(absl::StrCat("AttendSocket: ", why)), absl::Now())
+      .IgnoreError();
+  metrics_.session.Finished(grpc::StatusCode::UNAVAILABLE, absl::ZeroDuration());
 }
 
 absl::StatusOr<std::unique_ptr<AttendSocketServer::PinnedRegion>> AttendSocketServer::Attach(
@@ -138,13 +150,16 @@ absl::StatusOr<std::unique_ptr<AttendSocketServer::PinnedRegion>> AttendSocketSe
         absl::StrCat("AttendSocket region of ", *bytes, " bytes over the limit of ",
                      options_.max_region_bytes, " (--attend_region_max_bytes)"));
   }
-  const uint64_t before = regions_bytes_.fetch_add(*bytes, std::memory_order_relaxed);
-  if (before + *bytes > options_.total_region_bytes) {
-    regions_bytes_.fetch_sub(*bytes, std::memory_order_relaxed);
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "AttendSocket regions would take ", before + *bytes, " bytes, over the limit of ",
-        options_.total_region_bytes, " (--attend_region_total_bytes)"));
-  }
+  // Counted only when it fits: a refused size never makes a concurrent attach fail.
+  uint64_t before = regions_bytes_.load(std::memory_order_relaxed);
+  do {
+    if (*bytes > options_.total_region_bytes - std::min(before, options_.total_region_bytes)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "AttendSocket regions would take ", before + *bytes, " bytes, over the limit of ",
+          options_.total_region_bytes, " (--attend_region_total_bytes)"));
+    }
+  } while (
+      !regions_bytes_.compare_exchange_weak(before, before + *bytes, std::memory_order_relaxed));
   absl::StatusOr<std::unique_ptr<attend_socket::SharedRegion>> region =
       attend_socket::SharedRegion::Create(*bytes);
   absl::Status pinned =

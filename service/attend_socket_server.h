@@ -19,6 +19,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvpool/v1/attend_socket.h"
@@ -98,6 +99,8 @@ class AttendSocketServer {
   // Answers an attach frame whose payload is `payload`: the region, or why not.
   absl::StatusOr<std::unique_ptr<PinnedRegion>> Attach(attend_socket::FrameConnection& conn,
                                                        const std::string& payload);
+  // Tells a connection it gets no session (UNAVAILABLE: `why`) and counts it.
+  void Refuse(attend_socket::FrameConnection& conn, absl::string_view why);
   // Joins the threads of finished sessions and drops them.
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

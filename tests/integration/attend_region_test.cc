@@ -5,6 +5,7 @@
 // session's region is given back when it ends.
 #include "kvpool/v1/attend_region.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -427,6 +428,29 @@ TEST(AttendRegion, LayoutPlacesArraysOnCacheLinesAndRefusesOverflow) {
   EXPECT_EQ(attend_socket::DecodeRegionSize(attend_socket::EncodeRegionSize(123456789)),
             std::optional<uint64_t>(123456789));
   EXPECT_FALSE(attend_socket::DecodeRegionSize("1234567").has_value());
+}
+
+TEST(AttendRegion, ARegionsPagesAreFreedWhenTheServerDropsItWhateverThePeerKeeps) {
+  constexpr uint64_t kBytes = 4 << 20;
+  absl::StatusOr<std::unique_ptr<attend_socket::SharedRegion>> region =
+      attend_socket::SharedRegion::Create(kBytes);
+  ASSERT_TRUE(region.ok()) << region.status();
+  std::memset((*region)->data(), 0x5a, kBytes);
+  // The peer's descriptor and mapping, as a client that never closes them keeps them.
+  const int kept = dup((*region)->fd());
+  ASSERT_GE(kept, 0);
+  absl::StatusOr<std::unique_ptr<attend_socket::SharedRegion>> peer =
+      attend_socket::SharedRegion::Map(dup(kept), kBytes);
+  ASSERT_TRUE(peer.ok()) << peer.status();
+  struct stat st;
+  ASSERT_EQ(fstat(kept, &st), 0);
+  EXPECT_GE(static_cast<uint64_t>(st.st_blocks) * 512, kBytes);
+  region->reset();
+  ASSERT_EQ(fstat(kept, &st), 0);
+  EXPECT_EQ(st.st_blocks, 0) << "the pages outlive the server's region";
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), kBytes);
+  EXPECT_EQ((*peer)->data()[kBytes - 1], 0) << "the peer's mapping reads zeros, not a fault";
+  close(kept);
 }
 
 }  // namespace

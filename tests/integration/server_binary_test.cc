@@ -6,10 +6,12 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -247,6 +249,60 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   EXPECT_EQ(server.Terminate(), 0) << server.log();
   EXPECT_NE(server.log().find("stopped"), std::string::npos) << server.log();
   EXPECT_NE(access(unix_socket.c_str(), F_OK), 0) << "the Unix socket file is left behind";
+}
+
+// TCP connections to 127.0.0.1:port, as many as connect (at most n).
+std::vector<int> ConnectMany(int port, int n) {
+  std::vector<int> fds;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  for (int i = 0; i < n; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    if (connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
+      close(fd);
+      break;
+    }
+    fds.push_back(fd);
+  }
+  return fds;
+}
+
+// Sessions that ended hold their descriptors until the AttendSocket reaps them. A server whose
+// descriptors all went to sessions (a low RLIMIT_NOFILE, many clients at once) reaps them when
+// its accepts fail, and then serves new clients again.
+TEST(ServerBinary, AttendSocketServesAgainAfterItsDescriptorsRanOut) {
+  rlimit old{};
+  ASSERT_EQ(getrlimit(RLIMIT_NOFILE, &old), 0);
+  rlimit low = old;
+  low.rlim_cur = std::min<rlim_t>(old.rlim_cur, 128);
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+  ServerProcess server;  // inherits the low limit
+  const bool started = server.Start({"--port=0", "--metrics_port=-1", "--attend_socket_port=0",
+                                     "--backend=cpu", "--pool_bytes=67108864"});
+  // This process keeps its own limit, raised if needed for the 200 connections.
+  rlimit mine = old;
+  mine.rlim_cur = std::max<rlim_t>(old.rlim_cur, std::min<rlim_t>(old.rlim_max, 512));
+  ASSERT_EQ(setrlimit(RLIMIT_NOFILE, &mine), 0);
+  ASSERT_TRUE(started) << server.log();
+  std::vector<int> fds = ConnectMany(server.attend_socket_port(), 200);
+  ASSERT_GT(fds.size(), 128u) << "the connections should outnumber the server's descriptors";
+  absl::SleepFor(absl::Milliseconds(500));  // the server accepts what its descriptors allow
+  for (int fd : fds) close(fd);
+  absl::SleepFor(absl::Milliseconds(500));  // and its sessions see the closes
+
+  absl::StatusOr<std::unique_ptr<client::AttendSession>> session = client::OpenAttendSocketSession(
+      absl::StrCat("127.0.0.1:", server.attend_socket_port()), absl::Now() + absl::Seconds(10),
+      absl::ZeroDuration(), 1 << 20);
+  ASSERT_TRUE(session.ok()) << session.status();
+  v1::AttendRequest attend;
+  attend.set_num_q_heads(8);
+  attend.add_items()->set_lease_id(12345);
+  // Served: the unknown lease's status, not the session's deadline.
+  EXPECT_EQ((*session)->Step(attend).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(server.Terminate(), 0) << server.log();
 }
 
 }  // namespace

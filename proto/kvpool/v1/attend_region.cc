@@ -83,7 +83,7 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Create(uint64_t byte
   }
   absl::StatusOr<uint8_t*> data = MapShared(fd, bytes);
   if (!data.ok()) return data.status();
-  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, *data, bytes));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, *data, bytes, /*created=*/true));
 }
 
 absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Map(int fd, uint64_t bytes) {
@@ -97,11 +97,13 @@ absl::StatusOr<std::unique_ptr<SharedRegion>> SharedRegion::Map(int fd, uint64_t
   }
   absl::StatusOr<uint8_t*> data = MapShared(fd, bytes);
   if (!data.ok()) return data.status();
-  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, *data, bytes));
+  return std::unique_ptr<SharedRegion>(new SharedRegion(fd, *data, bytes, /*created=*/false));
 }
 
 SharedRegion::~SharedRegion() {
   munmap(data_, size_);
+  // The seals allow it; best effort (a failure leaves the pages to the last descriptor's close).
+  if (created_) fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, size_);
   close(fd_);
 }
 

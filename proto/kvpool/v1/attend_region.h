@@ -50,6 +50,8 @@ std::optional<uint64_t> DecodeRegionSize(const std::string& payload);
 class SharedRegion {
  public:
   // Server: a new region of `bytes` (> 0), shrinking, growing and further sealing forbidden.
+  // Its destruction frees the pages, so a peer that keeps the descriptor holds no memory (its
+  // mapping then reads zeros).
   static absl::StatusOr<std::unique_ptr<SharedRegion>> Create(uint64_t bytes);
   // Client: maps the region of descriptor `fd` (owned from now on, closed on any error), which
   // must be sealed against shrinking and hold `bytes`.
@@ -63,10 +65,12 @@ class SharedRegion {
   int fd() const { return fd_; }
 
  private:
-  SharedRegion(int fd, uint8_t* data, uint64_t size) : fd_(fd), data_(data), size_(size) {}
+  SharedRegion(int fd, uint8_t* data, uint64_t size, bool created)
+      : fd_(fd), data_(data), size_(size), created_(created) {}
   const int fd_;
   uint8_t* const data_;
   const uint64_t size_;
+  const bool created_;  // by Create
 };
 
 // Client: sends an attach frame for `bytes` on `conn` (a Unix socket) and maps the region of

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <climits>
+#include <cstdint>
 #include <cstring>
 #include <utility>
 
@@ -58,8 +60,9 @@ absl::StatusOr<bool> WaitFor(int fd, short events, absl::Time deadline) {
     if (deadline != absl::InfiniteFuture()) {
       const absl::Duration left = deadline - absl::Now();
       if (left <= absl::ZeroDuration()) return false;
-      timeout_ms =
-          static_cast<int>(absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))));
+      // Clamped: a timeout past INT_MAX ms would turn negative, which poll(2) takes as forever.
+      timeout_ms = static_cast<int>(std::min<int64_t>(
+          absl::ToInt64Milliseconds(absl::Ceil(left, absl::Milliseconds(1))), INT_MAX));
     }
     pollfd p{fd, events, 0};
     const int n = poll(&p, 1, timeout_ms);
