@@ -138,10 +138,13 @@ std::vector<std::shared_ptr<ChannelManager::Channel>> ChannelManager::TakeExpire
 }
 
 ChannelManager::Use::Use(Use&& other) noexcept
-    : manager_(other.manager_), id_(other.id_), channel_(std::move(other.channel_)) {}
+    : manager_(other.manager_),
+      id_(other.id_),
+      channel_(std::move(other.channel_)),
+      failed_(other.failed_) {}
 
 ChannelManager::Use::~Use() {
-  if (channel_ == nullptr) return;
+  if (channel_ == nullptr || failed_) return;
   absl::MutexLock l(&manager_->mu_);
   channel_->busy = false;
   channel_->last_used = manager_->clock_->Now();
@@ -150,14 +153,14 @@ ChannelManager::Use::~Use() {
 PeerTransport& ChannelManager::Use::transport() const { return *channel_->transport; }
 
 void ChannelManager::Use::Fail() {
-  if (channel_ == nullptr) return;
+  if (channel_ == nullptr || failed_) return;
+  failed_ = true;
   {
     absl::MutexLock l(&manager_->mu_);
     auto it = manager_->channels_.find(id_);
     if (it != manager_->channels_.end() && it->second == channel_) manager_->channels_.erase(it);
   }
   channel_->transport->Abort();
-  channel_.reset();
 }
 
 }  // namespace kvpool

@@ -64,7 +64,8 @@ class ChannelManager {
     Use& operator=(Use&&) = delete;
     ~Use();
     PeerTransport& transport() const;
-    // Aborts the channel's transport and forgets the channel (after a failed send/receive).
+    // Aborts the channel's transport and forgets the channel (after a failed send/receive). The
+    // transport itself lives until the Use ends: a cancel hook may still call its Abort.
     void Fail();
 
    private:
@@ -74,6 +75,7 @@ class ChannelManager {
     ChannelManager* manager_;
     uint64_t id_;
     std::shared_ptr<Channel> channel_;  // null once moved from
+    bool failed_ = false;
   };
   // NOT_FOUND for an unknown (closed, expired or failed) channel; ABORTED while another
   // transfer uses it.

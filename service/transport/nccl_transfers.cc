@@ -279,12 +279,6 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
       PlanRounds(layer_begin, layer_bytes, std::max(largest, options_.staging_bytes));
   absl::StatusOr<std::vector<Staging>> buffers = TakeBuffers(rounds.size(), largest);
   if (!buffers.ok()) return buffers.status();
-  if (absl::Status s = emit(first); !s.ok()) return s;
-
-  // From here the worker waits for data: any failure breaks the channel.
-  const absl::Time deadline = Deadline(request.timeout_ms());
-  CancelScope scope(cancel, &use->transport());
-  PeerTransport* transport = &use->transport();
   std::vector<SendSegment> segments[2];
   // Gathers round i into buffer i % 2 and lists its segments.
   auto gather = [&](size_t i) -> absl::Status {
@@ -304,16 +298,24 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     }
     return s;
   };
+  // Round 0 is read before the header goes out: a read that fails there (the lease released
+  // since DescribeLease) gets its status and leaves the channel as it was.
+  if (absl::Status s = gather(0); !s.ok()) return s;
+  if (absl::Status s = emit(first); !s.ok()) return s;
+
+  // From here the worker waits for data: any failure breaks the channel.
+  const absl::Time deadline = Deadline(request.timeout_ms());
+  CancelScope scope(cancel, &use->transport());
+  PeerTransport* transport = &use->transport();
   auto send = [&](size_t i) { return transport->Send(segments[i % 2], deadline); };
   absl::Status s;
   if (rounds.size() == 1) {
-    s = gather(0);
-    if (s.ok()) s = send(0);
+    s = send(0);
   } else {  // round i is gathered while round i - 1 is sent
     RoundWorker sender(rounds.size(), send);
     for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
       if (i >= 2) s = sender.WaitDone(i - 2);  // buffer i % 2 is free again
-      if (s.ok()) s = gather(i);
+      if (s.ok() && i > 0) s = gather(i);
       if (s.ok()) sender.Release(i);
     }
     if (s.ok()) s = sender.WaitDone(rounds.size() - 1);

@@ -213,6 +213,61 @@ TEST(ChannelManager, OpensUnderWayCountAgainstTheLimit) {
   EXPECT_TRUE(manager.Open(absl::Seconds(1)).ok());
 }
 
+// The fake network's transports, each setting *destroyed when it is destroyed.
+class TrackedTransports final : public PeerTransportFactory {
+ public:
+  class Transport final : public PeerTransport {
+   public:
+    Transport(std::unique_ptr<PeerTransport> inner, bool* destroyed)
+        : inner_(std::move(inner)), destroyed_(destroyed) {}
+    ~Transport() override { *destroyed_ = true; }
+    absl::Status Send(absl::Span<const SendSegment> s, absl::Time deadline) override {
+      return inner_->Send(s, deadline);
+    }
+    absl::Status Recv(absl::Span<const RecvSegment> s, absl::Time deadline) override {
+      return inner_->Recv(s, deadline);
+    }
+    void Abort() override { inner_->Abort(); }
+
+   private:
+    const std::unique_ptr<PeerTransport> inner_;
+    bool* const destroyed_;
+  };
+  explicit TrackedTransports(FakePeerNetwork* inner) : inner_(inner) {}
+  absl::StatusOr<OpenedTransport> Open(absl::Time join_deadline) override {
+    absl::StatusOr<OpenedTransport> opened = inner_->Open(join_deadline);
+    if (opened.ok()) {
+      opened->transport = std::make_unique<Transport>(std::move(opened->transport), &destroyed);
+    }
+    return opened;
+  }
+  bool destroyed = false;
+
+ private:
+  FakePeerNetwork* const inner_;
+};
+
+// A transfer that fails forgets its channel at once but keeps the transport until it ends: its
+// cancel hook (the client's cancel racing the failure) may still abort it.
+TEST(ChannelManager, AFailedUseKeepsItsTransportUntilItEnds) {
+  FakeClock clock;
+  FakePeerNetwork network(&clock);
+  TrackedTransports factory(&network);
+  ChannelManager manager(&factory, &clock, ChannelOptions{});
+  absl::StatusOr<ChannelManager::Opened> opened = manager.Open(absl::Seconds(1));
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  {
+    absl::StatusOr<ChannelManager::Use> use = manager.Acquire(opened->channel_id);
+    ASSERT_TRUE(use.ok()) << use.status();
+    use->Fail();
+    EXPECT_EQ(manager.size(), 0u);
+    EXPECT_FALSE(factory.destroyed);
+    use->transport().Abort();  // what a late cancel hook does
+    EXPECT_EQ(manager.Acquire(opened->channel_id).status().code(), absl::StatusCode::kUnavailable);
+  }
+  EXPECT_TRUE(factory.destroyed);
+}
+
 TEST_F(TransportProtocolTest, IdleChannelExpires) {
   MakeStore(16);
   TransportOptions o;
@@ -302,6 +357,49 @@ TEST_F(TransportProtocolTest, GetRefusesTooSmallBufferWithoutBreakingChannel) {
   std::vector<uint8_t> buf;
   EXPECT_EQ(w.Get(req, &header, &buf, 16).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(w.Get(req, &header, &buf).ok());
+}
+
+// The CPU backend, with reads into an arena that fail on request.
+class FailingGathers final : public ForwardingBackend {
+ public:
+  absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
+    if (fail) return absl::InternalError("read failed");
+    return inner().GatherArena(runs, dst);
+  }
+  bool fail = false;
+};
+
+// A Get whose first read fails (the backend's here; in service also a lease released between
+// the descriptor and the read) answers its status before the descriptor, so the worker waits for
+// nothing and the channel stays usable. Run with one round and with rounds of one layer.
+TEST_F(TransportProtocolTest, GetWhoseFirstReadFailsKeepsTheChannel) {
+  for (uint64_t staging : {uint64_t{64} << 20, uint64_t{1}}) {
+    store_.reset();  // before the backend it uses
+    auto backend = std::make_unique<FailingGathers>();
+    FailingGathers* failing = backend.get();
+    backend_ = std::move(backend);
+    MakeStore(32);
+    TransportOptions options;
+    options.staging_bytes = staging;
+    StartService(options);
+    const uint64_t lease = PutAndMatch(8, 4);
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    v1::NcclGetRequest req;
+    req.set_lease_id(lease);
+    req.set_format(v1::GET_FORMAT_RAW);
+    v1::NcclGetDescriptor header;
+    std::vector<uint8_t> buf;
+    failing->fail = true;
+    EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kInternal);
+    EXPECT_EQ(service_->channels().size(), 1u);
+    failing->fail = false;
+    const absl::Status again = w.Get(req, &header, &buf);
+    EXPECT_TRUE(again.ok()) << again;
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+  }
 }
 
 // The pages an NcclPut stores equal those of the gRPC path's Put (PutSession::AddChunk).
