@@ -13,12 +13,15 @@
 #include "grpcpp/support/channel_arguments.h"
 #include "service/store/clock.h"
 #include "service/store_metrics.h"
+#include "service/transport/nccl_transfers.h"
 
 namespace kvpool {
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
                                                       std::unique_ptr<ComputeBackend> backend) {
   if (backend == nullptr) return absl::InvalidArgumentError("Server needs a compute backend");
+  // Checked whatever the backend: a bad flag fails on every machine, not only on one with NCCL.
+  if (absl::Status s = CheckTransportOptions(options.transport); !s.ok()) return s;
   std::unique_ptr<Server> s(new Server());
   s->backend_ = std::move(backend);
   options.store.backend = s->backend_.get();
@@ -126,6 +129,7 @@ std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
 void Server::Sweep() {
   store_->ExpireLeases();
   service_->CancelIdlePuts();
+  if (transport_service_ != nullptr) transport_service_->channels().ExpireIdle();
 }
 
 void Server::SweepEvery(absl::Duration interval) {

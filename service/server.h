@@ -87,8 +87,9 @@ class Server {
   // stops the sweeper and the exposer. Idempotent; thread-safe.
   void Shutdown(absl::Duration grace);
 
-  // What the sweeper thread does every lease_sweep_interval: drops expired leases and cancels
-  // the Put streams idle for longer than ServiceOptions::put_idle_timeout.
+  // What the sweeper thread does every lease_sweep_interval: drops expired leases, cancels the
+  // Put streams idle for longer than ServiceOptions::put_idle_timeout and aborts the NCCL
+  // channels idle past their timeout.
   void Sweep();
 
  private:

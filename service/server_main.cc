@@ -68,6 +68,15 @@ ABSL_FLAG(uint64_t, attend_region_max_bytes, uint64_t{64} << 20,
           "largest shared-memory region an AttendSocket session may attach");
 ABSL_FLAG(uint64_t, attend_region_total_bytes, uint64_t{1} << 30,
           "pinned host memory all AttendSocket sessions' regions may take together");
+ABSL_FLAG(uint64_t, nccl_max_channels, 256, "NCCL channels open at once (cuda)");
+ABSL_FLAG(int64_t, nccl_channel_idle_timeout_ms, 300000,
+          "an NCCL channel unused this long (or not joined by its worker) is aborted");
+ABSL_FLAG(int64_t, nccl_max_join_timeout_ms, 120000,
+          "longest time a worker is given to join a new NCCL channel");
+ABSL_FLAG(int64_t, nccl_max_transfer_timeout_ms, 300000, "longest NcclGet / NcclPut granted");
+ABSL_FLAG(uint64_t, nccl_staging_bytes, uint64_t{256} << 20,
+          "device memory of one NCCL staging buffer (a transfer takes up to two, larger when a "
+          "layer is)");
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
 ABSL_FLAG(int64_t, put_idle_timeout_ms, 60000,
           "a Put stream with no message for longer is cancelled and its blocks freed (0 = never)");
@@ -150,6 +159,14 @@ int Run() {
   options.attend_socket.max_frame_bytes = static_cast<uint32_t>(options.max_message_bytes);
   options.lease_sweep_interval = absl::Milliseconds(absl::GetFlag(FLAGS_lease_sweep_ms));
   if ((*backend)->name() == "cuda") options.nccl_device = absl::GetFlag(FLAGS_device);
+  options.transport.channels.max_channels = absl::GetFlag(FLAGS_nccl_max_channels);
+  options.transport.channels.idle_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_nccl_channel_idle_timeout_ms));
+  options.transport.channels.max_join_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_nccl_max_join_timeout_ms));
+  options.transport.max_transfer_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_nccl_max_transfer_timeout_ms));
+  options.transport.staging_bytes = absl::GetFlag(FLAGS_nccl_staging_bytes);
   const uint64_t pool_bytes = options.store.pool_bytes;
 
   absl::StatusOr<std::unique_ptr<Server>> server =

@@ -157,6 +157,17 @@ class RoundWorker {
 
 }  // namespace
 
+absl::Status CheckTransportOptions(const TransportOptions& options) {
+  const ChannelOptions& c = options.channels;
+  const absl::Duration zero = absl::ZeroDuration();
+  if (c.max_channels == 0 || options.staging_bytes == 0 || c.idle_timeout <= zero ||
+      c.default_join_timeout <= zero || c.max_join_timeout <= zero ||
+      options.default_transfer_timeout <= zero || options.max_transfer_timeout <= zero) {
+    return absl::InvalidArgumentError("NCCL transport limits and timeouts must be positive");
+  }
+  return absl::OkStatus();
+}
+
 NcclTransfers::NcclTransfers(KvStore* store, ComputeBackend* backend, ChannelManager* channels,
                              Clock* clock, const TransportOptions& options)
     : store_(store), backend_(backend), channels_(channels), clock_(clock), options_(options) {}

@@ -39,6 +39,9 @@ struct TransportOptions {
   size_t max_idle_staging = 4;  // staging buffers kept for reuse
 };
 
+// INVALID_ARGUMENT unless every limit and timeout of `options` is positive.
+absl::Status CheckTransportOptions(const TransportOptions& options);
+
 // Lets the RPC layer abort a transfer's transport when the call is cancelled (the worker went
 // away), so a dead worker is noticed at once rather than at the deadline. Thread-safe.
 class TransferCancel {

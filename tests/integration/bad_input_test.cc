@@ -376,5 +376,23 @@ TEST(BadInputLimits, PoolFullOfPinnedBlocksIsResourceExhaustedAndSaysSo) {
   EXPECT_NE(st.error_message().find("pinned"), std::string::npos) << st.error_message();
 }
 
+// NCCL transport limits are checked on every backend: a bad flag fails the start, not the first
+// transfer on a GPU machine.
+TEST(BadServerOptions, NonPositiveTransportLimitsAreRefused) {
+  for (int which = 0; which < 3; ++which) {
+    ServerOptions o;
+    o.grpc_address = "";
+    o.metrics_address = "";
+    o.store.pool_bytes = 8 << 20;
+    o.lease_sweep_interval = absl::ZeroDuration();
+    if (which == 0) o.transport.staging_bytes = 0;
+    if (which == 1) o.transport.channels.idle_timeout = absl::ZeroDuration();
+    if (which == 2) o.transport.max_transfer_timeout = -absl::Seconds(1);
+    EXPECT_EQ(Server::Start(std::move(o), NewCpuBackend()).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << which;
+  }
+}
+
 }  // namespace
 }  // namespace kvpool::testing
