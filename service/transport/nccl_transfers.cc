@@ -170,11 +170,39 @@ absl::Status CheckTransportOptions(const TransportOptions& options) {
 
 NcclTransfers::NcclTransfers(KvStore* store, ComputeBackend* backend, ChannelManager* channels,
                              Clock* clock, const TransportOptions& options)
-    : store_(store), backend_(backend), channels_(channels), clock_(clock), options_(options) {}
+    : store_(store),
+      backend_(backend),
+      channels_(channels),
+      clock_(clock),
+      options_(options),
+      freer_([this] { FreeLoop(); }) {}
 
 NcclTransfers::~NcclTransfers() {
-  absl::MutexLock l(&mu_);
+  {
+    absl::MutexLock l(&mu_);
+    stopping_ = true;
+  }
+  freer_.join();
   for (uint8_t* buffer : idle_staging_) backend_->FreeArena(buffer);
+}
+
+void NcclTransfers::FreeLoop() {
+  for (;;) {
+    std::vector<uint8_t*> batch;
+    {
+      absl::MutexLock l(&mu_);
+      mu_.Await(absl::Condition(
+          +[](NcclTransfers* t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(t->mu_) {
+            return t->stopping_ || !t->to_free_.empty();
+          },
+          this));
+      if (to_free_.empty()) return;  // stopping, nothing left
+      batch.swap(to_free_);
+    }
+    for (uint8_t* buffer : batch) backend_->FreeArena(buffer);
+    absl::MutexLock l(&mu_);
+    staging_allocated_ -= batch.size();
+  }
 }
 
 size_t NcclTransfers::staging_buffers() const {
@@ -211,15 +239,12 @@ absl::StatusOr<std::vector<NcclTransfers::Staging>> NcclTransfers::TakeBuffers(s
 }
 
 void NcclTransfers::ReturnStaging(uint8_t* buffer, uint64_t bytes) {
-  {
-    absl::MutexLock l(&mu_);
-    if (bytes == options_.staging_bytes && idle_staging_.size() < options_.max_idle_staging) {
-      idle_staging_.push_back(buffer);
-      return;
-    }
-    --staging_allocated_;
+  absl::MutexLock l(&mu_);
+  if (bytes == options_.staging_bytes && idle_staging_.size() < options_.max_idle_staging) {
+    idle_staging_.push_back(buffer);
+  } else {
+    to_free_.push_back(buffer);
   }
-  backend_->FreeArena(buffer);
 }
 
 absl::Time NcclTransfers::Deadline(uint32_t timeout_ms) const {

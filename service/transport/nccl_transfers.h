@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -74,7 +75,7 @@ class NcclTransfers {
   absl::Status Put(const v1::NcclPutRequest& request, const Emit<v1::NcclPutResponse>& emit,
                    TransferCancel* cancel);
 
-  // Staging buffers allocated now (idle and in use).
+  // Staging buffers allocated now (idle, in use, or waiting to be freed).
   size_t staging_buffers() const;
 
  private:
@@ -85,6 +86,9 @@ class NcclTransfers {
   // two (filled and drained in turn) for more.
   absl::StatusOr<std::vector<Staging>> TakeBuffers(size_t rounds, uint64_t bytes);
   void ReturnStaging(uint8_t* buffer, uint64_t bytes);
+  // The freeing thread: a device free (cudaFree) waits for every kernel on the device, another
+  // channel's transfer stalled on its worker included, so no transfer frees a buffer itself.
+  void FreeLoop();
   absl::Time Deadline(uint32_t timeout_ms) const;
 
   KvStore* const store_;
@@ -94,7 +98,10 @@ class NcclTransfers {
   const TransportOptions options_;
   mutable absl::Mutex mu_;
   std::vector<uint8_t*> idle_staging_ ABSL_GUARDED_BY(mu_);  // each options_.staging_bytes
+  std::vector<uint8_t*> to_free_ ABSL_GUARDED_BY(mu_);       // for FreeLoop
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   size_t staging_allocated_ ABSL_GUARDED_BY(mu_) = 0;
+  std::thread freer_;  // last: starts once the members above exist
 };
 
 }  // namespace kvpool

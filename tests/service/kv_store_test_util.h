@@ -78,6 +78,18 @@ class ForwardingBackend : public ComputeBackend {
     return inner_->ReadArena(src, bytes, dst);
   }
   absl::Status Synchronize() override { return inner_->Synchronize(); }
+  absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
+    return inner_->GatherArena(runs, dst);
+  }
+  absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps) override {
+    return inner_->DequantizeToArena(ps);
+  }
+  absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
+    return inner_->QuantizeAppendFromArena(p);
+  }
+  absl::Status CheckFiniteArena(const uint16_t* x, size_t n, const char* what) override {
+    return inner_->CheckFiniteArena(x, n, what);
+  }
   ComputeBackendStats Stats() const override { return inner_->Stats(); }
 
  protected:
