@@ -51,7 +51,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
       s->transport_factory_ = *std::move(factory);
       s->transport_service_ = std::make_unique<KvPoolTransportService>(
           s->store_.get(), s->backend_.get(), s->transport_factory_.get(), SystemClock(),
-          options.transport);
+          s->rpc_metrics_.get(), options.transport);
     } else if (!absl::IsUnimplemented(factory.status())) {  // unimplemented: built without NCCL
       return factory.status();
     }

@@ -7,6 +7,7 @@
 
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "service/proto_convert.h"
 
@@ -15,16 +16,28 @@ namespace {
 
 // One server-streaming transfer: `body` runs on its own thread and writes through `emit`, which
 // blocks until gRPC took the message. The reactor is deleted by whichever of the thread (after
-// Finish) and OnDone comes last.
+// Finish) and OnDone comes last. `metrics` counts the request's bytes, each message's and the
+// call.
 template <typename Response>
 class TransferReactor final : public grpc::ServerWriteReactor<Response> {
  public:
   using Body = std::function<absl::Status(const NcclTransfers::Emit<Response>&, TransferCancel*)>;
 
-  explicit TransferReactor(Body body) {
-    std::thread([this, body = std::move(body)] {
-      const absl::Status s = body([this](const Response& r) { return Write(r); }, &cancel_);
-      this->Finish(ToGrpcStatus(s));
+  TransferReactor(Body body, RpcMetrics::Method* metrics, uint64_t request_bytes) {
+    std::thread([this, body = std::move(body), metrics, request_bytes] {
+      const absl::Time start = absl::Now();
+      metrics->Received(request_bytes);
+      const absl::Status s = body(
+          [this, metrics](const Response& r) {
+            absl::Status written = Write(r);
+            if (written.ok()) metrics->Sent(r.ByteSizeLong());
+            return written;
+          },
+          &cancel_);
+      const grpc::Status status = ToGrpcStatus(s);
+      // Recorded before Finish: a worker that has the status also sees the call counted.
+      metrics->Finished(status.error_code(), absl::Now() - start);
+      this->Finish(status);
       Unref();
     }).detach();
   }
@@ -63,14 +76,20 @@ class TransferReactor final : public grpc::ServerWriteReactor<Response> {
 
 KvPoolTransportService::KvPoolTransportService(KvStore* store, ComputeBackend* backend,
                                                PeerTransportFactory* factory, Clock* clock,
-                                               const TransportOptions& options)
+                                               RpcMetrics* metrics, const TransportOptions& options)
     : channels_(factory, clock, options.channels),
-      transfers_(store, backend, &channels_, clock, options) {}
+      transfers_(store, backend, &channels_, clock, options),
+      open_metrics_(metrics->ForMethod("OpenChannel")),
+      close_metrics_(metrics->ForMethod("CloseChannel")),
+      get_metrics_(metrics->ForMethod("NcclGet")),
+      put_metrics_(metrics->ForMethod("NcclPut")) {}
 
 grpc::ServerUnaryReactor* KvPoolTransportService::OpenChannel(grpc::CallbackServerContext* ctx,
                                                               const v1::OpenChannelRequest* request,
                                                               v1::OpenChannelResponse* response) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  const absl::Time start = absl::Now();
+  open_metrics_.Received(request->ByteSizeLong());
   absl::StatusOr<ChannelManager::Opened> opened =
       channels_.Open(absl::Milliseconds(request->join_timeout_ms()));
   if (opened.ok()) {
@@ -80,8 +99,11 @@ grpc::ServerUnaryReactor* KvPoolTransportService::OpenChannel(grpc::CallbackServ
     response->set_worker_rank(1);
     response->set_idle_timeout_ms(
         static_cast<uint32_t>(absl::ToInt64Milliseconds(channels_.options().idle_timeout)));
+    open_metrics_.Sent(response->ByteSizeLong());
   }
-  reactor->Finish(ToGrpcStatus(opened.status()));
+  const grpc::Status status = ToGrpcStatus(opened.status());
+  open_metrics_.Finished(status.error_code(), absl::Now() - start);
+  reactor->Finish(status);
   return reactor;
 }
 
@@ -89,7 +111,11 @@ grpc::ServerUnaryReactor* KvPoolTransportService::CloseChannel(
     grpc::CallbackServerContext* ctx, const v1::CloseChannelRequest* request,
     v1::CloseChannelResponse* /*response*/) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  reactor->Finish(ToGrpcStatus(channels_.Close(request->channel_id())));
+  const absl::Time start = absl::Now();
+  close_metrics_.Received(request->ByteSizeLong());
+  const grpc::Status status = ToGrpcStatus(channels_.Close(request->channel_id()));
+  close_metrics_.Finished(status.error_code(), absl::Now() - start);
+  reactor->Finish(status);
   return reactor;
 }
 
@@ -97,14 +123,16 @@ grpc::ServerWriteReactor<v1::NcclGetResponse>* KvPoolTransportService::NcclGet(
     grpc::CallbackServerContext* /*ctx*/, const v1::NcclGetRequest* request) {
   return new TransferReactor<v1::NcclGetResponse>(
       [this, request](const NcclTransfers::Emit<v1::NcclGetResponse>& emit,
-                      TransferCancel* cancel) { return transfers_.Get(*request, emit, cancel); });
+                      TransferCancel* cancel) { return transfers_.Get(*request, emit, cancel); },
+      &get_metrics_, request->ByteSizeLong());
 }
 
 grpc::ServerWriteReactor<v1::NcclPutResponse>* KvPoolTransportService::NcclPut(
     grpc::CallbackServerContext* /*ctx*/, const v1::NcclPutRequest* request) {
   return new TransferReactor<v1::NcclPutResponse>(
       [this, request](const NcclTransfers::Emit<v1::NcclPutResponse>& emit,
-                      TransferCancel* cancel) { return transfers_.Put(*request, emit, cancel); });
+                      TransferCancel* cancel) { return transfers_.Put(*request, emit, cancel); },
+      &put_metrics_, request->ByteSizeLong());
 }
 
 }  // namespace kvpool

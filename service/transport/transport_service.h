@@ -2,7 +2,8 @@
 // are thin: OpenChannel / CloseChannel call the ChannelManager; NcclGet / NcclPut run
 // NcclTransfers on a thread of their own (a transfer blocks on NCCL for as long as the payload
 // takes, which must not hold gRPC's callback threads) and stream what it emits. A cancelled call
-// (the worker went away) aborts its channel's transport at once.
+// (the worker went away) aborts its channel's transport at once. Every call is counted in the
+// kvpool_rpc_* families under its method's name (a transfer's NCCL payload is not in its bytes).
 //
 // Server (service/server.cc) registers it beside KvPool when its backend is CUDA and the build
 // has NCCL, with a NewNcclTransportFactory on the backend's device (ServerOptions::nccl_device).
@@ -10,6 +11,7 @@
 #define KVPOOL_SERVICE_TRANSPORT_TRANSPORT_SERVICE_H_
 
 #include "kvpool/v1/kvpool.grpc.pb.h"
+#include "service/rpc_metrics.h"
 #include "service/store/clock.h"
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store.h"
@@ -21,10 +23,10 @@ namespace kvpool {
 
 class KvPoolTransportService final : public v1::KvPoolTransport::CallbackService {
  public:
-  // Not owned: store, backend (the store's), factory and clock must outlive the service and
-  // every call it started.
+  // Not owned: store, backend (the store's), factory, clock and metrics must outlive the service
+  // and every call it started.
   KvPoolTransportService(KvStore* store, ComputeBackend* backend, PeerTransportFactory* factory,
-                         Clock* clock, const TransportOptions& options);
+                         Clock* clock, RpcMetrics* metrics, const TransportOptions& options);
 
   ChannelManager& channels() { return channels_; }
   const NcclTransfers& transfers() const { return transfers_; }
@@ -43,6 +45,7 @@ class KvPoolTransportService final : public v1::KvPoolTransport::CallbackService
  private:
   ChannelManager channels_;
   NcclTransfers transfers_;
+  RpcMetrics::Method open_metrics_, close_metrics_, get_metrics_, put_metrics_;
 };
 
 }  // namespace kvpool

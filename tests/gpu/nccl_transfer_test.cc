@@ -260,8 +260,9 @@ class NcclTransferTest : public ::testing::Test {
         NewNcclTransportFactory(kServerDevice);
     ASSERT_TRUE(nccl.ok()) << nccl.status();
     factory_ = std::make_unique<KillSwitchFactory>(*std::move(nccl), &kill_switch_);
-    transport_ = std::make_unique<KvPoolTransportService>(
-        store_.get(), backend_.get(), factory_.get(), SystemClock(), TransportOptions{});
+    transport_ = std::make_unique<KvPoolTransportService>(store_.get(), backend_.get(),
+                                                          factory_.get(), SystemClock(),
+                                                          rpc_metrics_.get(), TransportOptions{});
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.SetMaxReceiveMessageSize(64 << 20);

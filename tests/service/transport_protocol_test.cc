@@ -11,12 +11,15 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/notification.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kernels/fp16.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
+#include "service/metrics/metrics_registry.h"
 #include "service/proto_convert.h"
+#include "service/rpc_metrics.h"
 #include "service/transport/channel_manager.h"
 #include "service/transport/fake_peer_transport.h"
 #include "service/transport/transport_service.h"
@@ -128,7 +131,7 @@ class TransportProtocolTest : public StoreTest {
  protected:
   void StartService(TransportOptions options = {}) {
     service_ = std::make_unique<KvPoolTransportService>(store_.get(), backend_.get(), &network_,
-                                                        &clock_, options);
+                                                        &clock_, &rpc_metrics_, options);
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
     server_ = builder.BuildAndStart();
@@ -161,7 +164,16 @@ class TransportProtocolTest : public StoreTest {
     return service_->transfers().staging_buffers() == 0;
   }
 
+  // Whether the registry counts `calls` calls of `method` that ended with `code`.
+  bool Counted(const std::string& method, const std::string& code, int calls) const {
+    return registry_.Serialize().find(absl::StrCat("kvpool_rpc_duration_seconds_count{method=\"",
+                                                   method, "\",code=\"", code, "\"} ", calls,
+                                                   "\n")) != std::string::npos;
+  }
+
   FakePeerNetwork network_{&clock_};
+  metrics::Registry registry_;
+  RpcMetrics rpc_metrics_{&registry_};
   std::unique_ptr<KvPoolTransportService> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::KvPoolTransport::Stub> stub_;
@@ -176,6 +188,8 @@ TEST_F(TransportProtocolTest, OpensAndClosesChannels) {
   ASSERT_TRUE(w.Close().ok());
   EXPECT_EQ(service_->channels().size(), 0u);
   EXPECT_EQ(w.Close().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(Counted("CloseChannel", "OK", 1));
+  EXPECT_TRUE(Counted("CloseChannel", "NOT_FOUND", 1));
   v1::NcclGetDescriptor header;
   std::vector<uint8_t> buf;
   v1::NcclGetRequest req;
@@ -365,6 +379,9 @@ TEST_F(TransportProtocolTest, GetRefusesTooSmallBufferWithoutBreakingChannel) {
   std::vector<uint8_t> buf;
   EXPECT_EQ(w.Get(req, &header, &buf, 16).code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(w.Get(req, &header, &buf).ok());
+  EXPECT_TRUE(Counted("OpenChannel", "OK", 1));
+  EXPECT_TRUE(Counted("NcclGet", "RESOURCE_EXHAUSTED", 1));
+  EXPECT_TRUE(Counted("NcclGet", "OK", 1));
 }
 
 // The CPU backend, with reads into an arena that fail on request.
@@ -458,6 +475,7 @@ TEST_F(TransportProtocolTest, TransfersDoNotWaitForStagingFrees) {
   EXPECT_TRUE(in_time) << "the Put waited for its staging buffers' frees";
   ASSERT_TRUE(put.ok()) << put.status();
   EXPECT_EQ(put->tokens_stored(), 12u);
+  EXPECT_TRUE(Counted("NcclPut", "OK", 1));
   EXPECT_TRUE(StagingFreed());
 }
 
