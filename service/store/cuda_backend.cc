@@ -24,6 +24,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -75,6 +76,10 @@ struct StagingSlot {
   uint8_t* host = nullptr;  // pinned
   uint8_t* device = nullptr;
   size_t capacity = 0;
+  // Buffers outgrown, freed with the backend: freeing them at once (cudaFreeHost, cudaFree)
+  // would wait for every kernel on the device, an NCCL transfer stalled on its worker included.
+  // Capacities double, so they hold less than `capacity` together.
+  std::vector<std::pair<uint8_t*, uint8_t*>> retired;  // {host, device}
   cudaEvent_t free = nullptr;  // recorded after the last work using the buffers
   // Records of `free` so far, bumped after each record: a lane that has waited on record n of
   // this slot need not wait again until n changes.
@@ -101,8 +106,11 @@ class CudaBackend final : public ComputeBackend {
     for (Lane& lane : lanes_) {
       if (lane.stream != nullptr) cudaStreamSynchronize(lane.stream);
       for (StagingSlot& slot : lane.slots) {
-        cudaFreeHost(slot.host);
-        cudaFree(slot.device);
+        slot.retired.emplace_back(slot.host, slot.device);
+        for (auto [host, device] : slot.retired) {
+          cudaFreeHost(host);
+          cudaFree(device);
+        }
         if (slot.free != nullptr) cudaEventDestroy(slot.free);
       }
       if (lane.stream != nullptr) cudaStreamDestroy(lane.stream);
@@ -496,8 +504,9 @@ class CudaBackend final : public ComputeBackend {
   static absl::Status ReadySlot(StagingSlot& slot, size_t bytes) {
     KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.free));
     if (slot.capacity >= bytes) return absl::OkStatus();
-    KVPOOL_RETURN_IF_CUDA_ERROR(cudaFreeHost(slot.host));
-    KVPOOL_RETURN_IF_CUDA_ERROR(cudaFree(slot.device));
+    if (slot.host != nullptr || slot.device != nullptr) {
+      slot.retired.emplace_back(slot.host, slot.device);
+    }
     slot.host = nullptr;
     slot.device = nullptr;
     slot.capacity = 0;

@@ -1,6 +1,8 @@
 // KvStore over NewCudaBackend against KvStore over NewCpuBackend: the same puts give nearly
 // identical raw pages (codes equal but for rare round-half ties, scales/zeros within one fp16
 // ulp) and fp16 reads within tolerance. Also the backend's own errors and stats.
+#include <cuda_runtime.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -12,6 +14,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/page_codec.h"
 #include "kernels/fp16.h"
@@ -455,6 +460,62 @@ TEST(CudaBackend, AppendsLandInTheOrderTheyWereQueued) {
   }
   (*backend)->FreeArena(*arena);
   (*backend)->FreeArena(*alone);
+}
+
+// A call that grows a lane's staging buffers waits for no other stream's work: the buffers it
+// outgrew are kept, not freed (a device free waits for every kernel on the device, such as an
+// NCCL transfer stalled on its worker; here a stream held by a host function).
+TEST(CudaBackend, GrowingStagingWaitsForNoOtherStream) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  auto backend = NewCudaBackend(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  PageLayout l = LayerLayout(TestConfig(), 1);
+  l.sink_tokens = 0;
+  const int max_tokens = 2048;  // 4 MiB of K and V, past the first 1 MiB buffers
+  const int64_t num_blocks = max_tokens / l.block_tokens;
+  auto arena = (*backend)->AllocateArena(num_blocks * l.layer_page_bytes());
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  const testing::KvData d =
+      testing::MakeKv(max_tokens, l.num_kv_heads, l.head_dim, testing::Outliers::kOffset, 9);
+  const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
+  std::vector<int64_t> slots(max_tokens);
+  std::vector<int32_t> positions(max_tokens);
+  for (int t = 0; t < max_tokens; ++t) slots[t] = positions[t] = t;
+  auto append = [&](int tokens) {
+    QuantizeAppendParams p;
+    p.layout = l;
+    p.k = k.data();
+    p.v = v.data();
+    p.slot_mapping = slots.data();
+    p.positions = positions.data();
+    p.num_tokens = tokens;
+    p.pages = *arena;
+    p.num_blocks = num_blocks;
+    return (*backend)->QuantizeAppend(p);
+  };
+  for (int i = 0; i < 16; ++i) ASSERT_TRUE(append(16).ok());  // every slot has its first buffers
+  ASSERT_TRUE((*backend)->Synchronize().ok());
+  cudaStream_t other = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&other, cudaStreamNonBlocking), cudaSuccess);
+  absl::Notification release;
+  ASSERT_EQ(
+      cudaLaunchHostFunc(
+          other,
+          [](void* n) {
+            static_cast<absl::Notification*>(n)->WaitForNotificationWithTimeout(absl::Seconds(10));
+          },
+          &release),
+      cudaSuccess);
+  const absl::Time start = absl::Now();
+  const absl::Status grown = append(max_tokens);
+  const absl::Duration took = absl::Now() - start;
+  release.Notify();
+  ASSERT_EQ(cudaStreamSynchronize(other), cudaSuccess);
+  cudaStreamDestroy(other);
+  ASSERT_TRUE(grown.ok()) << grown;
+  EXPECT_LT(took, absl::Seconds(2)) << "the append waited for the other stream";
+  ASSERT_TRUE((*backend)->Synchronize().ok());
+  (*backend)->FreeArena(*arena);
 }
 
 TEST(CudaBackend, ReportsMissingDevice) {
