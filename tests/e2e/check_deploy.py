@@ -412,7 +412,8 @@ def check_with_helm(report):
 
     mount = {"name": "attend-socket", "mountPath": "/run/kvpool"}
     socket = "flags.attend_unix_socket=/run/kvpool/attend.sock"
-    host = helm_template(report, where, "attendSocketDir.type=hostPath", socket)
+    per_pod = "flags.attend_unix_socket=/run/kvpool/$(POD_NAME).sock"
+    host = helm_template(report, where, "attendSocketDir.type=hostPath", per_pod)
     if host is not None:
         pod = pod_spec(host)
         report.expect_equal(where, "hostPath socket volume",
@@ -432,8 +433,21 @@ def check_with_helm(report):
                             [v for v in pod["volumes"] if v["name"] == "attend-socket"],
                             [{"name": "attend-socket", "emptyDir": {}}])
         report.expect_equal(where, "extra containers", pod["containers"][1:], [worker])
+    # Ports turned off (-1) leave no port, Service port or scrape of theirs.
+    closed = helm_template(report, where, "flags.metrics_port=-1", "flags.attend_socket_port=-1",
+                           "serviceMonitor.enabled=true")
+    if closed is not None:
+        ports = [p for d in closed if d["kind"] == "Service" for p in d["spec"]["ports"]]
+        ports += pod_spec(closed)["containers"][0]["ports"]
+        report.expect_equal(where, "ports rendered with metrics and attend ports off",
+                            sorted(p["name"] for p in ports), ["grpc", "grpc"])
+        kinds = sorted(d["kind"] for d in closed)
+        if "ServiceMonitor" in kinds or kinds.count("Service") != 1:
+            report.error(where, f"metrics objects rendered with metrics_port=-1: {kinds}")
+    # Servers of one node would share a hostPath socket unless its name holds the pod's.
     for bad in (["attendSocketDir.type=emptyDir", "flags.attend_unix_socket=/tmp/attend.sock"],
-                ["attendSocketDir.type=nfs", socket]):
+                ["attendSocketDir.type=nfs", socket],
+                ["attendSocketDir.type=hostPath", socket]):
         argv = ["helm", "template", "kvpool", str(CHART)] + [a for b in bad for a in ("--set", b)]
         if subprocess.run(argv, capture_output=True, cwd=ROOT).returncode == 0:
             report.error(where, f"helm template accepted {' '.join(bad)}")

@@ -336,6 +336,9 @@ TEST(AttendRegion, StaleSocketFilesAreReplacedAndOtherFilesAreNot) {
   const std::string path = SocketPath();
   absl::StatusOr<int> first = attend_socket::Listen("unix:" + path, &port);
   ASSERT_TRUE(first.ok()) << first.status();
+  struct stat st;
+  ASSERT_EQ(stat(path.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u) << "the server's user and group may connect, others not";
   EXPECT_EQ(attend_socket::Listen("unix:" + path, &port).status().code(),
             absl::StatusCode::kUnavailable);  // the first one still listens
   close(*first);                              // its file stays, stale

@@ -330,8 +330,10 @@ absl::StatusOr<int> Listen(const std::string& address, int* port) {
     }
     const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return SocketError("socket");
+    // Connecting takes write permission on the file: the server's user and group get it (a
+    // decode worker of another user joins the group), whatever the umask left.
     if (bind(fd, reinterpret_cast<const sockaddr*>(&*a), sizeof(*a)) != 0 ||
-        listen(fd, SOMAXCONN) != 0) {
+        chmod(a->sun_path, 0660) != 0 || listen(fd, SOMAXCONN) != 0) {
       const absl::Status error = absl::UnavailableError(
           absl::StrCat("AttendSocket cannot listen on ", address, ": ", std::strerror(errno)));
       close(fd);
