@@ -77,6 +77,9 @@ ABSL_FLAG(int64_t, nccl_max_transfer_timeout_ms, 300000, "longest NcclGet / Nccl
 ABSL_FLAG(uint64_t, nccl_staging_bytes, uint64_t{256} << 20,
           "device memory of one NCCL staging buffer (a transfer takes up to two, larger when a "
           "layer is)");
+ABSL_FLAG(uint64_t, nccl_staging_total_bytes, uint64_t{8} << 30,
+          "device memory all NCCL staging buffers may take together, outside the pool (a "
+          "transfer past it gets RESOURCE_EXHAUSTED)");
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
 ABSL_FLAG(int64_t, put_idle_timeout_ms, 60000,
           "a Put stream with no message for longer is cancelled and its blocks freed (0 = never)");
@@ -167,6 +170,7 @@ int Run() {
   options.transport.max_transfer_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_nccl_max_transfer_timeout_ms));
   options.transport.staging_bytes = absl::GetFlag(FLAGS_nccl_staging_bytes);
+  options.transport.max_staging_total_bytes = absl::GetFlag(FLAGS_nccl_staging_total_bytes);
   const uint64_t pool_bytes = options.store.pool_bytes;
 
   absl::StatusOr<std::unique_ptr<Server>> server =

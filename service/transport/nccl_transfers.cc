@@ -160,10 +160,13 @@ class RoundWorker {
 absl::Status CheckTransportOptions(const TransportOptions& options) {
   const ChannelOptions& c = options.channels;
   const absl::Duration zero = absl::ZeroDuration();
-  if (c.max_channels == 0 || options.staging_bytes == 0 || c.idle_timeout <= zero ||
+  if (c.max_channels == 0 || options.staging_bytes == 0 ||
+      options.max_staging_total_bytes < options.staging_bytes || c.idle_timeout <= zero ||
       c.default_join_timeout <= zero || c.max_join_timeout <= zero ||
       options.default_transfer_timeout <= zero || options.max_transfer_timeout <= zero) {
-    return absl::InvalidArgumentError("NCCL transport limits and timeouts must be positive");
+    return absl::InvalidArgumentError(
+        "NCCL transport limits and timeouts must be positive, and the staging total at least one "
+        "staging buffer");
   }
   return absl::OkStatus();
 }
@@ -188,7 +191,7 @@ NcclTransfers::~NcclTransfers() {
 
 void NcclTransfers::FreeLoop() {
   for (;;) {
-    std::vector<uint8_t*> batch;
+    std::vector<std::pair<uint8_t*, uint64_t>> batch;
     {
       absl::MutexLock l(&mu_);
       mu_.Await(absl::Condition(
@@ -199,9 +202,10 @@ void NcclTransfers::FreeLoop() {
       if (to_free_.empty()) return;  // stopping, nothing left
       batch.swap(to_free_);
     }
-    for (uint8_t* buffer : batch) backend_->FreeArena(buffer);
+    for (const auto& [buffer, bytes] : batch) backend_->FreeArena(buffer);
     absl::MutexLock l(&mu_);
     staging_allocated_ -= batch.size();
+    for (const auto& [buffer, bytes] : batch) staging_total_bytes_ -= bytes;
   }
 }
 
@@ -220,9 +224,22 @@ absl::StatusOr<NcclTransfers::Staging> NcclTransfers::TakeStaging(uint64_t bytes
       return Staging(this, buffer, size);
     }
   }
+  {
+    absl::MutexLock l(&mu_);
+    if (size > options_.max_staging_total_bytes - staging_total_bytes_) {
+      return absl::ResourceExhaustedError(
+          absl::StrFormat("NCCL staging buffers take %d bytes; %d more would pass the limit of %d "
+                          "(--nccl_staging_total_bytes)",
+                          staging_total_bytes_, size, options_.max_staging_total_bytes));
+    }
+    staging_total_bytes_ += size;  // counted before the allocation: concurrent takes see it
+  }
   absl::StatusOr<uint8_t*> buffer = backend_->AllocateArena(size);
-  if (!buffer.ok()) return buffer.status();
   absl::MutexLock l(&mu_);
+  if (!buffer.ok()) {
+    staging_total_bytes_ -= size;
+    return buffer.status();
+  }
   ++staging_allocated_;
   return Staging(this, *buffer, size);
 }
@@ -243,7 +260,7 @@ void NcclTransfers::ReturnStaging(uint8_t* buffer, uint64_t bytes) {
   if (bytes == options_.staging_bytes && idle_staging_.size() < options_.max_idle_staging) {
     idle_staging_.push_back(buffer);
   } else {
-    to_free_.push_back(buffer);
+    to_free_.emplace_back(buffer, bytes);
   }
 }
 

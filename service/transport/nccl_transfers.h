@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <functional>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -38,6 +39,9 @@ struct TransportOptions {
   // one round takes two, to gather the next round while sending this one.
   uint64_t staging_bytes = uint64_t{256} << 20;
   size_t max_idle_staging = 4;  // staging buffers kept for reuse
+  // Device memory all staging buffers may take together (idle ones and those not yet freed
+  // included); a transfer that would pass it gets RESOURCE_EXHAUSTED.
+  uint64_t max_staging_total_bytes = uint64_t{8} << 30;
 };
 
 // INVALID_ARGUMENT unless every limit and timeout of `options` is positive.
@@ -98,9 +102,10 @@ class NcclTransfers {
   const TransportOptions options_;
   mutable absl::Mutex mu_;
   std::vector<uint8_t*> idle_staging_ ABSL_GUARDED_BY(mu_);  // each options_.staging_bytes
-  std::vector<uint8_t*> to_free_ ABSL_GUARDED_BY(mu_);       // for FreeLoop
+  std::vector<std::pair<uint8_t*, uint64_t>> to_free_ ABSL_GUARDED_BY(mu_);  // for FreeLoop
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   size_t staging_allocated_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t staging_total_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // of the staging_allocated_ buffers
   std::thread freer_;  // last: starts once the members above exist
 };
 

@@ -479,6 +479,31 @@ TEST_F(TransportProtocolTest, TransfersDoNotWaitForStagingFrees) {
   EXPECT_TRUE(StagingFreed());
 }
 
+// Staging buffers take at most max_staging_total_bytes together: a transfer past it gets
+// RESOURCE_EXHAUSTED before anything moves, and the channel and the pool stay as they were.
+TEST_F(TransportProtocolTest, TransfersPastTheStagingTotalAreRefused) {
+  MakeStore(32);
+  TransportOptions options;
+  options.staging_bytes = 1;  // every buffer one of its own size, past the total
+  options.max_staging_total_bytes = 1;
+  StartService(options);
+  const uint64_t lease = PutAndMatch(8, 4);
+  const uint64_t in_use = BlocksInUse();
+  TestWorker w(stub_.get(), &network_);
+  ASSERT_TRUE(w.Open().ok());
+  v1::NcclGetRequest req;
+  req.set_lease_id(lease);
+  v1::NcclGetDescriptor header;
+  std::vector<uint8_t> buf;
+  EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kResourceExhausted);
+  const std::vector<int32_t> ids = TokenIds(12, 900);
+  EXPECT_EQ(w.Put(ids, MakeSequenceKv(config_, 12, 5), PerToken()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(service_->channels().size(), 1u);
+  EXPECT_EQ(BlocksInUse(), in_use);
+  EXPECT_EQ(service_->transfers().staging_buffers(), 0u);
+}
+
 // The pages an NcclPut stores equal those of the gRPC path's Put (PutSession::AddChunk).
 // Run with rounds of one layer (each received while the previous one is quantized) and one round.
 TEST_F(TransportProtocolTest, PutStoresWhatTheGrpcPathStores) {
