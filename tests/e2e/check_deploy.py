@@ -49,16 +49,12 @@ DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 SERVER_MAIN = ROOT / "service" / "server_main.cc"
 SERVER_FLAGS = set(re.findall(r"^ABSL_FLAG\(\s*[\w:]+\s*,\s*(\w+)\s*,", SERVER_MAIN.read_text(), re.M))
 
-# The metrics the server exports (the contract between the server, the dashboard and the rules).
+# The metrics the server exports (the contract between the server, the dashboard and the rules),
+# as its sources register them.
 CONTRACT_METRICS = {
-    "kvpool_pool_bytes", "kvpool_pool_blocks", "kvpool_tokens_stored",
-    "kvpool_prefix_query_tokens_total", "kvpool_prefix_hit_tokens_total",
-    "kvpool_evictions_total", "kvpool_quantized_bytes_total",
-    "kvpool_rpc_received_bytes_total", "kvpool_rpc_sent_bytes_total",
-    "kvpool_rpc_duration_seconds", "kvpool_active_leases", "kvpool_bytes_per_token",
-    "kvpool_fp16_bytes_per_token", "kvpool_compression_ratio",
-    "kvpool_quantization_relative_error", "kvpool_device_memory_bytes", "kvpool_build_info",
-    "kvpool_attend_region_bytes",
+    name
+    for path in sorted((ROOT / "service").rglob("*.cc"))
+    for name in re.findall(r'Add(?:Gauge|Counter|Histogram)\(\s*"(kvpool_\w+)"', path.read_text())
 }
 HISTOGRAMS = {"kvpool_rpc_duration_seconds"}
 SERIES_RE = re.compile(r"(?<![\w:])(kvpool[_:][A-Za-z0-9_:]*)")
