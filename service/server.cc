@@ -6,6 +6,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/security/server_credentials.h"
@@ -63,6 +64,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   if (!options.grpc_address.empty()) {
     builder.AddListeningPort(options.grpc_address, grpc::InsecureServerCredentials(), &s->port_);
   }
+  // A second server on a port this one holds must fail to start, not share its connections.
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   builder.SetMaxReceiveMessageSize(options.max_message_bytes);
   builder.SetMaxSendMessageSize(options.max_message_bytes);
   builder.RegisterService(s->service_.get());

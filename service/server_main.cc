@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <utility>
 
 #include "absl/flags/flag.h"
@@ -113,7 +114,39 @@ uint64_t PoolBytes(const ComputeBackend& backend) {
                                static_cast<double>(backend.Stats().device_free_bytes));
 }
 
+// INVALID_ARGUMENT naming the first flag whose value the server cannot use (the values the
+// server's own options check elsewhere are left to those checks).
+absl::Status CheckFlags() {
+  const std::pair<const char*, int> ports[] = {
+      {"port", absl::GetFlag(FLAGS_port)},
+      {"metrics_port", absl::GetFlag(FLAGS_metrics_port)},
+      {"attend_socket_port", absl::GetFlag(FLAGS_attend_socket_port)}};
+  for (const auto& [name, port] : ports) {
+    const int lowest = std::string_view(name) == "port" ? 0 : -1;
+    if (port < lowest || port > 65535) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--", name, "=", port, ": a port is ", lowest, " to 65535"));
+    }
+  }
+  if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) {
+    return absl::InvalidArgumentError("--max_message_bytes must be positive");
+  }
+  const std::pair<const char*, double> fractions[] = {
+      {"pool_memory_fraction", absl::GetFlag(FLAGS_pool_memory_fraction)},
+      {"default_namespace_fraction", absl::GetFlag(FLAGS_default_namespace_fraction)}};
+  for (const auto& [name, f] : fractions) {
+    if (!(f > 0.0 && f <= 1.0)) {  // NaN fails too
+      return absl::InvalidArgumentError(absl::StrCat("--", name, "=", f, " is not in (0, 1]"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 int Run() {
+  if (absl::Status s = CheckFlags(); !s.ok()) {
+    std::fprintf(stderr, "kvpool-server: %s\n", std::string(s.message()).c_str());
+    return 2;
+  }
   // Block the shutdown signals in every thread (threads inherit the mask) and take them
   // synchronously in this one.
   sigset_t signals;

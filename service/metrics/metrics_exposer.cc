@@ -32,7 +32,10 @@ int HandleMetrics(mg_connection* conn, void* cbdata) {
 
 absl::StatusOr<std::unique_ptr<MetricsExposer>> MetricsExposer::Start(const std::string& address,
                                                                       const Registry* registry) {
-  const char* options[] = {"listening_ports", address.c_str(), "num_threads", "2", nullptr};
+  // Each connection holds a thread until its request arrives: a few idle or slow clients must
+  // not keep the scraper out for long.
+  const char* options[] = {"listening_ports",    address.c_str(), "num_threads", "8",
+                           "request_timeout_ms", "5000",          nullptr};
   mg_callbacks callbacks;
   std::memset(&callbacks, 0, sizeof(callbacks));
   mg_context* ctx = mg_start(&callbacks, nullptr, options);

@@ -251,6 +251,35 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   EXPECT_NE(access(unix_socket.c_str(), F_OK), 0) << "the Unix socket file is left behind";
 }
 
+// Flags the server cannot use stop it before it listens, with a message naming the flag.
+TEST(ServerBinary, UnusableFlagsStopItWithTheirName) {
+  for (const std::string flag :
+       {"--port=70000", "--metrics_port=-2", "--attend_socket_port=65536", "--max_message_bytes=0",
+        "--default_namespace_fraction=0", "--pool_memory_fraction=nan"}) {
+    ServerProcess server;
+    EXPECT_FALSE(server.Start({flag, "--backend=cpu", "--pool_bytes=67108864"})) << flag;
+    EXPECT_EQ(server.Terminate(), 2) << flag;
+    const std::string name = flag.substr(0, flag.find('='));
+    EXPECT_NE(server.log().find(name), std::string::npos) << server.log();
+  }
+}
+
+// A second server on the gRPC port of a running one fails to start instead of sharing the port
+// (gRPC's default SO_REUSEPORT would split the clients' connections between two pools).
+TEST(ServerBinary, ASecondServerCannotTakeARunningServersPort) {
+  ServerProcess first;
+  ASSERT_TRUE(first.Start({"--port=0", "--metrics_port=-1", "--attend_socket_port=-1",
+                           "--backend=cpu", "--pool_bytes=67108864"}))
+      << first.log();
+  ServerProcess second;
+  EXPECT_FALSE(second.Start({absl::StrCat("--port=", first.port()), "--metrics_port=-1",
+                             "--attend_socket_port=-1", "--backend=cpu", "--pool_bytes=67108864"}))
+      << second.log();
+  EXPECT_EQ(second.Terminate(), 1) << second.log();
+  EXPECT_NE(second.log().find("cannot listen"), std::string::npos) << second.log();
+  EXPECT_EQ(first.Terminate(), 0) << first.log();
+}
+
 // TCP connections to 127.0.0.1:port, as many as connect (at most n).
 std::vector<int> ConnectMany(int port, int n) {
   std::vector<int> fds;
@@ -302,6 +331,24 @@ TEST(ServerBinary, AttendSocketServesAgainAfterItsDescriptorsRanOut) {
   attend.add_items()->set_lease_id(12345);
   // Served: the unknown lease's status, not the session's deadline.
   EXPECT_EQ((*session)->Step(attend).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(server.Terminate(), 0) << server.log();
+}
+
+// Connections that send nothing hold an exposer thread only for its request timeout, and there
+// are more threads than a few such clients: a scrape among them is answered at once.
+TEST(ServerBinary, MetricsAreServedWhileIdleConnectionsWait) {
+  ServerProcess server;
+  ASSERT_TRUE(server.Start({"--port=0", "--metrics_port=0", "--attend_socket_port=-1",
+                            "--backend=cpu", "--pool_bytes=67108864"}))
+      << server.log();
+  std::vector<int> idle = ConnectMany(server.metrics_port(), 4);
+  ASSERT_EQ(idle.size(), 4u);
+  absl::SleepFor(absl::Milliseconds(200));  // accepted, each holding a thread
+  const absl::Time start = absl::Now();
+  const std::string scrape = HttpGetMetrics(server.metrics_port());
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3));
+  EXPECT_EQ(scrape.rfind("HTTP/1.1 200", 0), 0u) << scrape;
+  for (int fd : idle) close(fd);
   EXPECT_EQ(server.Terminate(), 0) << server.log();
 }
 
