@@ -58,6 +58,22 @@ inline std::vector<int32_t> TokenIds(int n, int32_t first) {
   return ids;
 }
 
+// Puts tokens [0, ids.size()) of `kv` into namespace `ns` (every layer, one chunk per layer) and
+// commits.
+inline absl::StatusOr<KvStore::PutResult> PutIntoStore(KvStore& store, const std::string& ns,
+                                                       const std::vector<int32_t>& ids,
+                                                       const SequenceKv& kv) {
+  auto session = store.BeginPut(ns, ids);
+  if (!session.ok()) return session.status();
+  for (size_t l = 0; l < kv.k.size(); ++l) {
+    absl::Status s =
+        (*session)->AddChunk(static_cast<uint32_t>(l), 0, static_cast<uint32_t>(ids.size()),
+                             kv.k[l].data(), kv.v[l].data());
+    if (!s.ok()) return s;
+  }
+  return (*session)->Commit();
+}
+
 // The CPU backend behind calls a test's backend can override.
 class ForwardingBackend : public ComputeBackend {
  public:
@@ -122,14 +138,7 @@ class StoreTest : public ::testing::Test {
 
   // Puts tokens [0, ids.size()) of `kv` (every layer, one chunk per layer) and commits.
   absl::StatusOr<KvStore::PutResult> Put(const std::vector<int32_t>& ids, const SequenceKv& kv) {
-    auto session = store_->BeginPut("main", ids);
-    if (!session.ok()) return session.status();
-    for (int l = 0; l < config_.num_layers; ++l) {
-      absl::Status s = (*session)->AddChunk(l, 0, static_cast<uint32_t>(ids.size()),
-                                            kv.k[l].data(), kv.v[l].data());
-      if (!s.ok()) return s;
-    }
-    return (*session)->Commit();
+    return PutIntoStore(*store_, "main", ids, kv);
   }
 
   // Pages of `layer` holding tokens [0, tokens) of `kv` in blocks 0, 1, ... as the CPU
