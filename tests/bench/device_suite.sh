@@ -22,7 +22,8 @@ run_test() {  # name: runs carry/bin/<name> if present, full output to gpu_tests
 }
 
 echo "== GPU tests"
-for t in quantize_gpu_test cuda_backend_test attention_gpu_test transfer_backend_test; do
+for t in quantize_gpu_test cuda_backend_test cuda_store_stress_test attention_gpu_test \
+  transfer_backend_test; do
   run_test "$t"
 done
 
