@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "grpcpp/client_context.h"
 #include "gtest/gtest.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
@@ -102,10 +104,14 @@ inline Sequence Concat(const Sequence& a, int prefix, const Sequence& b, int per
 }
 
 // Streams a header then, per layer, chunks of `chunk_tokens` tokens (last layer first, so the
-// server sees chunks out of order).
+// server sees chunks out of order), within `timeout` when one is given.
 inline grpc::Status PutSequence(v1::KvPool::Stub* stub, const std::string& ns, const Sequence& s,
-                                int per_token, int chunk_tokens, v1::PutResponse* response) {
+                                int per_token, int chunk_tokens, v1::PutResponse* response,
+                                absl::Duration timeout = absl::InfiniteDuration()) {
   grpc::ClientContext ctx;
+  if (timeout != absl::InfiniteDuration()) {
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
   auto writer = stub->Put(&ctx, response);
   v1::PutRequest req;
   req.mutable_header()->set_namespace_(ns);
@@ -129,8 +135,12 @@ inline grpc::Status PutSequence(v1::KvPool::Stub* stub, const std::string& ns, c
 }
 
 inline grpc::Status ReadAll(v1::KvPool::Stub* stub, const v1::GetRequest& request,
-                            std::vector<v1::GetResponse>* out) {
+                            std::vector<v1::GetResponse>* out,
+                            absl::Duration timeout = absl::InfiniteDuration()) {
   grpc::ClientContext ctx;
+  if (timeout != absl::InfiniteDuration()) {
+    ctx.set_deadline(absl::ToChronoTime(absl::Now() + timeout));
+  }
   auto reader = stub->Get(&ctx, request);
   v1::GetResponse r;
   while (reader->Read(&r)) out->push_back(r);
