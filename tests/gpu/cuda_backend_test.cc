@@ -32,6 +32,23 @@ namespace {
 
 constexpr int kTokens = 16 * 6 + 9;  // six full blocks and a partial one (ignored)
 
+// An append of the first `tokens` of k and v (host fp16) at slots and positions, into `pages`.
+QuantizeAppendParams AppendParams(const PageLayout& layout, const std::vector<uint16_t>& k,
+                                  const std::vector<uint16_t>& v, const std::vector<int64_t>& slots,
+                                  const std::vector<int32_t>& positions, int tokens, uint8_t* pages,
+                                  int64_t num_blocks) {
+  QuantizeAppendParams p;
+  p.layout = layout;
+  p.k = k.data();
+  p.v = v.data();
+  p.slot_mapping = slots.data();
+  p.positions = positions.data();
+  p.num_tokens = tokens;
+  p.pages = pages;
+  p.num_blocks = num_blocks;
+  return p;
+}
+
 NamespaceConfig TestConfig() {
   NamespaceConfig c;
   c.name = "gpu-test";
@@ -360,16 +377,8 @@ TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
   const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
   const std::vector<int64_t> slots = {3, num_blocks * l.block_tokens};
   const std::vector<int32_t> positions = {0, 1};
-  QuantizeAppendParams p;
-  p.layout = l;
+  QuantizeAppendParams p = AppendParams(l, k, v, slots, positions, 2, *arena, num_blocks);
   p.layout.sink_tokens = 0;
-  p.k = k.data();
-  p.v = v.data();
-  p.slot_mapping = slots.data();
-  p.positions = positions.data();
-  p.num_tokens = 2;
-  p.pages = *arena;
-  p.num_blocks = num_blocks;
   const absl::Status s = (*backend)->QuantizeAppend(p);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
   // The same append riding in a decode step fails the step before its attention runs.
@@ -432,16 +441,9 @@ TEST(CudaBackend, AppendsLandInTheOrderTheyWereQueued) {
       slots[t] = first_slot + t;
       positions[t] = first_slot + t;
     }
-    QuantizeAppendParams p;
-    p.layout = l;
-    p.k = k.data();
-    p.v = v.data();
-    p.slot_mapping = slots.data();
-    p.positions = positions.data();
-    p.num_tokens = tokens;
-    p.pages = pages;
-    p.num_blocks = num_blocks;
-    return (*backend)->QuantizeAppend(p);  // its inputs are copied before it returns
+    // Its inputs are copied before it returns.
+    return (*backend)->QuantizeAppend(
+        AppendParams(l, k, v, slots, positions, tokens, pages, num_blocks));
   };
   auto arena = (*backend)->AllocateArena(num_blocks * l.layer_page_bytes());
   auto alone = (*backend)->AllocateArena(num_blocks * l.layer_page_bytes());
@@ -482,16 +484,8 @@ TEST(CudaBackend, GrowingStagingWaitsForNoOtherStream) {
   std::vector<int32_t> positions(max_tokens);
   for (int t = 0; t < max_tokens; ++t) slots[t] = positions[t] = t;
   auto append = [&](int tokens) {
-    QuantizeAppendParams p;
-    p.layout = l;
-    p.k = k.data();
-    p.v = v.data();
-    p.slot_mapping = slots.data();
-    p.positions = positions.data();
-    p.num_tokens = tokens;
-    p.pages = *arena;
-    p.num_blocks = num_blocks;
-    return (*backend)->QuantizeAppend(p);
+    return (*backend)->QuantizeAppend(
+        AppendParams(l, k, v, slots, positions, tokens, *arena, num_blocks));
   };
   for (int i = 0; i < 16; ++i) ASSERT_TRUE(append(16).ok());  // every slot has its first buffers
   ASSERT_TRUE((*backend)->Synchronize().ok());
