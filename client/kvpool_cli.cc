@@ -112,8 +112,14 @@ int Get(client::KvPoolClient& c) {
                                                     layer.k.data() + layer.k.size())));
     const size_t n = std::min<size_t>(k.size(), static_cast<size_t>(layer.valid_tokens) *
                                                     s->kv.heads * s->kv.head_dim);
+    // The sequence `put` sent holds kv.num_layers layers of kv.tokens tokens: no more to compare.
+    if (layer.layer >= static_cast<uint32_t>(s->kv.num_layers)) {
+      return Fail(absl::DataLossError(absl::StrCat("layer ", layer.layer, " was not put")), "get");
+    }
+    const size_t m =
+        std::min<size_t>(n, static_cast<size_t>(s->kv.tokens) * s->kv.heads * s->kv.head_dim);
     const float* ref = s->kv.K(layer.layer, 0);
-    error.Add(absl::MakeConstSpan(k.data(), n), std::vector<double>(ref, ref + n));
+    error.Add(absl::MakeConstSpan(k.data(), m), std::vector<double>(ref, ref + m));
   }
   std::printf("get %s: lease %llu, %u cached tokens, %zu layers, %llu layer-blocks, %llu bytes "
               "in %.1f ms (%.3f GB/s)\n",
@@ -168,8 +174,14 @@ int Attend(client::KvPoolClient& c) {
       code = Fail(r.status(), "attend");
       break;
     }
-    error.Add(Floats(r->out()),
-              ReferenceAttention(q, q_heads, s->kv, layer, m->cached_tokens(), sm_scale));
+    const std::vector<float> out = Floats(r->out());
+    if (out.size() != q.size()) {
+      code = Fail(absl::DataLossError(
+                      absl::StrCat("the output holds ", out.size(), " floats, not ", q.size())),
+                  "attend");
+      break;
+    }
+    error.Add(out, ReferenceAttention(q, q_heads, s->kv, layer, m->cached_tokens(), sm_scale));
   }
   c.Release(m->lease_id(), Call()).IgnoreError();
   if (code != 0) return code;
@@ -220,6 +232,11 @@ constexpr char kUsage[] =
 
 int Run(const std::vector<std::string>& args) {
   const std::string cmd = absl::StrJoin(args, " ");
+  // Checked before any command takes a lease it could not release on the way out.
+  if (absl::GetFlag(FLAGS_q_heads_per_kv_head) < 1) {
+    std::fprintf(stderr, "kvpool: --q_heads_per_kv_head must be at least 1\n");
+    return 2;
+  }
   if (cmd == "bench put") return RunBenchPut();
   if (cmd == "bench attend") return RunBenchAttend();
   if (cmd == "demo") return RunDemo();

@@ -122,6 +122,11 @@ int RunBenchAttend() {
     return 1;
   }
   const v1::NamespaceSpec& spec = info->spec();
+  const bool in_place = absl::GetFlag(FLAGS_in_place);
+  if (in_place && c->options().attend_unix_socket.empty()) {  // before any lease is taken
+    std::fprintf(stderr, "bench attend: --in_place needs --attend_unix_socket\n");
+    return 2;
+  }
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   // One random layer repeated over every layer: a step reads one layer, and generating distinct
   // K/V for every layer cost ~9 s of CPU per 4K tokens of context at 32 layers (~75 s at 32K).
@@ -158,12 +163,7 @@ int RunBenchAttend() {
   const std::vector<uint16_t> new_kv = testing::ToHalf(
       testing::MakeNormal(size_t{1} * spec.num_kv_heads() * spec.head_dim(), seed + 1));
   const bool stream = absl::GetFlag(FLAGS_stream);
-  const bool in_place = absl::GetFlag(FLAGS_in_place);
   const int fixed_layer = absl::GetFlag(FLAGS_layer);
-  if (in_place && c->options().attend_unix_socket.empty()) {
-    std::fprintf(stderr, "bench attend: --in_place needs --attend_unix_socket\n");
-    return 2;
-  }
   std::unique_ptr<client::AttendSession> session;
   std::unique_ptr<client::InPlaceAttendSession> in_place_session;
   if (in_place && status.ok()) {

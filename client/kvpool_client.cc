@@ -19,6 +19,25 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+// DATA_LOSS unless a Get layer's K and V hold whole blocks of whole heads of its layout (`heads`
+// of them when not 0), and no more tokens than its blocks.
+absl::Status CheckLayerBytes(const GetLayer& layer, v1::GetFormat format, uint32_t heads) {
+  const v1::PageLayoutDescriptor& l = layer.layout;
+  const uint64_t head_block = format == v1::GET_FORMAT_RAW
+                                  ? uint64_t{l.head_page_bytes()}
+                                  : uint64_t{l.block_tokens()} * l.head_dim() * sizeof(uint16_t);
+  const uint64_t bytes = layer.k.size();
+  if (head_block == 0 || layer.num_blocks == 0 || layer.v.size() != bytes ||
+      bytes % (uint64_t{layer.num_blocks} * head_block) != 0 || bytes == 0 ||
+      (heads != 0 && bytes != uint64_t{layer.num_blocks} * head_block * heads) ||
+      layer.valid_tokens > uint64_t{layer.num_blocks} * l.block_tokens()) {
+    return absl::DataLossError(absl::StrFormat(
+        "Get: layer %d holds %d K and %d V bytes for %d blocks of %d tokens", layer.layer,
+        layer.k.size(), layer.v.size(), layer.num_blocks, layer.valid_tokens));
+  }
+  return absl::OkStatus();
+}
+
 // fp16 bytes of a Span<const uint16_t>, as a proto bytes field wants them.
 std::string Bytes(const uint16_t* data, size_t elements) {
   return std::string(reinterpret_cast<const char*>(data), elements * sizeof(uint16_t));
@@ -274,7 +293,7 @@ class GrpcKvPoolClient final : public KvPoolClient {
     for (auto& [layer, blocks] : parts) {
       GetLayer out;
       out.layer = layer;
-      uint32_t next_block = blocks.begin()->first;
+      uint32_t next_block = 0;
       for (auto& [begin, part] : blocks) {
         if (begin != next_block) {
           return absl::DataLossError(
@@ -288,6 +307,10 @@ class GrpcKvPoolClient final : public KvPoolClient {
         out.k.append(part.k());
         out.v.append(part.v());
       }
+      const uint32_t heads = request.head_end() > request.head_begin()
+                                 ? request.head_end() - request.head_begin()
+                                 : 0;  // all of the namespace's: not known here
+      if (absl::Status s = CheckLayerBytes(out, result.format, heads); !s.ok()) return s;
       result.layers.push_back(std::move(out));
     }
     return result;

@@ -174,8 +174,10 @@ class KvPoolClient {
 size_t RendezvousShard(absl::Span<const std::string> targets, std::string_view ns,
                        absl::Span<const int32_t> first_block_token_ids);
 
-// One KvPoolClient per target. A lease lives on the shard that issued it: use the client that
-// ForSequence returns for every call about that sequence.
+// One KvPoolClient per target. A lease lives on the shard that issued it: keep the shard that
+// ForSequence gave for the ids the lease was matched with, for every later call about the lease
+// (a sequence shorter than one block is placed by all its ids, so as it grows it may hash to
+// another shard). The Python client's shard_for places sequences alike.
 class ShardedKvPoolClient {
  public:
   // INVALID_ARGUMENT when `targets` is empty or has duplicates.

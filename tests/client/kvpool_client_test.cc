@@ -2,6 +2,7 @@
 // deadlines, status mapping, AttendStream), and rendezvous placement of ShardedKvPoolClient.
 #include "client/kvpool_client.h"
 
+#include <cctype>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -10,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -157,38 +159,59 @@ TEST_F(KvPoolClientTest, PutRejectsKvWhoseSizeDoesNotMatchItsShape) {
   EXPECT_TRUE(fake_.chunks_.empty());
 }
 
-v1::GetResponse Part(uint32_t layer, uint32_t begin, uint32_t blocks, const std::string& bytes) {
+// A Get message of fp16 blocks of one token of one head of head_dim 1 (2 bytes each), one block
+// per letter: K holds the letter twice, V its lower case twice. Block 0 carries the layout.
+v1::GetResponse Part(uint32_t layer, uint32_t begin, const std::string& letters) {
   v1::GetResponse m;
   m.set_layer(layer);
   m.set_block_begin(begin);
-  m.set_num_blocks(blocks);
-  m.set_valid_tokens(blocks * 16);
-  m.set_k(bytes);
-  m.set_v(bytes + "v");
+  m.set_num_blocks(static_cast<uint32_t>(letters.size()));
+  m.set_valid_tokens(static_cast<uint32_t>(letters.size()));
+  for (char c : letters) {
+    m.mutable_k()->append(2, c);
+    m.mutable_v()->append(2, static_cast<char>(std::tolower(c)));
+  }
+  if (begin == 0) {
+    m.mutable_layout()->set_block_tokens(1);
+    m.mutable_layout()->set_head_dim(1);
+  }
   return m;
 }
 
 TEST_F(KvPoolClientTest, GetReassemblesOutOfOrderMessagesPerLayerInBlockOrder) {
-  fake_.get_script_ = {Part(1, 2, 1, "C"), Part(0, 0, 2, "AB"), Part(1, 0, 2, "ab"),
-                       Part(0, 2, 1, "c")};
+  fake_.get_script_ = {Part(1, 2, "F"), Part(0, 0, "AB"), Part(1, 0, "DE"), Part(0, 2, "C")};
   v1::GetRequest req;
   req.set_lease_id(5);
   absl::StatusOr<GetResult> r = Client(1 << 20)->Get(req);
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_EQ(r->layers.size(), 2u);
   EXPECT_EQ(r->layers[0].layer, 0u);
-  EXPECT_EQ(r->layers[0].k, "ABc");
-  EXPECT_EQ(r->layers[0].v, "ABvcv");
+  EXPECT_EQ(r->layers[0].k, "AABBCC");
+  EXPECT_EQ(r->layers[0].v, "aabbcc");
   EXPECT_EQ(r->layers[0].num_blocks, 3u);
-  EXPECT_EQ(r->layers[0].valid_tokens, 48u);
-  EXPECT_EQ(r->layers[1].k, "abC");
-  EXPECT_EQ(r->payload_bytes, (1u + 2) + (2 + 3) + (2 + 3) + (1 + 2));
+  EXPECT_EQ(r->layers[0].valid_tokens, 3u);
+  EXPECT_EQ(r->layers[1].k, "DDEEFF");
+  EXPECT_EQ(r->payload_bytes, 2u * (6 + 6));
 }
 
-TEST_F(KvPoolClientTest, GetReportsAGapInALayersBlocksAsDataLoss) {
-  fake_.get_script_ = {Part(0, 0, 1, "A"), Part(0, 2, 1, "C")};
-  absl::StatusOr<GetResult> r = Client(1 << 20)->Get(v1::GetRequest());
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss);
+// Blocks missing at the start or inside a layer, K and V of other sizes than the blocks hold,
+// and more tokens than the blocks hold are DATA_LOSS, not a result shaped by the server's word.
+TEST_F(KvPoolClientTest, GetReportsMissingBlocksAndBadSizesAsDataLoss) {
+  v1::GetResponse short_v = Part(0, 0, "AB");
+  short_v.mutable_v()->pop_back();
+  v1::GetResponse two_claimed_one_sent = Part(0, 0, "A");
+  two_claimed_one_sent.set_num_blocks(2);
+  v1::GetResponse too_many_tokens = Part(0, 0, "A");
+  too_many_tokens.set_valid_tokens(2);
+  for (const std::vector<v1::GetResponse>& script :
+       {std::vector<v1::GetResponse>{Part(0, 0, "A"), Part(0, 2, "C")},
+        std::vector<v1::GetResponse>{Part(0, 1, "B")}, std::vector<v1::GetResponse>{short_v},
+        std::vector<v1::GetResponse>{two_claimed_one_sent},
+        std::vector<v1::GetResponse>{too_many_tokens}}) {
+    fake_.get_script_ = script;
+    absl::StatusOr<GetResult> r = Client(1 << 20)->Get(v1::GetRequest());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << script.front().DebugString();
+  }
 }
 
 TEST_F(KvPoolClientTest, ServerStatusCodeAndMessageReachTheCaller) {
@@ -377,10 +400,25 @@ TEST(RendezvousShard, SequencesSharingTheFirstBlockLandOnOneShard) {
 }
 
 TEST(RendezvousShard, IsStableAcrossBuildsForAFixedInput) {
-  const std::vector<std::string> targets = {"kvpool-0:50051", "kvpool-1:50051", "kvpool-2:50051"};
-  const std::vector<int32_t> ids = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
-  // Pinned: a changed hash would move every cached prefix of a running fleet.
-  EXPECT_EQ(RendezvousShard(targets, "other", ids), 1u);
+  const std::vector<std::string> t3 = {"kvpool-0:50051", "kvpool-1:50051", "kvpool-2:50051"};
+  std::vector<std::string> t8;
+  for (int i = 1; i <= 8; ++i) t8.push_back(absl::StrCat("10.0.0.", i, ":50051"));
+  std::vector<int32_t> a, b;
+  for (int i = 0; i < 16; ++i) {
+    a.push_back(i + 1);
+    b.push_back(128000 - 7 * i);
+  }
+  const std::vector<int32_t> c = {2147483647, 0, 5, 99999, 42};
+  // Pinned: a changed hash would move every cached prefix of a running fleet. The Python client's
+  // rendezvous_shard is checked against the same table (tests/python/test_sharding.py).
+  EXPECT_EQ(RendezvousShard(t3, "other", a), 1u);
+  EXPECT_EQ(RendezvousShard(t3, "", a), 0u);
+  EXPECT_EQ(RendezvousShard(t3, "default", b), 0u);
+  EXPECT_EQ(RendezvousShard(t8, "llama", a), 2u);
+  EXPECT_EQ(RendezvousShard(t8, "llama", b), 3u);
+  EXPECT_EQ(RendezvousShard(t8, "qwen", c), 6u);
+  EXPECT_EQ(RendezvousShard(t8, "", {}), 0u);
+  EXPECT_EQ(RendezvousShard(t8, "llama", c), 5u);
 }
 
 TEST(RendezvousShard, SpreadsPrefixesEvenlyAndRemovingAShardMovesOnlyItsOwn) {

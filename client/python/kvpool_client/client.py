@@ -298,16 +298,28 @@ class Client:
         pages = []
         for layer in result.layers:
             msgs = sorted(parts[layer], key=lambda m: m.block_begin)
-            expect = msgs[0].block_begin
+            expect = 0
             for m in msgs:
                 if m.block_begin != expect:
                     raise RuntimeError(f"Get: layer {layer} is missing blocks [{expect}, "
                                        f"{m.block_begin})")
                 expect += m.num_blocks
-            pages.append((b"".join(m.k for m in msgs), b"".join(m.v for m in msgs),
-                          sum(m.num_blocks for m in msgs)))
-            result.tokens.append(sum(m.valid_tokens for m in msgs))
-            result.layouts.append(next(m.layout for m in msgs if m.HasField("layout")))
+            k, v = b"".join(m.k for m in msgs), b"".join(m.v for m in msgs)
+            blocks, tokens = expect, sum(m.valid_tokens for m in msgs)
+            layout = next((m.layout for m in msgs if m.HasField("layout")),
+                          pb.PageLayoutDescriptor())
+            # Whole blocks of whole heads (len(heads) of them when named), no more tokens.
+            head_block = (layout.head_page_bytes if fmt == "raw"
+                          else layout.block_tokens * layout.head_dim * 2)
+            if (not blocks or not head_block or not k or len(v) != len(k)
+                    or len(k) % (blocks * head_block)
+                    or (heads is not None and len(k) != blocks * head_block * len(heads))
+                    or tokens > blocks * layout.block_tokens):
+                raise RuntimeError(f"Get: layer {layer} holds {len(k)} K and {len(v)} V bytes "
+                                   f"for {blocks} blocks of {tokens} tokens")
+            pages.append((k, v, blocks))
+            result.tokens.append(tokens)
+            result.layouts.append(layout)
         if fmt == "raw":
             result.pages = [(k, v) for k, v, _ in pages]
             return result
