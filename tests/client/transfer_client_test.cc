@@ -135,6 +135,8 @@ class TransferClientTest : public ::testing::Test {
       m.set_valid_tokens(layer + 1 == kLayers ? 2 * kBlockTokens - 5 : 2 * kBlockTokens);
       m.set_k(LayerBytes(2, 10 + layer));
       m.set_v(LayerBytes(2, 20 + layer));
+      m.mutable_layout()->set_block_tokens(kBlockTokens);
+      m.mutable_layout()->set_head_dim(kDim);
       fake_.get_script_.push_back(m);
     }
   }
