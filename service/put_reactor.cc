@@ -73,6 +73,10 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
     if (session_ != nullptr) {
       return absl::InvalidArgumentError("Put stream has a second header");
     }
+    if (streams_->size() > options_->max_put_streams) {  // this one included
+      return absl::ResourceExhaustedError(absl::StrCat("more than ", options_->max_put_streams,
+                                                       " Put streams open (--max_put_streams)"));
+    }
     absl::StatusOr<std::unique_ptr<KvStore::PutSession>> session =
         store_->BeginPut(header.namespace_(),
                          absl::MakeConstSpan(header.token_ids().data(), header.token_ids().size()));

@@ -23,6 +23,11 @@ void PutStreams::Remove(Stream* stream) {
   streams_.erase(stream);
 }
 
+size_t PutStreams::size() {
+  absl::MutexLock l(&mu_);
+  return streams_.size();
+}
+
 int PutStreams::CancelIdle(absl::Duration idle) {
   const absl::Time now = clock_->Now();
   int cancelled = 0;

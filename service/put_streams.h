@@ -4,6 +4,8 @@
 #ifndef KVPOOL_SERVICE_PUT_STREAMS_H_
 #define KVPOOL_SERVICE_PUT_STREAMS_H_
 
+#include <cstddef>
+
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
@@ -42,6 +44,8 @@ class PutStreams {
   void Touch(Stream* stream);
   // Before the stream's reactor is deleted.
   void Remove(Stream* stream);
+  // Streams open now.
+  size_t size();
   // Cancels every stream with no message for longer than `idle` (TryCancel: the reactor's pending
   // read then fails and it ends the call without committing). Returns how many.
   int CancelIdle(absl::Duration idle);

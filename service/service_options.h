@@ -11,6 +11,9 @@ namespace kvpool {
 struct ServiceOptions {
   // Total request bytes one Put stream may carry (RESOURCE_EXHAUSTED beyond).
   uint64_t max_put_stream_bytes = uint64_t{4} << 30;
+  // Put streams open at once: a header arriving on one more gets RESOURCE_EXHAUSTED (each open
+  // session keeps its sequence's token ids and pins its blocks).
+  uint64_t max_put_streams = 1024;
   // Upper bound on K+V payload bytes of one GetResponse (a single block may exceed it).
   uint32_t get_chunk_bytes = 4u << 20;
   // A Put stream with no message for longer is cancelled by the server's sweep, and its blocks

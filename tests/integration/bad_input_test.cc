@@ -318,6 +318,42 @@ TEST(BadInputLimits, AttendBatchOverLimitIsResourceExhausted) {
   EXPECT_TRUE(t->stub->Attend(&ctx, req, &resp).ok());
 }
 
+// Put streams beyond max_put_streams get RESOURCE_EXHAUSTED at their header, without touching the
+// pool; once the open one ends, a new Put goes through.
+TEST(BadInputLimits, PutStreamsPastTheLimitAreRefused) {
+  const NamespaceConfig c = SmallNamespace("small", 0);
+  auto t = TestServer::Start({c}, [](ServerOptions* o) { o->service.max_put_streams = 1; });
+  ASSERT_NE(t, nullptr);
+  const int pt = c.num_kv_heads * c.head_dim;
+  const Sequence open = MakeSequence(c, 32, 1, 14);
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::PutResponse resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> writer = t->stub->Put(&ctx, &resp);
+  v1::PutRequest header;
+  header.mutable_header()->set_namespace_("small");
+  for (int32_t id : open.tokens) header.mutable_header()->add_token_ids(id);
+  ASSERT_TRUE(writer->Write(header));
+  for (int i = 0; i < 500 && FindNamespace(GetStats(t->stub.get()), "small")->blocks_in_use() == 0;
+       ++i) {
+    absl::SleepFor(absl::Milliseconds(10));  // the open stream's header has arrived
+  }
+  const Sequence second = MakeSequence(c, 32, 1000, 15);
+  v1::PutResponse put;
+  EXPECT_EQ(PutSequence(t->stub.get(), "small", second, pt, 16, &put).error_code(),
+            grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(FindNamespace(GetStats(t->stub.get()), "small")->blocks_in_use(), 2u);
+  writer->WritesDone();
+  EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::FAILED_PRECONDITION);  // no chunks
+  bool stored = false;
+  for (int i = 0; i < 500 && !stored; ++i) {  // the first stream's end reaches the server
+    stored = PutSequence(t->stub.get(), "small", second, pt, 16, &put).ok();
+    if (!stored) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(stored);
+  EXPECT_EQ(put.tokens_stored(), 32u);
+}
+
 // A Put that stalls after its header pins its blocks only until the sweep finds it idle for longer
 // than put_idle_timeout: then it is cancelled, stores nothing, and its blocks are free again.
 TEST(BadInputLimits, StalledPutIsCancelledAndItsBlocksFreed) {
