@@ -3,8 +3,10 @@
 // deadline that is often too short (so streams are cancelled between messages and unary calls
 // while they run). Every call ends with OK or a status its contract names, and once the sweep
 // has run with every lease past its TTL, no block is pinned and no lease or token id is left.
+// The server runs the backend KVPOOL_TEST_BACKEND names (default cpu; the GPU runs set cuda).
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -17,6 +19,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
+#include "service/store/compute_backend.h"
 #include "tests/integration/test_server.h"
 
 namespace kvpool::testing {
@@ -28,7 +31,14 @@ constexpr int kStepsPerThread = 120;
 TEST(GrpcStress, ClientsThatGiveUpMidCallLeaveNothingBehind) {
   // 14 blocks of 16 tokens: the prompts and tails below fill it, so refusals happen too.
   const NamespaceConfig c = SmallNamespace("small", 14 * BytesPerBlock(SmallNamespace("x", 0)));
-  auto t = TestServer::Start({c});
+  std::unique_ptr<ComputeBackend> backend;
+  if (const char* name = std::getenv("KVPOOL_TEST_BACKEND");
+      name != nullptr && std::string(name) == "cuda") {
+    absl::StatusOr<std::unique_ptr<ComputeBackend>> cuda = NewCudaBackend(0);
+    ASSERT_TRUE(cuda.ok()) << cuda.status();
+    backend = *std::move(cuda);
+  }
+  auto t = TestServer::Start({c}, {}, std::move(backend));
   ASSERT_NE(t, nullptr);
   const int pt = c.num_kv_heads * c.head_dim;
   // Three prompt families sharing their first blocks.

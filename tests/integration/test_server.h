@@ -46,9 +46,10 @@ struct TestServer {
   std::unique_ptr<Server> server;
   std::unique_ptr<v1::KvPool::Stub> stub;
 
-  // `tweak` may change the options before the server starts.
+  // `tweak` may change the options before the server starts; `backend` null = the CPU one.
   static std::unique_ptr<TestServer> Start(std::vector<NamespaceConfig> namespaces,
-                                           std::function<void(ServerOptions*)> tweak = {}) {
+                                           std::function<void(ServerOptions*)> tweak = {},
+                                           std::unique_ptr<ComputeBackend> backend = nullptr) {
     auto t = std::make_unique<TestServer>();
     ServerOptions o;
     o.grpc_address = "";
@@ -58,7 +59,8 @@ struct TestServer {
     o.namespaces = std::move(namespaces);
     o.lease_sweep_interval = absl::ZeroDuration();
     if (tweak) tweak(&o);
-    absl::StatusOr<std::unique_ptr<Server>> s = Server::Start(std::move(o), NewCpuBackend());
+    absl::StatusOr<std::unique_ptr<Server>> s =
+        Server::Start(std::move(o), backend != nullptr ? std::move(backend) : NewCpuBackend());
     EXPECT_TRUE(s.ok()) << s.status();
     if (!s.ok()) return nullptr;
     t->server = *std::move(s);
