@@ -37,6 +37,7 @@
 #include "service/store/arena_registry.h"
 #include "service/store/compute_backend.h"
 #include "service/store/cuda_backend_staging.h"
+#include "service/store/cuda_lanes.h"
 
 namespace kvpool {
 
@@ -44,25 +45,15 @@ namespace kvpool {
 namespace {
 
 using cuda_backend_internal::AppendStaging;
+using cuda_backend_internal::CudaError;
+using cuda_backend_internal::kNumLanes;
+using cuda_backend_internal::kSlotsPerLane;
+using cuda_backend_internal::Lane;
 using cuda_backend_internal::StagingLayout;
+using cuda_backend_internal::StagingSlot;
 using cuda_backend_internal::ValidateDequantize;
 using cuda_backend_internal::ValidatePagedDecodeAttention;
 using cuda_backend_internal::ValidateQuantizeAppend;
-
-constexpr int kNumLanes = 4;
-constexpr size_t kMinStagingBytes = size_t{1} << 20;
-
-absl::Status CudaError(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(
-      absl::StrFormat("%s: %s (%s)", what, cudaGetErrorName(err), cudaGetErrorString(err)));
-}
-
-#define KVPOOL_RETURN_IF_CUDA_ERROR(expr)                              \
-  do {                                                                 \
-    const absl::Status kvpool_cuda_status_ = CudaError((expr), #expr); \
-    if (!kvpool_cuda_status_.ok()) return kvpool_cuda_status_;         \
-  } while (0)
 
 // FromKernelStatus, plus the CUDA error text for kCudaError.
 absl::Status KernelResult(KernelStatus s, const char* what) {
@@ -72,31 +63,6 @@ absl::Status KernelResult(KernelStatus s, const char* what) {
   return FromKernelStatus(s, what);
 }
 
-struct StagingSlot {
-  uint8_t* host = nullptr;  // pinned
-  uint8_t* device = nullptr;
-  size_t capacity = 0;
-  // Buffers outgrown, freed with the backend: freeing them at once (cudaFreeHost, cudaFree)
-  // would wait for every kernel on the device, an NCCL transfer stalled on its worker included.
-  // Capacities double, so they hold less than `capacity` together.
-  std::vector<std::pair<uint8_t*, uint8_t*>> retired;  // {host, device}
-  cudaEvent_t free = nullptr;  // recorded after the last work using the buffers
-  // Records of `free` so far, bumped after each record: a lane that has waited on record n of
-  // this slot need not wait again until n changes.
-  std::atomic<uint64_t> records{0};
-};
-
-constexpr int kSlotsPerLane = 2;
-
-struct Lane {
-  absl::Mutex mu;
-  cudaStream_t stream = nullptr;     // created once, never changes
-  StagingSlot slots[kSlotsPerLane];  // events created once; buffers guarded by mu
-  int next ABSL_GUARDED_BY(mu) = 0;
-  // records of every lane's slots ([lane][slot]) this lane's stream last waited for.
-  uint64_t waited[kNumLanes][kSlotsPerLane] ABSL_GUARDED_BY(mu) = {};
-};
-
 class CudaBackend final : public ComputeBackend {
  public:
   explicit CudaBackend(int device) : device_(device) {}
@@ -105,14 +71,7 @@ class CudaBackend final : public ComputeBackend {
     cudaSetDevice(device_);
     for (Lane& lane : lanes_) {
       if (lane.stream != nullptr) cudaStreamSynchronize(lane.stream);
-      for (StagingSlot& slot : lane.slots) {
-        slot.retired.emplace_back(slot.host, slot.device);
-        for (auto [host, device] : slot.retired) {
-          cudaFreeHost(host);
-          cudaFree(device);
-        }
-        if (slot.free != nullptr) cudaEventDestroy(slot.free);
-      }
+      for (StagingSlot& slot : lane.slots) slot.Release();
       if (lane.stream != nullptr) cudaStreamDestroy(lane.stream);
     }
     for (uint8_t* arena : arenas_.TakeAll()) cudaFree(arena);
@@ -158,7 +117,10 @@ class CudaBackend final : public ComputeBackend {
       return absl::ResourceExhaustedError(absl::StrFormat(
           "cannot allocate a device arena of %d bytes: %s", bytes, cudaGetErrorString(err)));
     }
-    const cudaError_t fill = cudaMemset(arena, 0, bytes);
+    // The fill runs on the legacy stream, which the lanes' and NCCL's non-blocking streams do not
+    // wait for: it must be done before the arena is handed out.
+    cudaError_t fill = cudaMemsetAsync(arena, 0, bytes, cudaStreamLegacy);
+    if (fill == cudaSuccess) fill = cudaStreamSynchronize(cudaStreamLegacy);
     if (fill != cudaSuccess) {
       cudaFree(arena);
       return CudaError(fill, "cudaMemset(arena)");
@@ -184,22 +146,28 @@ class CudaBackend final : public ComputeBackend {
     absl::MutexLock lock(&lane.mu);
     StagingSlot& slot = lane.slots[lane.next];
     lane.next ^= 1;
-    if (absl::Status s = ReadySlot(slot, layout.size()); !s.ok()) return s;
+    if (absl::Status s = slot.Ready(layout.size()); !s.ok()) return s;
     staging.Fill(slot.host);
-    KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
-                                                cudaMemcpyHostToDevice, lane.stream));
-    KernelStatus ks;
-    {
-      absl::MutexLock order(&append_order_mu_);
-      if (last_append_ != nullptr) {
-        KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(lane.stream, last_append_, 0));
+    const absl::Status s = [&]() -> absl::Status {
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
+                                                  cudaMemcpyHostToDevice, lane.stream));
+      KernelStatus ks;
+      {
+        absl::MutexLock order(&append_order_mu_);
+        if (last_append_ != nullptr) {
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamWaitEvent(lane.stream, last_append_, 0));
+        }
+        ks = cuda::QuantizeAppend(staging.DeviceParams(slot.device), lane.stream);
+        KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.free, lane.stream));
+        last_append_ = slot.free;
       }
-      ks = cuda::QuantizeAppend(staging.DeviceParams(slot.device), lane.stream);
-      KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventRecord(slot.free, lane.stream));
-      last_append_ = slot.free;
-    }
-    slot.records.fetch_add(1, std::memory_order_release);
-    return KernelResult(ks, "QuantizeAppend");
+      slot.records.fetch_add(1, std::memory_order_release);
+      return KernelResult(ks, "QuantizeAppend");
+    }();
+    // A failure may leave the upload queued but `free` not recorded after it: the lane's stream
+    // must be done before the slot is filled again.
+    if (!s.ok()) cudaStreamSynchronize(lane.stream);
+    return s;
   }
 
   absl::Status Dequantize(const DequantizeParams& p) override {
@@ -499,25 +467,6 @@ class CudaBackend final : public ComputeBackend {
   }
 
  private:
-  // Waits until `slot`'s previous work is done and grows its buffers to hold `bytes`. The caller
-  // holds the mutex of the slot's lane.
-  static absl::Status ReadySlot(StagingSlot& slot, size_t bytes) {
-    KVPOOL_RETURN_IF_CUDA_ERROR(cudaEventSynchronize(slot.free));
-    if (slot.capacity >= bytes) return absl::OkStatus();
-    if (slot.host != nullptr || slot.device != nullptr) {
-      slot.retired.emplace_back(slot.host, slot.device);
-    }
-    slot.host = nullptr;
-    slot.device = nullptr;
-    slot.capacity = 0;
-    size_t capacity = kMinStagingBytes;
-    while (capacity < bytes) capacity *= 2;
-    KVPOOL_RETURN_IF_CUDA_ERROR(cudaMallocHost(&slot.host, capacity));
-    KVPOOL_RETURN_IF_CUDA_ERROR(cudaMalloc(&slot.device, capacity));
-    slot.capacity = capacity;
-    return absl::OkStatus();
-  }
-
   // Runs `body(lane, slot)` on a lane whose stream first waits for every append queued so far,
   // with a staging slot of at least `staging_bytes`. body must finish its GPU work
   // (synchronize the stream) before returning.
@@ -542,7 +491,7 @@ class CudaBackend final : public ComputeBackend {
       }
     }
     StagingSlot& slot = lane.slots[lane.next];
-    if (absl::Status s = ReadySlot(slot, staging_bytes); !s.ok()) return s;
+    if (absl::Status s = slot.Ready(staging_bytes); !s.ok()) return s;
     absl::Status s = body(lane, slot);
     if (!s.ok()) cudaStreamSynchronize(lane.stream);  // leave the slot idle for its next user
     return s;

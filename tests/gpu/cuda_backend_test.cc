@@ -512,6 +512,52 @@ TEST(CudaBackend, GrowingStagingWaitsForNoOtherStream) {
   (*backend)->FreeArena(*arena);
 }
 
+// A fresh arena's zeros land before any work on the lanes (the fill runs on the legacy stream,
+// which the lanes' non-blocking streams do not wait for): an append into the last block of an
+// 8 GiB arena, which the fill reaches last, is there when read back, in each of 4 rounds.
+TEST(CudaBackend, AFreshArenasZerosLandBeforeItsFirstAppend) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  auto backend = NewCudaBackend(0);
+  ASSERT_TRUE(backend.ok()) << backend.status();
+  PageLayout l = LayerLayout(TestConfig(), 1);
+  l.sink_tokens = 0;
+  const testing::KvData d =
+      testing::MakeKv(l.block_tokens, l.num_kv_heads, l.head_dim, testing::Outliers::kOffset, 6);
+  const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
+  std::vector<int32_t> positions(l.block_tokens);
+  std::vector<int64_t> first(l.block_tokens), last(l.block_tokens);
+  const int64_t num_blocks = (int64_t{8} << 30) / static_cast<int64_t>(l.layer_page_bytes());
+  for (int t = 0; t < l.block_tokens; ++t) {
+    positions[t] = t;
+    first[t] = t;
+    last[t] = (num_blocks - 1) * l.block_tokens + t;
+  }
+  // The same tokens into block 0 of a small arena, filled long before: the pages to expect.
+  auto small = (*backend)->AllocateArena(l.layer_page_bytes());
+  ASSERT_TRUE(small.ok()) << small.status();
+  ASSERT_TRUE(
+      (*backend)
+          ->QuantizeAppend(AppendParams(l, k, v, first, positions, l.block_tokens, *small, 1))
+          .ok());
+  ASSERT_TRUE((*backend)->Synchronize().ok());
+  std::vector<uint8_t> want(l.layer_page_bytes()), got(l.layer_page_bytes());
+  ASSERT_TRUE((*backend)->ReadArena(*small, want.size(), want.data()).ok());
+  for (int round = 0; round < 4; ++round) {
+    auto big = (*backend)->AllocateArena(static_cast<size_t>(num_blocks) * l.layer_page_bytes());
+    ASSERT_TRUE(big.ok()) << big.status();
+    ASSERT_TRUE((*backend)
+                    ->QuantizeAppend(
+                        AppendParams(l, k, v, last, positions, l.block_tokens, *big, num_blocks))
+                    .ok());
+    ASSERT_TRUE((*backend)->Synchronize().ok());
+    const size_t at = static_cast<size_t>(num_blocks - 1) * l.layer_page_bytes();
+    ASSERT_TRUE((*backend)->ReadArena(*big + at, got.size(), got.data()).ok());
+    (*backend)->FreeArena(*big);
+    ASSERT_EQ(got, want) << "round " << round << ": the arena's fill landed after the append";
+  }
+  (*backend)->FreeArena(*small);
+}
+
 TEST(CudaBackend, ReportsMissingDevice) {
   KVPOOL_SKIP_WITHOUT_GPU();
   const auto backend = NewCudaBackend(4096);
