@@ -35,13 +35,15 @@ class AttendUnaryCall final : public QueuedCall {
       delete this;
       return;
     }
-    Listen(queue_);
     const absl::Time begin = absl::Now();
     RpcMetrics::Method& method = queue_->metrics->unary;
     method.Received(request_.ByteSizeLong());
     const grpc::Status s = ToGrpcStatus(queue_->unary_runner.Run(request_, &response_));
     if (s.ok()) method.Sent(response_.ByteSizeLong());
     method.Finished(s.error_code(), absl::Now() - begin);
+    // The next call is taken once this one has run: a long step does not hold calls that another
+    // queue's thread could run.
+    Listen(queue_);
     if (s.ok()) {
       responder_.Finish(response_, s, &finished_);
     } else {

@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -16,10 +17,19 @@ namespace {
 // strings keep their capacity.
 class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
  public:
-  GetReactor(KvStore* store, const ServiceOptions* options, RpcMetrics::Method* metrics,
-             const v1::GetRequest* request)
-      : store_(store), options_(options), metrics_(metrics), request_(*request) {
+  GetReactor(KvStore* store, const ServiceOptions* options, std::atomic<uint64_t>* open_gets,
+             RpcMetrics::Method* metrics, const v1::GetRequest* request)
+      : store_(store),
+        options_(options),
+        open_gets_(open_gets),
+        metrics_(metrics),
+        request_(*request) {
     metrics_->Received(request->ByteSizeLong());
+    if (open_gets_->fetch_add(1, std::memory_order_relaxed) >= options_->max_get_streams) {
+      FinishWith(absl::ResourceExhaustedError(absl::StrCat(
+          "more than ", options_->max_get_streams, " Get streams open (--max_get_streams)")));
+      return;
+    }
     const absl::Status s = Plan();
     if (!s.ok()) {
       FinishWith(s);
@@ -36,7 +46,10 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
     Next();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    open_gets_->fetch_sub(1, std::memory_order_relaxed);
+    delete this;
+  }
 
  private:
   absl::Status Plan() {
@@ -123,6 +136,12 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
       FinishWith(s);
       return;
     }
+    if (!raw_) {  // rows [valid_tokens, n * bt): whatever the last block held before, zeroed
+      const size_t row_bytes = block_bytes / bt;
+      const size_t valid = response_.valid_tokens() * row_bytes;
+      std::fill(k->begin() + valid, k->end(), '\0');
+      std::fill(v->begin() + valid, v->end(), '\0');
+    }
     block_ += n;
     metrics_->Sent(response_.ByteSizeLong());
     StartWrite(&response_);
@@ -137,6 +156,7 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
 
   KvStore* const store_;
   const ServiceOptions* const options_;
+  std::atomic<uint64_t>* const open_gets_;
   RpcMetrics::Method* const metrics_;
   const v1::GetRequest request_;
   const absl::Time start_ = absl::Now();
@@ -155,9 +175,10 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
 
 grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(KvStore* store,
                                                          const ServiceOptions* options,
+                                                         std::atomic<uint64_t>* open_gets,
                                                          RpcMetrics::Method* metrics,
                                                          const v1::GetRequest* request) {
-  return new GetReactor(store, options, metrics, request);
+  return new GetReactor(store, options, open_gets, metrics, request);
 }
 
 }  // namespace kvpool

@@ -98,7 +98,7 @@ grpc::ServerUnaryReactor* KvPoolService::Match(grpc::CallbackServerContext* ctx,
 
 grpc::ServerWriteReactor<v1::GetResponse>* KvPoolService::Get(grpc::CallbackServerContext*,
                                                               const v1::GetRequest* request) {
-  return NewGetReactor(store_, &options_, &get_, request);
+  return NewGetReactor(store_, &options_, &open_gets_, &get_, request);
 }
 
 grpc::ServerUnaryReactor* KvPoolService::Append(grpc::CallbackServerContext* ctx,

@@ -7,6 +7,9 @@
 #ifndef KVPOOL_SERVICE_KVPOOL_SERVICE_H_
 #define KVPOOL_SERVICE_KVPOOL_SERVICE_H_
 
+#include <atomic>
+#include <cstdint>
+
 #include "kvpool/v1/kvpool.grpc.pb.h"
 #include "service/put_streams.h"
 #include "service/rpc_metrics.h"
@@ -61,6 +64,7 @@ class KvPoolService final : public KvPoolServiceBase {
   KvStore* const store_;
   const ServiceOptions options_;
   PutStreams put_streams_;
+  std::atomic<uint64_t> open_gets_{0};  // Get streams open now
   RpcMetrics::Method create_namespace_;
   RpcMetrics::Method list_namespaces_;
   RpcMetrics::Method put_;

@@ -37,6 +37,8 @@ ABSL_FLAG(int64_t, max_lease_ttl_ms, 600000, "longest lease lifetime granted");
 ABSL_FLAG(uint64_t, max_leases, 65536, "leases alive at once");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "largest gRPC message, either direction");
 ABSL_FLAG(uint64_t, max_put_stream_bytes, uint64_t{4} << 30, "largest Put stream");
+ABSL_FLAG(uint64_t, max_get_streams, 256,
+          "Get streams open at once (one more gets RESOURCE_EXHAUSTED)");
 ABSL_FLAG(uint64_t, max_put_streams, 1024,
           "Put streams open at once (a header on one more gets RESOURCE_EXHAUSTED)");
 ABSL_FLAG(uint32_t, max_sequence_tokens, 1 << 20, "tokens per Put or lease sequence");
@@ -179,6 +181,7 @@ int Run() {
                                                    static_cast<double>(options.store.pool_bytes))));
   options.service.max_put_stream_bytes = absl::GetFlag(FLAGS_max_put_stream_bytes);
   options.service.max_put_streams = absl::GetFlag(FLAGS_max_put_streams);
+  options.service.max_get_streams = absl::GetFlag(FLAGS_max_get_streams);
   options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
   options.service.put_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_put_idle_timeout_ms));
   options.attend.threads = absl::GetFlag(FLAGS_attend_threads);

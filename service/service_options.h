@@ -14,6 +14,9 @@ struct ServiceOptions {
   // Put streams open at once: a header arriving on one more gets RESOURCE_EXHAUSTED (each open
   // session keeps its sequence's token ids and pins its blocks).
   uint64_t max_put_streams = 1024;
+  // Get streams open at once: one more gets RESOURCE_EXHAUSTED (each keeps a message of up to
+  // get_chunk_bytes built while its client reads).
+  uint64_t max_get_streams = 256;
   // Upper bound on K+V payload bytes of one GetResponse (a single block may exceed it).
   uint32_t get_chunk_bytes = 4u << 20;
   // A Put stream with no message for longer is cancelled by the server's sweep, and its blocks

@@ -3,6 +3,9 @@
 #ifndef KVPOOL_SERVICE_STREAM_REACTORS_H_
 #define KVPOOL_SERVICE_STREAM_REACTORS_H_
 
+#include <atomic>
+#include <cstdint>
+
 #include "grpcpp/support/server_callback.h"
 #include "kvpool/v1/kvpool.pb.h"
 #include "service/put_streams.h"
@@ -19,9 +22,12 @@ grpc::ServerReadReactor<v1::PutRequest>* NewPutReactor(
     grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
     PutStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response);
 
-// Get: streams the lease's blocks layer by layer, one message in flight.
+// Get: streams the lease's blocks layer by layer, one message in flight; counted in
+// `open_gets` while open, refused past options->max_get_streams. FP16 rows past a block's real
+// tokens are zeros (the block's earlier owner's K/V otherwise).
 grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(KvStore* store,
                                                          const ServiceOptions* options,
+                                                         std::atomic<uint64_t>* open_gets,
                                                          RpcMetrics::Method* metrics,
                                                          const v1::GetRequest* request);
 

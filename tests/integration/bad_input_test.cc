@@ -354,6 +354,90 @@ TEST(BadInputLimits, PutStreamsPastTheLimitAreRefused) {
   EXPECT_EQ(put.tokens_stored(), 32u);
 }
 
+// Get streams beyond max_get_streams get RESOURCE_EXHAUSTED; once the open one ends, a Get goes
+// through.
+TEST(BadInputLimits, GetStreamsPastTheLimitAreRefused) {
+  const NamespaceConfig c = SmallNamespace("small", 0);
+  auto t = TestServer::Start({c}, [](ServerOptions* o) { o->service.max_get_streams = 1; });
+  ASSERT_NE(t, nullptr);
+  const int pt = c.num_kv_heads * c.head_dim;
+  const Sequence s = MakeSequence(c, 32, 1, 16);
+  v1::PutResponse put;
+  ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, pt, 16, &put).ok());
+  grpc::ClientContext mctx;
+  v1::MatchRequest m;
+  m.set_namespace_("small");
+  for (int32_t id : s.tokens) m.add_token_ids(id);
+  v1::MatchResponse lease;
+  ASSERT_TRUE(t->stub->Match(&mctx, m, &lease).ok());
+  v1::GetRequest get;
+  get.set_lease_id(lease.lease_id());
+  grpc::ClientContext open_ctx;  // a Get whose client reads one message, then waits
+  std::unique_ptr<grpc::ClientReader<v1::GetResponse>> open = t->stub->Get(&open_ctx, get);
+  v1::GetResponse first;
+  ASSERT_TRUE(open->Read(&first));
+  std::vector<v1::GetResponse> got;
+  EXPECT_EQ(ReadAll(t->stub.get(), get, &got).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  while (open->Read(&first)) {
+  }
+  ASSERT_TRUE(open->Finish().ok());
+  bool served = false;
+  for (int i = 0; i < 500 && !served; ++i) {  // the first stream's end reaches the server
+    got.clear();
+    served = ReadAll(t->stub.get(), get, &got).ok();
+    if (!served) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(served);
+}
+
+// FP16 rows past a lease's tokens in its last block are zeros, not what the block held for its
+// earlier owner (here a released lease's tail, in a namespace of one block).
+TEST(BadInputLimits, Fp16GetPadsAPartialBlockWithZeros) {
+  NamespaceConfig c = SmallNamespace("small", 0);
+  c.capacity_bytes = BytesPerBlock(c);
+  auto t = TestServer::Start({c});
+  ASSERT_NE(t, nullptr);
+  const int pt = c.num_kv_heads * c.head_dim;
+  const Sequence s = MakeSequence(c, c.block_tokens, 1, 17);
+  auto lease_with = [&](int tokens) {
+    grpc::ClientContext ctx;
+    v1::MatchRequest m;
+    m.set_namespace_("small");
+    v1::MatchResponse r;
+    EXPECT_TRUE(t->stub->Match(&ctx, m, &r).ok());
+    for (int layer = 0; layer < c.num_layers; ++layer) {
+      grpc::ClientContext actx;
+      v1::AppendRequest a;
+      a.set_lease_id(r.lease_id());
+      a.set_layer(layer);
+      a.set_num_tokens(tokens);
+      a.set_k(reinterpret_cast<const char*>(s.k[layer].data()), tokens * pt * 2);
+      a.set_v(reinterpret_cast<const char*>(s.v[layer].data()), tokens * pt * 2);
+      v1::AppendResponse ar;
+      EXPECT_TRUE(t->stub->Append(&actx, a, &ar).ok());
+    }
+    return r.lease_id();
+  };
+  const uint64_t earlier = lease_with(c.block_tokens);  // fills the namespace's only block
+  grpc::ClientContext rctx;
+  v1::ReleaseRequest rel;
+  rel.set_lease_id(earlier);
+  v1::ReleaseResponse rr;
+  ASSERT_TRUE(t->stub->Release(&rctx, rel, &rr).ok());
+  v1::GetRequest get;
+  get.set_lease_id(lease_with(1));  // the same block, one token written
+  std::vector<v1::GetResponse> got;
+  ASSERT_TRUE(ReadAll(t->stub.get(), get, &got).ok());
+  ASSERT_EQ(got.size(), static_cast<size_t>(c.num_layers));
+  for (const v1::GetResponse& r : got) {
+    EXPECT_EQ(r.valid_tokens(), 1u);
+    ASSERT_EQ(r.k().size(), static_cast<size_t>(c.block_tokens) * pt * 2);
+    const std::string tail_k = r.k().substr(pt * 2), tail_v = r.v().substr(pt * 2);
+    EXPECT_EQ(tail_k, std::string(tail_k.size(), '\0')) << "layer " << r.layer();
+    EXPECT_EQ(tail_v, std::string(tail_v.size(), '\0')) << "layer " << r.layer();
+  }
+}
+
 // A Put that stalls after its header pins its blocks only until the sweep finds it idle for longer
 // than put_idle_timeout: then it is cancelled, stores nothing, and its blocks are free again.
 TEST(BadInputLimits, StalledPutIsCancelledAndItsBlocksFreed) {
