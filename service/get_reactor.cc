@@ -12,6 +12,9 @@
 namespace kvpool {
 namespace {
 
+// A GetResponse's bytes besides its K and V payloads (fields, layout descriptor), at most.
+constexpr uint64_t kMessageOverheadBytes = 1024;
+
 // Walks (layer, block run) in order with one message in flight: the next message is read from
 // the store in OnWriteDone of the previous one, into the same response object, so its payload
 // strings keep their capacity.
@@ -79,6 +82,20 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
         break;
       default:
         return absl::InvalidArgumentError("unknown GetFormat");
+    }
+    // A message carries at least one block of one layer, K and V: refused now if one cannot.
+    const uint64_t heads = head_end_ - head_begin_;
+    for (uint32_t l = layer_; l < layer_end_; ++l) {
+      const uint64_t block_bytes =
+          raw_ ? heads * LayerLayout(c, static_cast<int>(l)).head_page_bytes()
+               : Fp16KvBytes(c, c.block_tokens) / c.num_kv_heads * heads;
+      if (2 * block_bytes + kMessageOverheadBytes > options_->max_message_bytes) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("a block of layer ", l, " takes ", 2 * block_bytes,
+                         " bytes in this format, over the ", options_->max_message_bytes,
+                         "-byte message limit (--max_message_bytes): ask for "
+                         "fewer KV heads per Get"));
+      }
     }
     chunk_bytes_ = request_.max_chunk_bytes() == 0
                        ? options_->get_chunk_bytes

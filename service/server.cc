@@ -41,6 +41,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
       .Set(1);
   s->rpc_metrics_ = std::make_unique<RpcMetrics>(&s->registry_);
   RegisterStoreMetrics(s->store_.get(), &s->registry_);
+  options.service.max_message_bytes = static_cast<uint64_t>(options.max_message_bytes);
   s->service_ = std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(),
                                                 options.service, options.store.clock);
   s->attend_server_ = std::make_unique<AttendServer>(s->service_.get(), s->store_.get(),

@@ -19,6 +19,9 @@ struct ServiceOptions {
   uint64_t max_get_streams = 256;
   // Upper bound on K+V payload bytes of one GetResponse (a single block may exceed it).
   uint32_t get_chunk_bytes = 4u << 20;
+  // The largest gRPC message (the Server sets it from ServerOptions::max_message_bytes): a Get
+  // whose single block would not fit one is refused before anything is read.
+  uint64_t max_message_bytes = uint64_t{64} << 20;
   // A Put stream with no message for longer is cancelled by the server's sweep, and its blocks
   // freed; zero = never.
   absl::Duration put_idle_timeout = absl::Minutes(1);

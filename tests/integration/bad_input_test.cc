@@ -390,6 +390,46 @@ TEST(BadInputLimits, GetStreamsPastTheLimitAreRefused) {
   EXPECT_TRUE(served);
 }
 
+// A Get whose one block (K and V) would not fit a message is refused before anything is read,
+// with a message that names the limit; the same Get of fewer heads goes through.
+TEST(BadInputLimits, GetOfBlocksLargerThanAMessageIsRefusedUpFront) {
+  const NamespaceConfig c = SmallNamespace("small", 0);  // fp16 block: 2 heads, 4 KiB for K
+  auto t = TestServer::Start({c}, [](ServerOptions* o) { o->max_message_bytes = 6000; });
+  ASSERT_NE(t, nullptr);
+  const int pt = c.num_kv_heads * c.head_dim;
+  const Sequence s = MakeSequence(c, 1, 1, 18);
+  grpc::ClientContext mctx;
+  v1::MatchRequest m;
+  m.set_namespace_("small");
+  v1::MatchResponse lease;
+  ASSERT_TRUE(t->stub->Match(&mctx, m, &lease).ok());
+  for (int layer = 0; layer < c.num_layers; ++layer) {  // one token: small messages
+    grpc::ClientContext actx;
+    v1::AppendRequest a;
+    a.set_lease_id(lease.lease_id());
+    a.set_layer(layer);
+    a.set_num_tokens(1);
+    a.set_k(reinterpret_cast<const char*>(s.k[layer].data()), pt * 2);
+    a.set_v(reinterpret_cast<const char*>(s.v[layer].data()), pt * 2);
+    v1::AppendResponse ar;
+    ASSERT_TRUE(t->stub->Append(&actx, a, &ar).ok());
+  }
+  v1::GetRequest get;
+  get.set_lease_id(lease.lease_id());
+  std::vector<v1::GetResponse> got;
+  grpc::ClientContext gctx;
+  std::unique_ptr<grpc::ClientReader<v1::GetResponse>> reader = t->stub->Get(&gctx, get);
+  v1::GetResponse r;
+  EXPECT_FALSE(reader->Read(&r));
+  const grpc::Status st = reader->Finish();
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(st.error_message().find("--max_message_bytes"), std::string::npos)
+      << st.error_message();
+  get.set_head_end(1);  // one head: 2 KiB of K and of V per block
+  ASSERT_TRUE(ReadAll(t->stub.get(), get, &got).ok());
+  EXPECT_EQ(got.size(), static_cast<size_t>(c.num_layers));
+}
+
 // FP16 rows past a lease's tokens in its last block are zeros, not what the block held for its
 // earlier owner (here a released lease's tail, in a namespace of one block).
 TEST(BadInputLimits, Fp16GetPadsAPartialBlockWithZeros) {
