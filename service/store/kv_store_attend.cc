@@ -85,6 +85,11 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
             absl::StrFormat("item %d: new_k and new_v must come together", i));
       }
       if (item.new_k != nullptr) {
+        if (item.new_token_id < -1) {
+          return absl::InvalidArgumentError(
+              absl::StrFormat("item %d: new token id %d: ids are not negative (-1 = unknown)", i,
+                              item.new_token_id));
+        }
         if (new_k.empty()) {  // sized once: growth item by item page-faulted at every decode step
           new_k.reserve(items.size() * kv_elems);
           new_v.reserve(items.size() * kv_elems);

@@ -319,6 +319,12 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
     return absl::InvalidArgumentError(absl::StrFormat(
         "token count mismatch: %d token ids for %d tokens", token_ids.size(), num_tokens));
   }
+  for (size_t i = 0; i < token_ids.size(); ++i) {
+    if (token_ids[i] < -1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "token id %d at position %d: ids are not negative (-1 = unknown)", token_ids[i], i));
+    }
+  }
   LeaseUse use(this);
   NamespaceState* ns = nullptr;
   std::vector<int64_t> slots;

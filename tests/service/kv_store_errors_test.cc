@@ -160,6 +160,12 @@ TEST_F(StoreErrorsTest, BadAttendItemAppendsNothing) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->Attend(0, 3, 0.f, {items[0]}, {out.data(), nullptr, nullptr, ctx}).code(),
             StatusCode::kInvalidArgument);  // 3 q heads over 2 KV heads
+  items[1].new_k = kv_.k[0].data();
+  items[1].new_token_id = -7;  // -1 means unknown; other negative ids are not ids
+  EXPECT_EQ(store_->Attend(0, 2, 0.f, items, {out.data(), nullptr, nullptr, ctx}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Append(lease_, 0, {-7}, 1, kv_.k[0].data(), kv_.v[0].data()).status().code(),
+            StatusCode::kInvalidArgument);
   auto view = store_->DescribeLease(lease_);
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->layer_tokens, (std::vector<uint32_t>{8, 8}));
