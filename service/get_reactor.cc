@@ -84,14 +84,10 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
         return absl::InvalidArgumentError("unknown GetFormat");
     }
     // A message carries at least one block of one layer, K and V: refused now if one cannot.
-    const uint64_t heads = head_end_ - head_begin_;
     for (uint32_t l = layer_; l < layer_end_; ++l) {
-      const uint64_t block_bytes =
-          raw_ ? heads * LayerLayout(c, static_cast<int>(l)).head_page_bytes()
-               : Fp16KvBytes(c, c.block_tokens) / c.num_kv_heads * heads;
-      if (2 * block_bytes + kMessageOverheadBytes > options_->max_message_bytes) {
+      if (2 * BlockBytes(l) + kMessageOverheadBytes > options_->max_message_bytes) {
         return absl::ResourceExhaustedError(
-            absl::StrCat("a block of layer ", l, " takes ", 2 * block_bytes,
+            absl::StrCat("a block of layer ", l, " takes ", 2 * BlockBytes(l),
                          " bytes in this format, over the ", options_->max_message_bytes,
                          "-byte message limit (--max_message_bytes): ask for "
                          "fewer KV heads per Get"));
@@ -102,6 +98,14 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
                        : std::min(request_.max_chunk_bytes(), options_->get_chunk_bytes);
     block_ = 0;
     return absl::OkStatus();
+  }
+
+  // Bytes of K (and of V) of one block of `layer`, in this Get's format and heads.
+  uint64_t BlockBytes(uint32_t layer) const {
+    const NamespaceConfig& c = lease_.info.config;
+    const uint64_t heads = head_end_ - head_begin_;
+    return raw_ ? heads * LayerLayout(c, static_cast<int>(layer)).head_page_bytes()
+                : Fp16KvBytes(c, c.block_tokens) / c.num_kv_heads * heads;
   }
 
   // Tokens held for `layer`: the lease's per-layer count when the store reports one.
@@ -124,10 +128,8 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
     }
     const uint32_t layer_tokens = LayerTokens(layer_);
     const uint32_t layer_blocks = (layer_tokens + bt - 1) / bt;
-    const uint32_t heads = head_end_ - head_begin_;
     const PageLayout layout = LayerLayout(c, static_cast<int>(layer_));
-    const uint64_t block_bytes = raw_ ? uint64_t{heads} * layout.head_page_bytes()
-                                      : Fp16KvBytes(c, bt) / c.num_kv_heads * heads;
+    const uint64_t block_bytes = BlockBytes(layer_);
     const uint32_t per_msg =
         static_cast<uint32_t>(std::max<uint64_t>(1, chunk_bytes_ / (2 * block_bytes)));
     const uint32_t n = std::min(per_msg, layer_blocks - block_);
