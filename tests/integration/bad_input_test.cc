@@ -364,14 +364,8 @@ TEST(BadInputLimits, GetStreamsPastTheLimitAreRefused) {
   const Sequence s = MakeSequence(c, 32, 1, 16);
   v1::PutResponse put;
   ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, pt, 16, &put).ok());
-  grpc::ClientContext mctx;
-  v1::MatchRequest m;
-  m.set_namespace_("small");
-  for (int32_t id : s.tokens) m.add_token_ids(id);
-  v1::MatchResponse lease;
-  ASSERT_TRUE(t->stub->Match(&mctx, m, &lease).ok());
   v1::GetRequest get;
-  get.set_lease_id(lease.lease_id());
+  get.set_lease_id(MatchOk(t->stub.get(), "small", s).lease_id());
   grpc::ClientContext open_ctx;  // a Get whose client reads one message, then waits
   std::unique_ptr<grpc::ClientReader<v1::GetResponse>> open = t->stub->Get(&open_ctx, get);
   v1::GetResponse first;
@@ -398,24 +392,8 @@ TEST(BadInputLimits, GetOfBlocksLargerThanAMessageIsRefusedUpFront) {
   ASSERT_NE(t, nullptr);
   const int pt = c.num_kv_heads * c.head_dim;
   const Sequence s = MakeSequence(c, 1, 1, 18);
-  grpc::ClientContext mctx;
-  v1::MatchRequest m;
-  m.set_namespace_("small");
-  v1::MatchResponse lease;
-  ASSERT_TRUE(t->stub->Match(&mctx, m, &lease).ok());
-  for (int layer = 0; layer < c.num_layers; ++layer) {  // one token: small messages
-    grpc::ClientContext actx;
-    v1::AppendRequest a;
-    a.set_lease_id(lease.lease_id());
-    a.set_layer(layer);
-    a.set_num_tokens(1);
-    a.set_k(reinterpret_cast<const char*>(s.k[layer].data()), pt * 2);
-    a.set_v(reinterpret_cast<const char*>(s.v[layer].data()), pt * 2);
-    v1::AppendResponse ar;
-    ASSERT_TRUE(t->stub->Append(&actx, a, &ar).ok());
-  }
-  v1::GetRequest get;
-  get.set_lease_id(lease.lease_id());
+  v1::GetRequest get;  // of a lease of one token: its appends are small messages
+  get.set_lease_id(LeaseWithAppends(t->stub.get(), "small", s, pt, 1));
   std::vector<v1::GetResponse> got;
   grpc::ClientContext gctx;
   std::unique_ptr<grpc::ClientReader<v1::GetResponse>> reader = t->stub->Get(&gctx, get);
@@ -439,33 +417,10 @@ TEST(BadInputLimits, Fp16GetPadsAPartialBlockWithZeros) {
   ASSERT_NE(t, nullptr);
   const int pt = c.num_kv_heads * c.head_dim;
   const Sequence s = MakeSequence(c, c.block_tokens, 1, 17);
-  auto lease_with = [&](int tokens) {
-    grpc::ClientContext ctx;
-    v1::MatchRequest m;
-    m.set_namespace_("small");
-    v1::MatchResponse r;
-    EXPECT_TRUE(t->stub->Match(&ctx, m, &r).ok());
-    for (int layer = 0; layer < c.num_layers; ++layer) {
-      grpc::ClientContext actx;
-      v1::AppendRequest a;
-      a.set_lease_id(r.lease_id());
-      a.set_layer(layer);
-      a.set_num_tokens(tokens);
-      a.set_k(reinterpret_cast<const char*>(s.k[layer].data()), tokens * pt * 2);
-      a.set_v(reinterpret_cast<const char*>(s.v[layer].data()), tokens * pt * 2);
-      v1::AppendResponse ar;
-      EXPECT_TRUE(t->stub->Append(&actx, a, &ar).ok());
-    }
-    return r.lease_id();
-  };
-  const uint64_t earlier = lease_with(c.block_tokens);  // fills the namespace's only block
-  grpc::ClientContext rctx;
-  v1::ReleaseRequest rel;
-  rel.set_lease_id(earlier);
-  v1::ReleaseResponse rr;
-  ASSERT_TRUE(t->stub->Release(&rctx, rel, &rr).ok());
-  v1::GetRequest get;
-  get.set_lease_id(lease_with(1));  // the same block, one token written
+  // The namespace's only block, filled by a lease that is then released.
+  ReleaseOk(t->stub.get(), LeaseWithAppends(t->stub.get(), "small", s, pt, c.block_tokens));
+  v1::GetRequest get;  // the same block, one token written
+  get.set_lease_id(LeaseWithAppends(t->stub.get(), "small", s, pt, 1));
   std::vector<v1::GetResponse> got;
   ASSERT_TRUE(ReadAll(t->stub.get(), get, &got).ok());
   ASSERT_EQ(got.size(), static_cast<size_t>(c.num_layers));

@@ -34,27 +34,6 @@ ReferencePages QuantizeReference(const NamespaceConfig& c, const Sequence& s, in
   return ref;
 }
 
-v1::MatchResponse MatchOk(v1::KvPool::Stub* stub, const std::string& ns, const Sequence& s,
-                          uint32_t ttl_ms = 0) {
-  grpc::ClientContext ctx;
-  v1::MatchRequest req;
-  req.set_namespace_(ns);
-  for (int32_t t : s.tokens) req.add_token_ids(t);
-  req.set_ttl_ms(ttl_ms);
-  v1::MatchResponse r;
-  const grpc::Status st = stub->Match(&ctx, req, &r);
-  EXPECT_TRUE(st.ok()) << st.error_message();
-  return r;
-}
-
-void ReleaseOk(v1::KvPool::Stub* stub, uint64_t lease) {
-  grpc::ClientContext ctx;
-  v1::ReleaseRequest req;
-  req.set_lease_id(lease);
-  v1::ReleaseResponse r;
-  EXPECT_TRUE(stub->Release(&ctx, req, &r).ok());
-}
-
 // Concatenates the k (or v) payloads of one layer's messages.
 std::string LayerPayload(const std::vector<v1::GetResponse>& msgs, uint32_t layer, bool k) {
   std::string out;

@@ -136,6 +136,48 @@ inline grpc::Status PutSequence(v1::KvPool::Stub* stub, const std::string& ns, c
   return writer->Finish();
 }
 
+// A lease on `s`'s tokens (a Match that must succeed).
+inline v1::MatchResponse MatchOk(v1::KvPool::Stub* stub, const std::string& ns, const Sequence& s,
+                                 uint32_t ttl_ms = 0) {
+  grpc::ClientContext ctx;
+  v1::MatchRequest req;
+  req.set_namespace_(ns);
+  for (int32_t t : s.tokens) req.add_token_ids(t);
+  req.set_ttl_ms(ttl_ms);
+  v1::MatchResponse r;
+  const grpc::Status st = stub->Match(&ctx, req, &r);
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  return r;
+}
+
+inline void ReleaseOk(v1::KvPool::Stub* stub, uint64_t lease) {
+  grpc::ClientContext ctx;
+  v1::ReleaseRequest req;
+  req.set_lease_id(lease);
+  v1::ReleaseResponse r;
+  EXPECT_TRUE(stub->Release(&ctx, req, &r).ok());
+}
+
+// A new lease of namespace `ns` (nothing matched) holding `s`'s first `tokens` tokens, appended
+// at every layer without token ids (one Append per layer, which must succeed).
+inline uint64_t LeaseWithAppends(v1::KvPool::Stub* stub, const std::string& ns, const Sequence& s,
+                                 int per_token, int tokens) {
+  const uint64_t lease = MatchOk(stub, ns, Sequence{}).lease_id();
+  for (size_t layer = 0; layer < s.k.size(); ++layer) {
+    grpc::ClientContext ctx;
+    v1::AppendRequest a;
+    a.set_lease_id(lease);
+    a.set_layer(static_cast<uint32_t>(layer));
+    a.set_num_tokens(tokens);
+    a.set_k(reinterpret_cast<const char*>(s.k[layer].data()), size_t{2} * tokens * per_token);
+    a.set_v(reinterpret_cast<const char*>(s.v[layer].data()), size_t{2} * tokens * per_token);
+    v1::AppendResponse r;
+    const grpc::Status st = stub->Append(&ctx, a, &r);
+    EXPECT_TRUE(st.ok()) << st.error_message();
+  }
+  return lease;
+}
+
 inline grpc::Status ReadAll(v1::KvPool::Stub* stub, const v1::GetRequest& request,
                             std::vector<v1::GetResponse>* out,
                             absl::Duration timeout = absl::InfiniteDuration()) {

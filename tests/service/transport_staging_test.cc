@@ -1,0 +1,138 @@
+// NCCL transfers under failures and limits of their staging memory, with the transport faked on
+// the CPU (transport_test_util.h): a first read that fails, a device free that waits, a staging
+// total that is reached.
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
+#include "absl/time/time.h"
+#include "gtest/gtest.h"
+#include "kvpool/v1/kvpool.pb.h"
+#include "tests/service/transport_test_util.h"
+
+namespace kvpool::testing {
+namespace {
+
+// The CPU backend, with reads into an arena that fail on request.
+class FailingGathers final : public ForwardingBackend {
+ public:
+  absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
+    if (fail) return absl::InternalError("read failed");
+    return ForwardingBackend::GatherArena(runs, dst);
+  }
+  bool fail = false;
+};
+
+// A Get whose first read fails (the backend's here; in service also a lease released between
+// the descriptor and the read) answers its status before the descriptor, so the worker waits for
+// nothing and the channel stays usable. Run with one round and with rounds of one layer.
+TEST_F(TransportProtocolTest, GetWhoseFirstReadFailsKeepsTheChannel) {
+  for (uint64_t staging : {uint64_t{64} << 20, uint64_t{1}}) {
+    store_.reset();  // before the backend it uses
+    auto backend = std::make_unique<FailingGathers>();
+    FailingGathers* failing = backend.get();
+    backend_ = std::move(backend);
+    MakeStore(32);
+    StartWithStaging(staging);
+    const uint64_t lease = PutAndMatch(8, 4);
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    v1::NcclGetRequest req;
+    req.set_lease_id(lease);
+    req.set_format(v1::GET_FORMAT_RAW);
+    v1::NcclGetDescriptor header;
+    std::vector<uint8_t> buf;
+    failing->fail = true;
+    EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kInternal);
+    EXPECT_EQ(service_->channels().size(), 1u);
+    failing->fail = false;
+    const absl::Status again = w.Get(req, &header, &buf);
+    EXPECT_TRUE(again.ok()) << again;
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+  }
+}
+
+// The CPU backend, whose arena frees wait while `hold` is set, as a device free waits for a
+// kernel of another channel's transfer stalled on its worker.
+class HeldFrees final : public ForwardingBackend {
+ public:
+  void FreeArena(uint8_t* arena) override {
+    absl::MutexLock l(&mu);
+    mu.Await(absl::Condition(
+        +[](bool* held) { return !*held; }, &hold));
+    inner().FreeArena(arena);
+  }
+  absl::Mutex mu;
+  bool hold ABSL_GUARDED_BY(mu) = false;
+};
+
+// A transfer ends without freeing its staging buffers itself: with staging of 1 byte every buffer
+// is one of its own size, freed once the transfer is done, and a free that waits holds up no
+// transfer.
+TEST_F(TransportProtocolTest, TransfersDoNotWaitForStagingFrees) {
+  auto backend = std::make_unique<HeldFrees>();
+  HeldFrees* held = backend.get();
+  backend_ = std::move(backend);
+  MakeStore(32);
+  StartWithStaging(1);
+  TestWorker w(stub_.get(), &network_);
+  ASSERT_TRUE(w.Open().ok());
+  {
+    absl::MutexLock l(&held->mu);
+    held->hold = true;
+  }
+  const std::vector<int32_t> ids = TokenIds(12, 5);
+  const SequenceKv kv = MakeSequenceKv(config_, 12, 8);
+  absl::Notification put_done;
+  absl::StatusOr<v1::PutResponse> put;
+  std::thread worker([&] {
+    put = w.Put(ids, kv, PerToken());
+    put_done.Notify();
+  });
+  const bool in_time = put_done.WaitForNotificationWithTimeout(absl::Seconds(20));
+  {
+    absl::MutexLock l(&held->mu);
+    held->hold = false;
+  }
+  worker.join();
+  EXPECT_TRUE(in_time) << "the Put waited for its staging buffers' frees";
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->tokens_stored(), 12u);
+  EXPECT_TRUE(Counted("NcclPut", "OK", 1));
+  EXPECT_TRUE(StagingFreed());
+}
+
+// Staging buffers take at most max_staging_total_bytes together: a transfer past it gets
+// RESOURCE_EXHAUSTED before anything moves, and the channel and the pool stay as they were.
+TEST_F(TransportProtocolTest, TransfersPastTheStagingTotalAreRefused) {
+  MakeStore(32);
+  TransportOptions options;
+  options.staging_bytes = 1;  // every buffer one of its own size, past the total
+  options.max_staging_total_bytes = 1;
+  StartService(options);
+  const uint64_t lease = PutAndMatch(8, 4);
+  const uint64_t in_use = BlocksInUse();
+  TestWorker w(stub_.get(), &network_);
+  ASSERT_TRUE(w.Open().ok());
+  v1::NcclGetRequest req;
+  req.set_lease_id(lease);
+  v1::NcclGetDescriptor header;
+  std::vector<uint8_t> buf;
+  EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kResourceExhausted);
+  const std::vector<int32_t> ids = TokenIds(12, 900);
+  EXPECT_EQ(w.Put(ids, MakeSequenceKv(config_, 12, 5), PerToken()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(service_->channels().size(), 1u);
+  EXPECT_EQ(BlocksInUse(), in_use);
+  EXPECT_EQ(service_->transfers().staging_buffers(), 0u);
+}
+
+}  // namespace
+}  // namespace kvpool::testing
