@@ -123,6 +123,11 @@ class KvStore {
   };
   virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(
       std::string_view ns, absl::Span<const int32_t> token_ids) = 0;
+  // BeginPut's checks of the namespace and the token ids, changing nothing: the namespace's info.
+  // A Put stores at most the ids' whole blocks, so a caller that takes resources of its own
+  // for it (a transfer's staging) can size them before BeginPut evicts cached blocks.
+  virtual absl::StatusOr<NamespaceInfo> CheckPut(std::string_view ns,
+                                                 absl::Span<const int32_t> token_ids) const = 0;
 
   // ---- Match / leases -------------------------------------------------------------------------
   struct MatchResult {

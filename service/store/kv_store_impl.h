@@ -68,6 +68,8 @@ class StoreImpl final : public KvStore {
   std::vector<NamespaceInfo> ListNamespaces() const override;
   absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(
       std::string_view ns, absl::Span<const int32_t> token_ids) override;
+  absl::StatusOr<NamespaceInfo> CheckPut(std::string_view ns,
+                                         absl::Span<const int32_t> token_ids) const override;
   absl::StatusOr<MatchResult> Match(std::string_view ns, absl::Span<const int32_t> token_ids,
                                     absl::Duration ttl) override;
   absl::Status Release(uint64_t lease_id) override;

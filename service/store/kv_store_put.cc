@@ -265,4 +265,10 @@ absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
       cached, *std::move(blocks)));
 }
 
+absl::StatusOr<NamespaceInfo> StoreImpl::CheckPut(std::string_view ns_name,
+                                                  absl::Span<const int32_t> token_ids) const {
+  if (absl::Status s = CheckTokenIds(token_ids, /*allow_empty=*/false); !s.ok()) return s;
+  return GetNamespace(ns_name);
+}
+
 }  // namespace kvpool::store_internal

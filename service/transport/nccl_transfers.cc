@@ -387,14 +387,33 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
   absl::StatusOr<ChannelManager::Use> use = channels_->Acquire(request.channel_id());
   if (!use.ok()) return use.status();
   const std::vector<int32_t> ids(request.token_ids().begin(), request.token_ids().end());
+  // The staging buffers are taken before BeginPut, which may evict cached blocks for the Put's
+  // own: a Put refused its staging leaves the pool as it was. They are sized for the ids' whole
+  // blocks, the most the Put can store; those the cached prefix leaves unneeded go back below.
+  absl::StatusOr<NamespaceInfo> info = store_->CheckPut(request.namespace_(), ids);
+  if (!info.ok()) return info.status();
+  const NamespaceConfig& config = info->config;
+  const uint64_t most_bytes =
+      Fp16KvBytes(config, ids.size() / config.block_tokens * config.block_tokens);
+  const uint64_t capacity = std::max(2 * most_bytes, options_.staging_bytes);
+  // As in Get, two staging buffers when there is more than one round: round i + 1 is received
+  // into one while round i is quantized from the other.
+  auto plan_rounds = [&](uint64_t layer_bytes) {
+    return layer_bytes > 0
+               ? PlanRounds(0, std::vector<uint64_t>(config.num_layers, layer_bytes), capacity)
+               : std::vector<Round>();
+  };
+  absl::StatusOr<std::vector<Staging>> buffers =
+      TakeBuffers(plan_rounds(most_bytes).size(), 2 * most_bytes);
+  if (!buffers.ok()) return buffers.status();
   absl::StatusOr<std::unique_ptr<KvStore::PutSession>> session =
       store_->BeginPut(request.namespace_(), ids);
   if (!session.ok()) return session.status();
-  const NamespaceConfig& config = (*session)->info().config;
   const uint32_t token_begin = (*session)->tokens_cached();
   const uint32_t num_tokens = (*session)->tokens_to_store();
   const uint64_t bytes = Fp16KvBytes(config, num_tokens);
-  const std::vector<uint64_t> layer_bytes(config.num_layers, bytes);
+  const std::vector<Round> rounds = plan_rounds(bytes);
+  while (buffers->size() > rounds.size()) buffers->pop_back();
 
   v1::NcclPutResponse first;
   v1::NcclPutPlan& plan = *first.mutable_plan();
@@ -403,13 +422,6 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
   plan.set_num_tokens(num_tokens);
   plan.set_num_layers(config.num_layers);
   plan.set_layer_bytes(bytes);
-  // As in Get, two staging buffers when there is more than one round: round i + 1 is received
-  // into one while round i is quantized from the other.
-  const std::vector<Round> rounds =
-      num_tokens > 0 ? PlanRounds(0, layer_bytes, std::max(2 * bytes, options_.staging_bytes))
-                     : std::vector<Round>();
-  absl::StatusOr<std::vector<Staging>> buffers = TakeBuffers(rounds.size(), 2 * bytes);
-  if (!buffers.ok()) return buffers.status();
   if (absl::Status s = emit(first); !s.ok()) return s;
 
   absl::Status content;  // the first error of the store on the received data

@@ -1,6 +1,6 @@
 // NCCL transfers under failures and limits of their staging memory, with the transport faked on
 // the CPU (transport_test_util.h): a first read that fails, a device free that waits, a staging
-// total that is reached.
+// total that is reached (before a Put evicts anything).
 #include <cstdint>
 #include <memory>
 #include <thread>
@@ -131,6 +131,27 @@ TEST_F(TransportProtocolTest, TransfersPastTheStagingTotalAreRefused) {
             absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(service_->channels().size(), 1u);
   EXPECT_EQ(BlocksInUse(), in_use);
+  EXPECT_EQ(service_->transfers().staging_buffers(), 0u);
+}
+
+// An NcclPut takes its staging before it allocates blocks: one refused its staging evicts
+// nothing, even from a pool whose every block is cached and unpinned.
+TEST_F(TransportProtocolTest, PutRefusedItsStagingEvictsNothing) {
+  MakeStore(4);
+  TransportOptions options;
+  options.staging_bytes = 1;
+  options.max_staging_total_bytes = 1;
+  StartService(options);
+  const std::vector<int32_t> cached = TokenIds(16, 5);
+  ASSERT_TRUE(Put(cached, MakeSequenceKv(config_, 16, 3)).ok());
+  TestWorker w(stub_.get(), &network_);
+  ASSERT_TRUE(w.Open().ok());
+  EXPECT_EQ(w.Put(TokenIds(8, 900), MakeSequenceKv(config_, 8, 4), PerToken()).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->Stats().namespaces[0].evictions, 0u);
+  auto match = store_->Match("main", cached, absl::ZeroDuration());
+  ASSERT_TRUE(match.ok()) << match.status();
+  EXPECT_EQ(match->cached_tokens, 16u);
   EXPECT_EQ(service_->transfers().staging_buffers(), 0u);
 }
 
