@@ -76,8 +76,9 @@ struct GetLayer {
   uint32_t layer = 0;
   uint32_t num_blocks = 0;
   // Real tokens: the sum of the messages' valid_tokens. FP16: k/v are
-  // [num_blocks * block_tokens][heads][head_dim], tokens from valid_tokens on are padding of a
-  // partial tail block. RAW: k/v are [num_blocks][heads] head pages.
+  // [num_blocks * block_tokens][heads][head_dim], tokens from valid_tokens on are zeros padding
+  // a partial tail block. RAW: k/v are [num_blocks][heads] head pages (rows past valid_tokens
+  // zero codes and meta).
   uint32_t valid_tokens = 0;
   std::string k, v;
   v1::PageLayoutDescriptor layout;  // the layer's page layout (needed to read RAW pages)

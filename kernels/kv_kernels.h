@@ -54,6 +54,10 @@ struct DequantizeParams {
   uint16_t* k_out = nullptr;  // [num_out_blocks * block_tokens][head_end - head_begin][head_dim]
   uint16_t* v_out = nullptr;  // same shape
   int64_t num_blocks = 0;     // arena size, for bounds checks
+  // Output rows (tokens from the first out block's first) that hold tokens: rows from here on
+  // are written as zeros, whatever their pages hold (a lease's last block past its written
+  // tokens keeps what the block held for an earlier sequence). >= 0.
+  int64_t valid_tokens = INT64_MAX;
 };
 
 // Decode attention of one new query per sequence over its paged, quantized KV.

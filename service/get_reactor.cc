@@ -155,12 +155,6 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
       FinishWith(s);
       return;
     }
-    if (!raw_) {  // rows [valid_tokens, n * bt): whatever the last block held before, zeroed
-      const size_t row_bytes = block_bytes / bt;
-      const size_t valid = response_.valid_tokens() * row_bytes;
-      std::fill(k->begin() + valid, k->end(), '\0');
-      std::fill(v->begin() + valid, v->end(), '\0');
-    }
     block_ += n;
     metrics_->Sent(response_.ByteSizeLong());
     StartWrite(&response_);

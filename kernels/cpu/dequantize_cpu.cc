@@ -1,6 +1,7 @@
 // CPU reference of Dequantize. Per (block, token, K|V, head): x' = DecodeRow (code * s + z in
 // float, kernels/cpu/page_codec.h), then, if layout.rotated(), the inverse BlockHadamard in
-// double, cast to float, then FloatToHalf. FP16 pages are copied bit for bit.
+// double, cast to float, then FloatToHalf. FP16 pages are copied bit for bit. Rows from
+// valid_tokens on are zeros.
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -16,7 +17,8 @@ namespace {
 KernelStatus Validate(const DequantizeParams& p) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_out_blocks < 0 || p.num_blocks < 0 ||
-      p.head_begin < 0 || p.head_begin >= p.head_end || p.head_end > l.num_kv_heads) {
+      p.head_begin < 0 || p.head_begin >= p.head_end || p.head_end > l.num_kv_heads ||
+      p.valid_tokens < 0) {
     return KernelStatus::kInvalidArgument;
   }
   if (p.num_out_blocks == 0) return KernelStatus::kOk;
@@ -50,6 +52,10 @@ KernelStatus Dequantize(const DequantizeParams& p) {
           const uint8_t* head_page = HeadPage(l, p.pages, p.block_ids[i], kv, h);
           uint16_t* dst = (kv == 0 ? p.k_out : p.v_out) +
                           (out_token * out_heads + (h - p.head_begin)) * l.head_dim;
+          if (static_cast<int64_t>(out_token) >= p.valid_tokens) {
+            std::memset(dst, 0, l.head_dim * 2);
+            continue;
+          }
           if (!l.quantized()) {
             std::memcpy(dst, head_page + tok * l.code_bytes_per_token(), l.head_dim * 2);
             continue;

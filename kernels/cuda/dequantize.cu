@@ -3,6 +3,7 @@
 // reference un-rotates in double, so outputs may differ by a rounding).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels/cuda/cuda_common.cuh"
@@ -20,6 +21,7 @@ struct DequantizeArgs {
   uint16_t* k_out;           // [num_out_blocks * block_tokens][heads_out][head_dim] fp16
   uint16_t* v_out;           // same shape
   uint32_t num_items;        // num_out_blocks * block_tokens * heads_out
+  uint32_t valid_items;      // items of rows below valid_tokens; the rest are written as zeros
   int heads_out;             // head_end - head_begin
   int head_begin;
   int num_kv_heads;
@@ -95,8 +97,9 @@ __global__ void __launch_bounds__(kThreads) DequantizeKernel(const DequantizeArg
   }
   if (active) {
     const size_t dst = static_cast<size_t>(item) * kHeadDim + chunk * 8;
-    *reinterpret_cast<uint4*>(a.k_out + dst) = PackHalf8(kx);
-    *reinterpret_cast<uint4*>(a.v_out + dst) = PackHalf8(vx);
+    const bool real = item < a.valid_items;
+    *reinterpret_cast<uint4*>(a.k_out + dst) = real ? PackHalf8(kx) : make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(a.v_out + dst) = real ? PackHalf8(vx) : make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -111,14 +114,15 @@ KernelStatus LaunchDequantize(const DequantizeArgs& a, cudaStream_t stream) {
 }  // namespace
 
 // Requires (else kInvalidArgument): a valid layout, 0 <= head_begin < head_end <= num_kv_heads,
-// non-null 16-byte aligned pages and outputs. Block ids live on the device and cannot be checked
-// here: ids outside the arena produce zeros, and callers validate them (the CUDA backend does).
-// kUnsupported: sizes outside DispatchLayout's, group_size not a multiple of 8, or more than
-// 2^32 - 2^16 lanes of work.
+// valid_tokens >= 0, non-null 16-byte aligned pages and outputs. Block ids live on the device and
+// cannot be checked here: ids outside the arena produce zeros, and callers validate them (the CUDA
+// backend does). kUnsupported: sizes outside DispatchLayout's, group_size not a multiple of 8, or
+// more than 2^32 - 2^16 lanes of work.
 KernelStatus Dequantize(const DequantizeParams& p, void* stream) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_out_blocks < 0 || p.num_blocks < 0 ||
-      p.head_begin < 0 || p.head_end <= p.head_begin || p.head_end > l.num_kv_heads) {
+      p.head_begin < 0 || p.head_end <= p.head_begin || p.head_end > l.num_kv_heads ||
+      p.valid_tokens < 0) {
     return KernelStatus::kInvalidArgument;
   }
   if (p.num_out_blocks == 0) return KernelStatus::kOk;
@@ -141,6 +145,8 @@ KernelStatus Dequantize(const DequantizeParams& p, void* stream) {
   a.k_out = p.k_out;
   a.v_out = p.v_out;
   a.num_items = static_cast<uint32_t>(items);
+  a.valid_items = static_cast<uint32_t>(
+      std::min<int64_t>(p.valid_tokens, int64_t{p.num_out_blocks} * l.block_tokens) * heads_out);
   a.heads_out = heads_out;
   a.head_begin = p.head_begin;
   a.num_kv_heads = l.num_kv_heads;

@@ -23,6 +23,7 @@ __global__ void __launch_bounds__(kThreads)
        r < num_runs; r += grid_warps) {
     const GatherRun run = runs[r];
     uint8_t* out = dst + run.dst_offset;
+    const bool zeros = run.src == nullptr;
     const uintptr_t misaligned =
         (reinterpret_cast<uintptr_t>(run.src) | reinterpret_cast<uintptr_t>(out) | run.bytes) & 15;
     if (misaligned == 0) {
@@ -30,9 +31,11 @@ __global__ void __launch_bounds__(kThreads)
       auto* out16 = reinterpret_cast<uint4*>(out);
       const uint64_t n = run.bytes / 16;
 #pragma unroll 4
-      for (uint64_t i = lane; i < n; i += 32) out16[i] = LoadStreaming16(src16 + i);
+      for (uint64_t i = lane; i < n; i += 32) {
+        out16[i] = zeros ? make_uint4(0, 0, 0, 0) : LoadStreaming16(src16 + i);
+      }
     } else {
-      for (uint64_t i = lane; i < run.bytes; i += 32) out[i] = run.src[i];
+      for (uint64_t i = lane; i < run.bytes; i += 32) out[i] = zeros ? 0 : run.src[i];
     }
   }
 }

@@ -13,15 +13,16 @@ namespace kvpool::cuda {
 
 // One contiguous run of device bytes and where it lands in the destination.
 struct GatherRun {
-  const uint8_t* src = nullptr;  // device
+  const uint8_t* src = nullptr;  // device; null: the run's bytes are written as zeros
   uint64_t dst_offset = 0;       // bytes from the destination base
   uint64_t bytes = 0;
 };
 
-// Copies every run to dst + run.dst_offset in ONE launch (a grid-stride over runs, one warp per
-// run). A run whose src, destination and size are all 16-byte aligned moves in 16-byte loads
-// and stores; any other run moves byte by byte. Runs must not overlap each other's destination.
-// `runs` is a device array [num_runs]; it and the sources must stay valid until the copy ran.
+// Copies every run (zeros for a null src) to dst + run.dst_offset in ONE launch (a grid-stride over
+// runs, one warp per run). A run whose src, destination and size are all 16-byte aligned moves in
+// 16-byte loads and stores; any other run moves byte by byte. Runs must not overlap each other's
+// destination. `runs` is a device array [num_runs]; it and the sources must stay valid until the
+// copy ran.
 [[nodiscard]] KernelStatus GatherRuns(const GatherRun* runs, int64_t num_runs, uint8_t* dst,
                                       void* stream);
 

@@ -71,7 +71,7 @@ class ComputeBackend {
   // a backend that serves NCCL transfers overrides all four. All are synchronous: they return
   // after the work finished, so the caller may reuse or send the buffers at once.
 
-  // One contiguous run of arena bytes.
+  // One contiguous run of arena bytes, or of `bytes` zeros when src is null.
   struct ArenaRun {
     const uint8_t* src = nullptr;
     size_t bytes = 0;

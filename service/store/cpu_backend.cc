@@ -69,7 +69,11 @@ class CpuBackend final : public ComputeBackend {
 
   absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
     for (const ArenaRun& run : runs) {
-      if (absl::Status s = ReadArena(run.src, run.bytes, dst); !s.ok()) return s;
+      if (run.src == nullptr) {
+        std::memset(dst, 0, run.bytes);
+      } else if (absl::Status s = ReadArena(run.src, run.bytes, dst); !s.ok()) {
+        return s;
+      }
       dst += run.bytes;
     }
     return absl::OkStatus();

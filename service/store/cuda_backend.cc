@@ -352,9 +352,6 @@ class CudaBackend final : public ComputeBackend {
       auto* table = reinterpret_cast<cuda::GatherRun*>(slot.host);
       uint64_t offset = 0;
       for (size_t i = 0; i < runs.size(); ++i) {
-        if (runs[i].bytes > 0 && runs[i].src == nullptr) {
-          return absl::InvalidArgumentError("GatherArena: null run");
-        }
         table[i] = {runs[i].src, offset, runs[i].bytes};
         offset += runs[i].bytes;
       }

@@ -154,6 +154,8 @@ class KvStore {
   // ---- Get ------------------------------------------------------------------------------------
   // Blocks [block_begin, +num_blocks) of a lease, one layer, KV heads [head_begin, head_end).
   // Fp16: k/v are [num_blocks*block_tokens][heads][head_dim]. Raw: [num_blocks][heads] head pages.
+  // Every read returns zeros for the tokens past those written at its layer (a partial tail
+  // block's rows: fp16 zeros, or zero codes and meta), whatever the block held before.
   virtual absl::Status ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                 uint16_t* k, uint16_t* v) = 0;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -43,23 +44,40 @@ absl::StatusOr<std::vector<int32_t>> StoreImpl::CheckReadLocked(
 namespace {
 
 // The runs of one half (kv: 0 = K, 1 = V) of heads [head_begin, head_end) of `layer`'s pages of
-// blocks `ids`, appended to `runs`. The selected heads' pages of one half are contiguous.
+// blocks `ids`, appended to `runs`: a whole block's selected head pages (contiguous) as one run;
+// in a block with rows past `valid_rows` (counted from the first block's first), each head
+// page's codes and meta of those rows as zeros (null runs).
 void AppendRawRuns(const BlockPool& pool, uint32_t layer, int kv, absl::Span<const int32_t> ids,
-                   uint32_t head_begin, uint32_t head_end,
+                   uint32_t head_begin, uint32_t head_end, uint32_t valid_rows,
                    std::vector<ComputeBackend::ArenaRun>* runs) {
-  const PageLayout& layout = pool.layout(layer);
-  const size_t run = (head_end - head_begin) * layout.head_page_bytes();
-  for (int32_t id : ids) {
-    const uint8_t* page = pool.layer_base(layer) + id * layout.layer_page_bytes();
-    runs->push_back({page + layout.head_page_offset(kv, head_begin), run});
+  const PageLayout& l = pool.layout(layer);
+  const uint32_t bt = static_cast<uint32_t>(l.block_tokens);
+  auto add = [runs](const uint8_t* src, size_t bytes) {
+    if (bytes > 0) runs->push_back({src, bytes});
+  };
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const uint8_t* page = pool.layer_base(layer) + ids[i] * l.layer_page_bytes();
+    const uint32_t rows = std::min(bt, valid_rows - std::min<uint32_t>(valid_rows, i * bt));
+    if (rows == bt) {
+      add(page + l.head_page_offset(kv, head_begin), (head_end - head_begin) * l.head_page_bytes());
+      continue;
+    }
+    for (uint32_t h = head_begin; h < head_end; ++h) {
+      const uint8_t* head_page = page + l.head_page_offset(kv, h);
+      add(head_page, rows * l.code_bytes_per_token());
+      add(nullptr, l.codes_bytes() - rows * l.code_bytes_per_token());
+      add(head_page + l.codes_bytes(), rows * l.meta_bytes_per_token());
+      add(nullptr, l.meta_bytes() - rows * l.meta_bytes_per_token());
+    }
   }
 }
 
 }  // namespace
 
-absl::StatusOr<std::pair<const BlockPool*, std::vector<int32_t>>> StoreImpl::BeginRead(
-    LeaseUse& use, uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
-    uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin, uint32_t head_end) {
+absl::StatusOr<StoreImpl::ReadPlan> StoreImpl::BeginRead(LeaseUse& use, uint64_t lease_id,
+                                                         uint32_t layer_begin, uint32_t layer_end,
+                                                         uint32_t block_begin, uint32_t num_blocks,
+                                                         uint32_t head_begin, uint32_t head_end) {
   absl::MutexLock l(&mu_);
   ExpireLocked();
   absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
@@ -68,23 +86,27 @@ absl::StatusOr<std::pair<const BlockPool*, std::vector<int32_t>>> StoreImpl::Beg
     return absl::InvalidArgumentError(
         absl::StrFormat("layers [%d, %d) empty", layer_begin, layer_end));
   }
-  std::vector<int32_t> ids;
+  ReadPlan plan;
+  plan.pool = namespaces_[(*lease)->namespace_index]->pool.get();
+  const uint64_t first_row = uint64_t{block_begin} * plan.pool->layout(layer_begin).block_tokens;
   for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
     absl::StatusOr<std::vector<int32_t>> checked =
         CheckReadLocked(**lease, layer, block_begin, num_blocks, head_begin, head_end);
     if (!checked.ok()) return checked.status();
-    ids = *std::move(checked);
+    plan.ids = *std::move(checked);
+    const uint64_t written = (*lease)->layer_written[layer];
+    plan.valid_rows.push_back(static_cast<uint32_t>(written - std::min(written, first_row)));
   }
-  const BlockPool* pool = namespaces_[(*lease)->namespace_index]->pool.get();
   use.Add(*std::move(lease));
-  return std::make_pair(pool, std::move(ids));
+  return plan;
 }
 
 namespace {
 
-// The fp16 read of `layer` of `ids` into k and v.
+// The fp16 read of `layer` of `ids` into k and v, rows from `valid_rows` on zeros.
 DequantizeParams Fp16Read(const BlockPool& pool, uint32_t layer, const std::vector<int32_t>& ids,
-                          uint32_t head_begin, uint32_t head_end, uint16_t* k, uint16_t* v) {
+                          uint32_t valid_rows, uint32_t head_begin, uint32_t head_end, uint16_t* k,
+                          uint16_t* v) {
   DequantizeParams p;
   p.layout = pool.layout(layer);
   p.pages = pool.layer_base(layer);
@@ -95,6 +117,7 @@ DequantizeParams Fp16Read(const BlockPool& pool, uint32_t layer, const std::vect
   p.k_out = k;
   p.v_out = v;
   p.num_blocks = pool.num_blocks();
+  p.valid_tokens = valid_rows;
   return p;
 }
 
@@ -108,7 +131,7 @@ absl::Status StoreImpl::PinnedRead(uint64_t lease_id, uint32_t layer_begin, uint
   auto begun = BeginRead(use, lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin,
                          head_end);
   if (!begun.ok()) return begun.status();
-  return read(*begun->first, begun->second);
+  return read(*begun);
 }
 
 absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
@@ -117,8 +140,9 @@ absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t blo
   if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
   return PinnedRead(
       lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
-      [&](const BlockPool& pool, const std::vector<int32_t>& ids) {
-        return backend()->Dequantize(Fp16Read(pool, layer, ids, head_begin, head_end, k, v));
+      [&](const ReadPlan& plan) {
+        return backend()->Dequantize(
+            Fp16Read(*plan.pool, layer, plan.ids, plan.valid_rows[0], head_begin, head_end, k, v));
       });
 }
 
@@ -127,39 +151,52 @@ absl::Status StoreImpl::ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin,
                                         uint32_t num_blocks, uint32_t head_begin,
                                         uint32_t head_end, uint8_t* dst) {
   if (dst == nullptr) return absl::InvalidArgumentError("null output buffer");
-  return PinnedRead(
-      lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
-      [&](const BlockPool& pool, const std::vector<int32_t>& ids) {
-        const size_t half = ids.size() * pool.layout(layer_begin).block_tokens *
-                            (head_end - head_begin) * pool.layout(layer_begin).head_dim;  // values
-        std::vector<DequantizeParams> layers;
-        auto* at = reinterpret_cast<uint16_t*>(dst);
-        for (uint32_t layer = layer_begin; layer < layer_end; ++layer, at += 2 * half) {
-          layers.push_back(Fp16Read(pool, layer, ids, head_begin, head_end, at, at + half));
-        }
-        return backend()->DequantizeToArena(layers);
-      });
+  return PinnedRead(lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
+                    [&](const ReadPlan& plan) {
+                      const PageLayout& first = plan.pool->layout(layer_begin);
+                      const size_t half = plan.ids.size() * first.block_tokens *
+                                          (head_end - head_begin) * first.head_dim;  // values
+                      std::vector<DequantizeParams> layers;
+                      auto* at = reinterpret_cast<uint16_t*>(dst);
+                      for (uint32_t layer = layer_begin; layer < layer_end;
+                           ++layer, at += 2 * half) {
+                        layers.push_back(Fp16Read(*plan.pool, layer, plan.ids,
+                                                  plan.valid_rows[layer - layer_begin], head_begin,
+                                                  head_end, at, at + half));
+                      }
+                      return backend()->DequantizeToArena(layers);
+                    });
 }
 
 absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                 uint8_t* k, uint8_t* v) {
   if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
-  return PinnedRead(lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
-                    [&](const BlockPool& pool, const std::vector<int32_t>& ids) -> absl::Status {
-                      for (int kv = 0; kv < 2; ++kv) {
-                        std::vector<ComputeBackend::ArenaRun> runs;
-                        AppendRawRuns(pool, layer, kv, ids, head_begin, head_end, &runs);
-                        uint8_t* out = kv == 0 ? k : v;
-                        for (const ComputeBackend::ArenaRun& run : runs) {
-                          if (absl::Status s = backend()->ReadArena(run.src, run.bytes, out);
-                              !s.ok())
-                            return s;
-                          out += run.bytes;
-                        }
-                      }
-                      return absl::OkStatus();
-                    });
+  return PinnedRead(
+      lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
+      [&](const ReadPlan& plan) -> absl::Status {
+        // Whole blocks, one copy each, then the zero runs of the exact read over
+        // them: a copy per head page piece of a partial block costs more.
+        for (int kv = 0; kv < 2; ++kv) {
+          std::vector<ComputeBackend::ArenaRun> whole, exact;
+          AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end, UINT32_MAX, &whole);
+          AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end, plan.valid_rows[0],
+                        &exact);
+          uint8_t* out = kv == 0 ? k : v;
+          for (const ComputeBackend::ArenaRun& run : whole) {
+            if (absl::Status s = backend()->ReadArena(run.src, run.bytes, out); !s.ok()) {
+              return s;
+            }
+            out += run.bytes;
+          }
+          out = kv == 0 ? k : v;
+          for (const ComputeBackend::ArenaRun& run : exact) {
+            if (run.src == nullptr) std::memset(out, 0, run.bytes);
+            out += run.bytes;
+          }
+        }
+        return absl::OkStatus();
+      });
 }
 
 absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
@@ -168,12 +205,13 @@ absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
                                        uint32_t head_end, uint8_t* dst) {
   if (dst == nullptr) return absl::InvalidArgumentError("null output buffer");
   return PinnedRead(lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
-                    [&](const BlockPool& pool, const std::vector<int32_t>& ids) {
+                    [&](const ReadPlan& plan) {
                       std::vector<ComputeBackend::ArenaRun> runs;
-                      runs.reserve(size_t{2} * (layer_end - layer_begin) * ids.size());
+                      runs.reserve(size_t{2} * (layer_end - layer_begin) * plan.ids.size());
                       for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
                         for (int kv = 0; kv < 2; ++kv) {
-                          AppendRawRuns(pool, layer, kv, ids, head_begin, head_end, &runs);
+                          AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end,
+                                        plan.valid_rows[layer - layer_begin], &runs);
                         }
                       }
                       return backend()->GatherArena(runs, dst);

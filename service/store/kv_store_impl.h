@@ -139,15 +139,23 @@ class StoreImpl final : public KvStore {
                                                        uint32_t head_begin, uint32_t head_end)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // What a read outside mu_ needs: the pool, the block ids, and for each layer of the read (from
+  // layer_begin) how many of its rows (tokens from the first block's first) hold written tokens.
+  // Rows past that keep what their block held before (another sequence's tokens, or an append in
+  // flight): reads return zeros there.
+  struct ReadPlan {
+    const BlockPool* pool = nullptr;
+    std::vector<int32_t> ids;
+    std::vector<uint32_t> valid_rows;
+  };
   // Pins lease `lease_id` in `use`, validates the read for every layer of
-  // [layer_begin, layer_end) (CheckReadLocked) and returns the pool and block ids to read
-  // outside mu_.
-  absl::StatusOr<std::pair<const BlockPool*, std::vector<int32_t>>> BeginRead(
-      LeaseUse& use, uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
-      uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin, uint32_t head_end)
+  // [layer_begin, layer_end) (CheckReadLocked) and returns its plan.
+  absl::StatusOr<ReadPlan> BeginRead(LeaseUse& use, uint64_t lease_id, uint32_t layer_begin,
+                                     uint32_t layer_end, uint32_t block_begin, uint32_t num_blocks,
+                                     uint32_t head_begin, uint32_t head_end)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // BeginRead, then read(pool, ids) outside mu_ while the lease stays pinned: BeginRead's error
-  // or read's status. Defined in kv_store_decode.cc, its only user.
+  // BeginRead, then read(plan) outside mu_ while the lease stays pinned: BeginRead's error or
+  // read's status. Defined in kv_store_decode.cc, its only user.
   template <typename ReadFn>
   absl::Status PinnedRead(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
                           uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,

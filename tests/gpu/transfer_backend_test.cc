@@ -92,7 +92,7 @@ TEST(CudaTransferBackend, GatherArenaCopiesEveryRunInOrderLikeTheCpuBackend) {
   std::memcpy(*cpu_src, source.data(), kSourceBytes);
 
   // More runs than the grid has warps; most 16-byte aligned page-sized runs, some of odd size
-  // or offset (the byte path), some empty.
+  // or offset (the byte path), some empty, some of zeros (a null source).
   std::mt19937_64 rng(5);
   std::vector<size_t> offsets, sizes;
   size_t total = 0;
@@ -104,23 +104,29 @@ TEST(CudaTransferBackend, GatherArenaCopiesEveryRunInOrderLikeTheCpuBackend) {
     sizes.push_back(bytes);
     total += bytes;
   }
+  auto zeros = [](size_t i) { return i % 89 == 0 || i % 89 == 1; };
   std::vector<ComputeBackend::ArenaRun> gpu_runs, cpu_runs;
   for (size_t i = 0; i < offsets.size(); ++i) {
-    gpu_runs.push_back({gpu_src + offsets[i], sizes[i]});
-    cpu_runs.push_back({*cpu_src + offsets[i], sizes[i]});
+    gpu_runs.push_back({zeros(i) ? nullptr : gpu_src + offsets[i], sizes[i]});
+    cpu_runs.push_back({zeros(i) ? nullptr : *cpu_src + offsets[i], sizes[i]});
   }
-  absl::StatusOr<uint8_t*> gpu_dst = gpu->AllocateArena(total);
+  // Destinations of 0xff bytes, which the zero runs must overwrite.
+  const std::vector<uint8_t> ones(total, 0xff);
+  uint8_t* gpu_dst = Upload(*gpu, ones.data(), total);
   absl::StatusOr<uint8_t*> cpu_dst = cpu->AllocateArena(total);
-  ASSERT_TRUE(gpu_dst.ok() && cpu_dst.ok());
-  ASSERT_TRUE(gpu->GatherArena(gpu_runs, *gpu_dst).ok());
+  ASSERT_TRUE(gpu_dst != nullptr && cpu_dst.ok());
+  std::memset(*cpu_dst, 0xff, total);
+  ASSERT_TRUE(gpu->GatherArena(gpu_runs, gpu_dst).ok());
   ASSERT_TRUE(cpu->GatherArena(cpu_runs, *cpu_dst).ok());
-  const std::vector<uint8_t> got = Download(*gpu, *gpu_dst, total);
+  const std::vector<uint8_t> got = Download(*gpu, gpu_dst, total);
   ASSERT_EQ(std::memcmp(got.data(), *cpu_dst, total), 0);
   size_t at = 0;
+  const std::vector<uint8_t> no_bytes(kSourceBytes, 0);
   for (size_t i = 0; i < offsets.size(); at += sizes[i], ++i) {
-    ASSERT_EQ(std::memcmp(got.data() + at, source.data() + offsets[i], sizes[i]), 0) << "run " << i;
+    const uint8_t* want = zeros(i) ? no_bytes.data() : source.data() + offsets[i];
+    ASSERT_EQ(std::memcmp(got.data() + at, want, sizes[i]), 0) << "run " << i;
   }
-  EXPECT_TRUE(gpu->GatherArena({}, *gpu_dst).ok());
+  EXPECT_TRUE(gpu->GatherArena({}, gpu_dst).ok());
   EXPECT_EQ(gpu->GatherArena(gpu_runs, nullptr).code(), absl::StatusCode::kInvalidArgument);
 }
 

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -79,6 +80,87 @@ TEST_F(StoreTest, AppendThenAttendEqualsCpuReferenceOverThePages) {
   ASSERT_TRUE(view.ok());
   EXPECT_EQ(view->num_blocks, 3u);
   EXPECT_EQ(view->layer_tokens, (std::vector<uint32_t>{9, 9}));
+}
+
+// Every read path (raw and fp16, to the host and to an arena) returns zeros for the rows past a
+// layer's written tokens, though the lease's tail block held another sequence's tokens before:
+// the rows after a partial block's 3 tokens, and the whole block of a layer not written yet.
+TEST_F(StoreTest, ReadsReturnZerosPastTheWrittenTokens) {
+  MakeStore(2);
+  ASSERT_TRUE(Put(TokenIds(8, 500), MakeSequenceKv(config_, 8, 30)).ok());  // fills the pool
+  auto lease = store_->Match("main", {}, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const SequenceKv kv = MakeSequenceKv(config_, 3, 31);
+  ASSERT_TRUE(
+      store_->Append(lease->lease_id, 0, TokenIds(3, 2), 3, kv.k[0].data(), kv.v[0].data()).ok());
+  ASSERT_EQ(store_->Stats().namespaces[0].evictions, 1u);  // the tail block was a cached one
+  const uint64_t id = lease->lease_id;
+  const uint32_t heads = config_.num_kv_heads;
+
+  // Raw: layer 0 as the CPU reference writes 3 tokens into a zeroed page; layer 1 all zeros.
+  std::vector<uint8_t> raw[2][2];  // [layer][K|V]
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    const size_t half = heads * LayerLayout(config_, static_cast<int>(layer)).head_page_bytes();
+    raw[layer][0].resize(half);
+    raw[layer][1].resize(half);
+    ASSERT_TRUE(
+        store_->ReadRaw(id, layer, 0, 1, 0, heads, raw[layer][0].data(), raw[layer][1].data())
+            .ok());
+  }
+  const std::vector<uint8_t> ref = ReferencePages(kv, 0, 3);
+  const size_t half0 = raw[0][0].size();
+  EXPECT_EQ(raw[0][0], std::vector<uint8_t>(ref.begin(), ref.begin() + half0));
+  EXPECT_EQ(raw[0][1], std::vector<uint8_t>(ref.begin() + half0, ref.end()));
+  EXPECT_EQ(raw[1][0], std::vector<uint8_t>(raw[1][0].size(), 0));
+  EXPECT_EQ(raw[1][1], std::vector<uint8_t>(raw[1][1].size(), 0));
+
+  // FP16: rows 0..2 of layer 0 as the reference pages dequantize, the rest zeros.
+  const size_t elems = config_.block_tokens * PerToken();
+  std::vector<uint16_t> fp16[2][2];
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    fp16[layer][0].resize(elems);
+    fp16[layer][1].resize(elems);
+    ASSERT_TRUE(
+        store_->ReadFp16(id, layer, 0, 1, 0, heads, fp16[layer][0].data(), fp16[layer][1].data())
+            .ok());
+  }
+  std::vector<uint16_t> ref_k(elems), ref_v(elems);
+  const int32_t block = 0;
+  DequantizeParams d;
+  d.layout = LayerLayout(config_, 0);
+  d.pages = ref.data();
+  d.block_ids = &block;
+  d.num_out_blocks = 1;
+  d.head_end = static_cast<int>(heads);
+  d.k_out = ref_k.data();
+  d.v_out = ref_v.data();
+  d.num_blocks = 1;
+  ASSERT_EQ(cpu::Dequantize(d), KernelStatus::kOk);
+  std::vector<uint16_t> want_k(elems, 0), want_v(elems, 0);
+  std::copy(ref_k.begin(), ref_k.begin() + 3 * PerToken(), want_k.begin());
+  std::copy(ref_v.begin(), ref_v.begin() + 3 * PerToken(), want_v.begin());
+  EXPECT_EQ(fp16[0][0], want_k);
+  EXPECT_EQ(fp16[0][1], want_v);
+  EXPECT_EQ(fp16[1][0], std::vector<uint16_t>(elems, 0));
+  EXPECT_EQ(fp16[1][1], std::vector<uint16_t>(elems, 0));
+
+  // To an arena (the NCCL data plane's reads): both layers, K then V, as above.
+  const size_t raw_bytes = 2 * (raw[0][0].size() + raw[1][0].size());
+  absl::StatusOr<uint8_t*> arena = backend_->AllocateArena(std::max(raw_bytes, 8 * elems));
+  ASSERT_TRUE(arena.ok());
+  ASSERT_TRUE(store_->ReadRawToArena(id, 0, 2, 0, 1, 0, heads, *arena).ok());
+  std::vector<uint8_t> raw_all;
+  for (const auto& layer : raw) {
+    for (const auto& half : layer) raw_all.insert(raw_all.end(), half.begin(), half.end());
+  }
+  EXPECT_EQ(std::vector<uint8_t>(*arena, *arena + raw_bytes), raw_all);
+  ASSERT_TRUE(store_->ReadFp16ToArena(id, 0, 2, 0, 1, 0, heads, *arena).ok());
+  const auto* got = reinterpret_cast<const uint16_t*>(*arena);
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(std::vector<uint16_t>(got + i * elems, got + (i + 1) * elems), fp16[i / 2][i % 2])
+        << "layer " << i / 2 << (i % 2 == 0 ? " K" : " V");
+  }
+  backend_->FreeArena(*arena);
 }
 
 TEST_F(StoreTest, AttendBatchesLeasesInOneCall) {
