@@ -57,7 +57,9 @@ void AppendRawRuns(const BlockPool& pool, uint32_t layer, int kv, absl::Span<con
   };
   for (size_t i = 0; i < ids.size(); ++i) {
     const uint8_t* page = pool.layer_base(layer) + ids[i] * l.layer_page_bytes();
-    const uint32_t rows = std::min(bt, valid_rows - std::min<uint32_t>(valid_rows, i * bt));
+    const uint64_t first = uint64_t{i} * bt;
+    const uint32_t rows =
+        valid_rows > first ? static_cast<uint32_t>(std::min<uint64_t>(bt, valid_rows - first)) : 0;
     if (rows == bt) {
       add(page + l.head_page_offset(kv, head_begin), (head_end - head_begin) * l.head_page_bytes());
       continue;
