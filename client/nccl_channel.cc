@@ -95,6 +95,9 @@ class NcclChannelImpl final : public NcclChannel {
     v1::NcclGetResponse msg;
     if (!reader->Read(&msg) || !msg.has_header()) return RefusedLocked(reader->Finish());
     const v1::NcclGetDescriptor header = msg.header();
+    if (absl::Status s = CheckGetDescriptor(header, capacity); !s.ok()) {
+      return RefuseLocked(ctx, *reader, s);
+    }
     std::vector<Segment> segments;
     auto* base = static_cast<uint8_t*>(dst);
     for (const v1::NcclLayerSegments& s : header.layers()) {
@@ -130,17 +133,9 @@ class NcclChannelImpl final : public NcclChannel {
     v1::NcclPutResponse msg;
     if (!reader->Read(&msg) || !msg.has_plan()) return RefusedLocked(reader->Finish());
     const v1::NcclPutPlan plan = msg.plan();
-    if (plan.layer_bytes() != uint64_t{plan.num_tokens()} * token_bytes ||
-        plan.num_layers() != num_layers) {
-      // The server waits for the segments; cancelled, it aborts its end, and so must we.
-      ctx.TryCancel();
-      reader->Finish();
-      AbortLocked();
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "the K/V buffers hold %d layers of %d-byte tokens; namespace %s has %d layers of "
-          "%d-byte tokens",
-          num_layers, token_bytes, ns, plan.num_layers(),
-          plan.num_tokens() > 0 ? plan.layer_bytes() / plan.num_tokens() : 0));
+    if (absl::Status s = CheckPutPlan(plan, ns, token_ids.size(), num_layers, token_bytes);
+        !s.ok()) {
+      return RefuseLocked(ctx, *reader, s);
     }
     std::vector<Segment> segments;
     const uint64_t layer_stride = token_ids.size() * token_bytes;
@@ -218,6 +213,17 @@ class NcclChannelImpl final : public NcclChannel {
     const absl::Status s = FromGrpc(finished);
     if (absl::IsUnavailable(s)) AbortLocked();
     return s;
+  }
+
+  // Ends a transfer whose first answer this end refuses (CheckGetDescriptor, CheckPutPlan) with
+  // `why`: the server waits on its end of the data phase; cancelled, it aborts it, and so must we.
+  template <typename Reader>
+  absl::Status RefuseLocked(grpc::ClientContext& ctx, Reader& reader, absl::Status why)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ctx.TryCancel();
+    reader.Finish();
+    AbortLocked();
+    return why;
   }
 
   void AbortLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {

@@ -13,6 +13,7 @@
 #include <memory>
 #include <string_view>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -48,6 +49,17 @@ class NcclChannel {
                                               uint32_t num_layers, const void* k, const void* v,
                                               uint64_t token_bytes, absl::Duration timeout) = 0;
 };
+
+// What a worker checks of the server's first answer before any byte moves (NcclChannel runs
+// them; they need no NCCL). A server that fails them is out of step with the worker: DATA_LOSS.
+// OK when every layer's K and V segment of `d` lies inside a buffer of `capacity` bytes.
+absl::Status CheckGetDescriptor(const v1::NcclGetDescriptor& d, uint64_t capacity);
+// OK when `plan` asks for tokens of the sequence (`num_token_ids` of them) in buffers of
+// `num_layers` layers of `token_bytes`-byte tokens; INVALID_ARGUMENT when those buffers are not
+// the namespace's shape (the caller's error), DATA_LOSS when the token range is not the
+// sequence's.
+absl::Status CheckPutPlan(const v1::NcclPutPlan& plan, std::string_view ns, size_t num_token_ids,
+                          uint32_t num_layers, uint64_t token_bytes);
 
 }  // namespace kvpool::client
 

@@ -342,5 +342,36 @@ TEST_F(TransferClientTest, RejectsAPutSourceWithoutShapeOrBuffers) {
   EXPECT_EQ(GrpcPuts(), 0);
 }
 
+// The worker's checks of the server's first NCCL answer: a descriptor whose segments leave the
+// buffer, or a plan for tokens outside the sequence, is DATA_LOSS before anything moves; a plan
+// for buffers of another shape is the caller's INVALID_ARGUMENT.
+TEST(NcclChannelChecks, RefuseAnswersOutsideTheWorkersBuffers) {
+  v1::NcclGetDescriptor d;
+  v1::NcclLayerSegments* seg = d.add_layers();
+  seg->set_k_offset(0);
+  seg->set_v_offset(100);
+  seg->set_bytes(100);
+  EXPECT_TRUE(CheckGetDescriptor(d, 200).ok());
+  EXPECT_EQ(CheckGetDescriptor(d, 199).code(), absl::StatusCode::kDataLoss);
+  seg->set_v_offset(UINT64_MAX - 50);  // offset + bytes wraps
+  EXPECT_EQ(CheckGetDescriptor(d, 200).code(), absl::StatusCode::kDataLoss);
+
+  v1::NcclPutPlan plan;
+  plan.set_num_layers(kLayers);
+  plan.set_token_begin(16);
+  plan.set_num_tokens(16);
+  plan.set_layer_bytes(16 * kTokenBytes);
+  EXPECT_TRUE(CheckPutPlan(plan, "main", 32, kLayers, kTokenBytes).ok());
+  EXPECT_EQ(CheckPutPlan(plan, "main", 31, kLayers, kTokenBytes).code(),
+            absl::StatusCode::kDataLoss);
+  plan.set_token_begin(UINT32_MAX);
+  EXPECT_EQ(CheckPutPlan(plan, "main", 32, kLayers, kTokenBytes).code(),
+            absl::StatusCode::kDataLoss);
+  EXPECT_EQ(CheckPutPlan(plan, "main", 32, kLayers + 1, kTokenBytes).code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(CheckPutPlan(plan, "main", 32, kLayers, kTokenBytes + 2).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvpool::client
