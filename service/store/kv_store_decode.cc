@@ -225,7 +225,8 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
                                              std::vector<int64_t>* slots,
                                              std::vector<int32_t>* positions) {
   const size_t bt = ns.block_tokens();
-  // Tokens each distinct lease grows by, in first-seen order, and whether a plan names ids.
+  // Tokens each distinct lease grows by, in first-seen order, and whether a plan names ids (-1
+  // names none).
   struct Growth {
     Lease* lease;
     uint64_t tokens;
@@ -237,7 +238,8 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
     auto [it, inserted] = slot_of.try_emplace(plan.lease, growth.size());
     if (inserted) growth.push_back({plan.lease, 0, false});
     growth[it->second].tokens += plan.num_tokens;
-    growth[it->second].named |= !plan.token_ids.empty();
+    growth[it->second].named |= std::any_of(plan.token_ids.begin(), plan.token_ids.end(),
+                                            [](int32_t id) { return id >= 0; });
   }
   size_t needed = 0;
   uint64_t more_ids = 0;  // at most what the leases' token_ids grow by below
@@ -310,11 +312,15 @@ void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan
     Lease& lease = *plan->lease;
     if (lease.layer_tokens[layer] != plan->begin + plan->num_tokens) continue;
     lease.layer_tokens[layer] = plan->begin;
-    // The token ids the plan named, at positions no layer holds now: a later append there may
-    // be another token, and must not be published under these ids.
+    // The token ids the plan named (ReserveAppendsLocked kept them), at positions no layer holds
+    // now: a later append there may be another token, and must not be published under these
+    // ids. Ids the lease had from elsewhere (its Match) stay.
+    if (plan->token_ids.empty()) continue;
     const uint32_t held = *std::max_element(lease.layer_tokens.begin(), lease.layer_tokens.end());
     const size_t end = std::min<size_t>(plan->begin + plan->num_tokens, lease.token_ids.size());
-    for (size_t pos = std::max(held, plan->begin); pos < end; ++pos) lease.token_ids[pos] = -1;
+    for (size_t pos = std::max(held, plan->begin); pos < end; ++pos) {
+      if (plan->token_ids[pos - plan->begin] >= 0) lease.token_ids[pos] = -1;
+    }
   }
 }
 

@@ -55,10 +55,10 @@ class GatedBackend final : public ForwardingBackend {
 
 class AppendOrderTest : public StoreTest {
  protected:
-  // A store over a GatedBackend holding tokens [0, 8) of 16 (blocks of 4), a lease on them, and
-  // (with `layer_one_ahead`) tokens [8, 16) appended to layer 1, so that blocks 2 and 3 are
-  // complete once layer 0 has them too.
-  void SetUpLease(bool layer_one_ahead = true) {
+  // A store over a GatedBackend holding tokens [0, 8) of 16 (blocks of 4), a lease on them
+  // (matched with all 16 ids when `match_all_ids`), and (with `layer_one_ahead`) tokens [8, 16)
+  // appended to layer 1, so that blocks 2 and 3 are complete once layer 0 has them too.
+  void SetUpLease(bool layer_one_ahead = true, bool match_all_ids = false) {
     auto backend = std::make_unique<GatedBackend>();
     gate_ = backend.get();
     backend_ = std::move(backend);
@@ -66,8 +66,9 @@ class AppendOrderTest : public StoreTest {
     ids_ = TokenIds(16, 7);
     kv_ = MakeSequenceKv(config_, 16, 31);
     ASSERT_TRUE(Put(std::vector<int32_t>(ids_.begin(), ids_.begin() + 8), kv_).ok());
-    auto lease = store_->Match("main", std::vector<int32_t>(ids_.begin(), ids_.begin() + 8),
-                               absl::ZeroDuration());
+    auto lease = store_->Match(
+        "main", std::vector<int32_t>(ids_.begin(), ids_.begin() + (match_all_ids ? 16 : 8)),
+        absl::ZeroDuration());
     ASSERT_TRUE(lease.ok()) << lease.status();
     lease_ = lease->lease_id;
     if (layer_one_ahead) ASSERT_TRUE(AppendTokens(1, 8, 8).ok());
@@ -163,6 +164,21 @@ TEST_F(AppendOrderTest, AFailedAppendForgetsTheIdsItNamed) {
   EXPECT_EQ(WrittenTokens(0), 12u);
   EXPECT_EQ(WrittenTokens(1), 12u);
   EXPECT_EQ(CachedTokens(), 8u) << "tokens 8-11 published under the failed append's ids";
+}
+
+// The ids the lease got at Match stay when an append that named none fails: the retried tokens
+// publish under them (before, the failure forgot every id at the positions it had reserved).
+TEST_F(AppendOrderTest, AFailedUnnamedAppendKeepsTheIdsOfTheMatch) {
+  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false, /*match_all_ids=*/true));
+  const size_t pt = PerToken();
+  auto append_unnamed = [&](uint32_t layer) {
+    return store_->Append(lease_, layer, {}, 4, kv_.k[layer].data() + 8 * pt,
+                          kv_.v[layer].data() + 8 * pt);
+  };
+  gate_->Arm(GatedBackend::Mode::kFail);
+  EXPECT_EQ(append_unnamed(0).status().code(), absl::StatusCode::kInternal);
+  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(append_unnamed(layer).ok());
+  EXPECT_EQ(CachedTokens(), 12u);
 }
 
 }  // namespace
