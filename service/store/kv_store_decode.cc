@@ -371,8 +371,25 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
           "token id %d at position %d: ids are not negative (-1 = unknown)", token_ids[i], i));
     }
   }
-  LeaseUse use(this);
   NamespaceState* ns = nullptr;
+  {
+    absl::MutexLock l(&mu_);
+    ExpireLocked();
+    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+    if (!lease.ok()) return lease.status();
+    ns = namespaces_[(*lease)->namespace_index].get();
+  }
+  // The namespace's config never changes: the payload is checked outside mu_ (a large append
+  // scanned under it held up every other call of the store).
+  const NamespaceConfig& config = ns->info.config;
+  if (layer >= static_cast<uint32_t>(config.num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
+  }
+  const size_t n = static_cast<size_t>(num_tokens) * config.num_kv_heads * config.head_dim;
+  if (absl::Status s = CheckFinite(k, n, "k"); !s.ok()) return s;
+  if (absl::Status s = CheckFinite(v, n, "v"); !s.ok()) return s;
+  LeaseUse use(this);
   std::vector<int64_t> slots;
   std::vector<int32_t> positions;
   AppendPlan plan;
@@ -381,15 +398,6 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
     ExpireLocked();
     absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
     if (!lease.ok()) return lease.status();
-    ns = namespaces_[(*lease)->namespace_index].get();
-    const NamespaceConfig& config = ns->info.config;
-    if (layer >= static_cast<uint32_t>(config.num_layers)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
-    }
-    const size_t n = static_cast<size_t>(num_tokens) * config.num_kv_heads * config.head_dim;
-    if (absl::Status s = CheckFinite(k, n, "k"); !s.ok()) return s;
-    if (absl::Status s = CheckFinite(v, n, "v"); !s.ok()) return s;
     plan = AppendPlan{lease->get(), num_tokens, token_ids};
     if (absl::Status s =
             ReserveAppendsLocked(*ns, layer, absl::MakeSpan(&plan, 1), &slots, &positions);
