@@ -3,7 +3,7 @@
 //   raw      ncclSend (server process, GPU 0) -> ncclRecv (worker process, GPU 1)
 //   get      NcclGet FP16 and RAW of a lease (gather/dequantize + send), timed by the worker
 //   put      NcclPut of fresh sequences (send + validate + fused quantize + publish)
-//   grpc_get KvPoolClient::Get FP16 over TCP loopback
+//   grpc_get KvPoolClient::Get FP16 and RAW over TCP loopback
 // The server is the real kvpool Server (CUDA backend, KvPoolTransport registered) on GPU 0; the
 // worker is this binary started again with --worker on GPU 1. GB/s = payload bytes / median
 // wall time of --reps runs after one warm-up. Writes JSON to --out and prints a table.
@@ -261,13 +261,14 @@ int RunWorker(const std::vector<uint64_t>& raw_sizes) {
     if (!ok) return Fail("NcclPut failed");
   }
 
+  for (const v1::GetFormat format : {v1::GET_FORMAT_FP16, v1::GET_FORMAT_RAW}) {
   for (uint32_t layers : kGrpcGetLayers) {
     v1::GetRequest request;
     request.set_lease_id(absl::GetFlag(FLAGS_lease));
     request.set_layer_end(layers);
-    request.set_format(v1::GET_FORMAT_FP16);
+    request.set_format(format);
     const bool ok = TimePoint(
-        "grpc_get", "fp16", absl::GetFlag(FLAGS_grpc_reps),
+        "grpc_get", format == v1::GET_FORMAT_RAW ? "raw" : "fp16", absl::GetFlag(FLAGS_grpc_reps),
         [&]() -> uint64_t {
           client::CallOptions call;
           call.deadline = absl::Seconds(120);
@@ -277,6 +278,7 @@ int RunWorker(const std::vector<uint64_t>& raw_sizes) {
         },
         &points);
     if (!ok) return Fail("gRPC Get failed");
+  }
   }
   cudaFree(buffer);
   return WriteResults(points) ? 0 : 1;
