@@ -2,6 +2,7 @@
 // and transfer paths that a backend without NCCL transfers refuses instead of pretending.
 #include "service/store/compute_backend.h"
 
+#include <cstring>
 #include <string>
 
 #include "absl/status/status.h"
@@ -17,6 +18,19 @@ absl::Status NoTransferPath(const ComputeBackend& backend, const char* what) {
 }
 
 }  // namespace
+
+absl::Status ComputeBackend::ReadRuns(absl::Span<const ArenaRun> runs, void* dst) {
+  auto* out = static_cast<uint8_t*>(dst);
+  for (const ArenaRun& run : runs) {
+    if (run.src == nullptr) {
+      std::memset(out, 0, run.bytes);
+    } else if (absl::Status s = ReadArena(run.src, run.bytes, out); !s.ok()) {
+      return s;
+    }
+    out += run.bytes;
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ComputeBackend::GatherArena(absl::Span<const ArenaRun> /*runs*/, uint8_t* /*dst*/) {
   return NoTransferPath(*this, "GatherArena");

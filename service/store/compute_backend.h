@@ -56,6 +56,14 @@ class ComputeBackend {
                                                           const QuantizeAppendParams* append) = 0;
   // Copies `bytes` of arena memory at `src` to host `dst`. Synchronous.
   [[nodiscard]] virtual absl::Status ReadArena(const uint8_t* src, size_t bytes, void* dst) = 0;
+  // One contiguous run of arena bytes, or of `bytes` zeros when src is null.
+  struct ArenaRun {
+    const uint8_t* src = nullptr;
+    size_t bytes = 0;
+  };
+  // Copies the runs, in order and back to back, to host `dst`. Synchronous. The default reads
+  // run by run; a device backend does it in one launch and one copy.
+  [[nodiscard]] virtual absl::Status ReadRuns(absl::Span<const ArenaRun> runs, void* dst);
   // Waits for all work queued so far.
   [[nodiscard]] virtual absl::Status Synchronize() = 0;
 
@@ -71,11 +79,6 @@ class ComputeBackend {
   // a backend that serves NCCL transfers overrides all four. All are synchronous: they return
   // after the work finished, so the caller may reuse or send the buffers at once.
 
-  // One contiguous run of arena bytes, or of `bytes` zeros when src is null.
-  struct ArenaRun {
-    const uint8_t* src = nullptr;
-    size_t bytes = 0;
-  };
   // Copies the runs, in order and back to back, to arena memory at `dst`. Runs are many and
   // small (one per block and K|V half), so a device backend must do this in one launch.
   [[nodiscard]] virtual absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst);

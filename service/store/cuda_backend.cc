@@ -7,13 +7,15 @@
 // uploads overlap each other on the GPU; the kernels run in the order the appends were queued
 // (each waits for the one before it, whatever its lane), so a block freed and handed out again
 // never receives an older append's write after a newer one's. Synchronous calls (Dequantize,
-// PagedDecodeAttention, ReadArena and the four transfer paths) first make their lane's stream wait,
-// on the GPU, for every append queued so far on every lane. PagedDecodeAttention's own append (a
-// decode step's new tokens) rides in its upload and runs on its stream just before the attention.
+// PagedDecodeAttention, ReadArena, ReadRuns and the four transfer paths) first make their lane's
+// stream wait, on the GPU, for every append queued so far on every lane. PagedDecodeAttention's
+// own append (a decode step's new tokens) rides in its upload and runs on its stream just before
+// the attention.
 //
 // The transfer paths (NCCL data plane) keep their bulk inputs and outputs in device memory; only
 // their small host-side tables (run list, block ids, slot mapping, positions) and results go
-// through a staging slot. GatherArena is one kernel over the whole run list.
+// through a staging slot. GatherArena is one kernel over the whole run list, and ReadRuns the
+// same kernel into the slot, then one copy to the host.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -344,25 +346,16 @@ class CudaBackend final : public ComputeBackend {
     });
   }
 
+  absl::Status ReadRuns(absl::Span<const ArenaRun> runs, void* dst) override {
+    if (runs.empty()) return absl::OkStatus();
+    if (dst == nullptr) return absl::InvalidArgumentError("ReadRuns: null destination");
+    return Gather(runs, nullptr, static_cast<uint8_t*>(dst));
+  }
+
   absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
     if (runs.empty()) return absl::OkStatus();
     if (dst == nullptr) return absl::InvalidArgumentError("GatherArena: null destination");
-    const size_t table_bytes = runs.size() * sizeof(cuda::GatherRun);
-    return RunSynchronous(table_bytes, [&](Lane& lane, StagingSlot& slot) -> absl::Status {
-      auto* table = reinterpret_cast<cuda::GatherRun*>(slot.host);
-      uint64_t offset = 0;
-      for (size_t i = 0; i < runs.size(); ++i) {
-        table[i] = {runs[i].src, offset, runs[i].bytes};
-        offset += runs[i].bytes;
-      }
-      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, table_bytes,
-                                                  cudaMemcpyHostToDevice, lane.stream));
-      const KernelStatus ks =
-          cuda::GatherRuns(reinterpret_cast<const cuda::GatherRun*>(slot.device),
-                           static_cast<int64_t>(runs.size()), dst, lane.stream);
-      if (absl::Status s = KernelResult(ks, "GatherArena"); !s.ok()) return s;
-      return CudaError(cudaStreamSynchronize(lane.stream), "GatherArena");
-    });
+    return Gather(runs, dst, nullptr);
   }
 
   // Every element's block ids in one staging copy, a kernel per element, one synchronization.
@@ -492,6 +485,39 @@ class CudaBackend final : public ComputeBackend {
     absl::Status s = body(lane, slot);
     if (!s.ok()) cudaStreamSynchronize(lane.stream);  // leave the slot idle for its next user
     return s;
+  }
+
+  // The runs gathered in one kernel into device memory `device_dst`, or, when it is null, into
+  // the staging slot and from there to host `host_dst` in one copy. Synchronous.
+  absl::Status Gather(absl::Span<const ArenaRun> runs, uint8_t* device_dst, uint8_t* host_dst) {
+    uint64_t total = 0;
+    for (const ArenaRun& run : runs) total += run.bytes;
+    StagingLayout layout;
+    const size_t table_bytes = runs.size() * sizeof(cuda::GatherRun);
+    layout.Add(table_bytes);
+    const size_t out_off = layout.Add(device_dst == nullptr ? total : 0);
+    return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      auto* table = reinterpret_cast<cuda::GatherRun*>(slot.host);
+      uint64_t offset = 0;
+      for (size_t i = 0; i < runs.size(); ++i) {
+        table[i] = {runs[i].src, offset, runs[i].bytes};
+        offset += runs[i].bytes;
+      }
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, table_bytes,
+                                                  cudaMemcpyHostToDevice, lane.stream));
+      uint8_t* dst = device_dst != nullptr ? device_dst : slot.device + out_off;
+      const KernelStatus ks =
+          cuda::GatherRuns(reinterpret_cast<const cuda::GatherRun*>(slot.device),
+                           static_cast<int64_t>(runs.size()), dst, lane.stream);
+      if (absl::Status s = KernelResult(ks, "GatherRuns"); !s.ok()) return s;
+      if (device_dst == nullptr) {
+        KVPOOL_RETURN_IF_CUDA_ERROR(
+            cudaMemcpyAsync(slot.host + out_off, dst, total, cudaMemcpyDeviceToHost, lane.stream));
+      }
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
+      if (device_dst == nullptr) std::memcpy(host_dst, slot.host + out_off, total);
+      return absl::OkStatus();
+    });
   }
 
   // Whether [data, data + bytes) lies inside one RegisterHostMemory range.

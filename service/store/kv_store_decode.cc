@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -174,31 +173,17 @@ absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t bloc
                                 uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                 uint8_t* k, uint8_t* v) {
   if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
-  return PinnedRead(
-      lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
-      [&](const ReadPlan& plan) -> absl::Status {
-        // Whole blocks, one copy each, then the zero runs of the exact read over
-        // them: a copy per head page piece of a partial block costs more.
-        for (int kv = 0; kv < 2; ++kv) {
-          std::vector<ComputeBackend::ArenaRun> whole, exact;
-          AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end, UINT32_MAX, &whole);
-          AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end, plan.valid_rows[0],
-                        &exact);
-          uint8_t* out = kv == 0 ? k : v;
-          for (const ComputeBackend::ArenaRun& run : whole) {
-            if (absl::Status s = backend()->ReadArena(run.src, run.bytes, out); !s.ok()) {
-              return s;
-            }
-            out += run.bytes;
-          }
-          out = kv == 0 ? k : v;
-          for (const ComputeBackend::ArenaRun& run : exact) {
-            if (run.src == nullptr) std::memset(out, 0, run.bytes);
-            out += run.bytes;
-          }
-        }
-        return absl::OkStatus();
-      });
+  return PinnedRead(lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
+                    [&](const ReadPlan& plan) -> absl::Status {
+                      for (int kv = 0; kv < 2; ++kv) {
+                        std::vector<ComputeBackend::ArenaRun> runs;
+                        AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end,
+                                      plan.valid_rows[0], &runs);
+                        if (absl::Status s = backend()->ReadRuns(runs, kv == 0 ? k : v); !s.ok())
+                          return s;
+                      }
+                      return absl::OkStatus();
+                    });
 }
 
 absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,

@@ -1,6 +1,7 @@
 // The CUDA backend's transfer paths (GatherArena, DequantizeToArena, QuantizeAppendFromArena,
-// CheckFiniteArena: inputs and outputs in device memory, used by the NCCL data plane) against
-// the CPU backend on the same data, and against the CUDA backend's own host-memory paths.
+// CheckFiniteArena: inputs and outputs in device memory, used by the NCCL data plane), and
+// ReadRuns (the runs to host memory), against the CPU backend on the same data, and against the
+// CUDA backend's own host-memory paths.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -79,7 +80,7 @@ void MakeSlots(std::vector<int64_t>* slots, std::vector<int32_t>* positions) {
   }
 }
 
-TEST(CudaTransferBackend, GatherArenaCopiesEveryRunInOrderLikeTheCpuBackend) {
+TEST(CudaTransferBackend, GatherArenaAndReadRunsCopyEveryRunInOrderLikeTheCpuBackend) {
   KVPOOL_SKIP_WITHOUT_GPU();
   std::unique_ptr<ComputeBackend> gpu = GpuBackend();
   ASSERT_NE(gpu, nullptr);
@@ -120,6 +121,10 @@ TEST(CudaTransferBackend, GatherArenaCopiesEveryRunInOrderLikeTheCpuBackend) {
   ASSERT_TRUE(cpu->GatherArena(cpu_runs, *cpu_dst).ok());
   const std::vector<uint8_t> got = Download(*gpu, gpu_dst, total);
   ASSERT_EQ(std::memcmp(got.data(), *cpu_dst, total), 0);
+  // The same runs read to host memory in one call (the store's raw reads) land the same.
+  std::vector<uint8_t> host(total, 0xff);
+  ASSERT_TRUE(gpu->ReadRuns(gpu_runs, host.data()).ok());
+  EXPECT_EQ(host, got);
   size_t at = 0;
   const std::vector<uint8_t> no_bytes(kSourceBytes, 0);
   for (size_t i = 0; i < offsets.size(); at += sizes[i], ++i) {

@@ -94,6 +94,9 @@ class ForwardingBackend : public ComputeBackend {
     return inner_->ReadArena(src, bytes, dst);
   }
   absl::Status Synchronize() override { return inner_->Synchronize(); }
+  absl::Status ReadRuns(absl::Span<const ArenaRun> runs, void* dst) override {
+    return inner_->ReadRuns(runs, dst);
+  }
   absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
     return inner_->GatherArena(runs, dst);
   }
