@@ -262,23 +262,23 @@ int RunWorker(const std::vector<uint64_t>& raw_sizes) {
   }
 
   for (const v1::GetFormat format : {v1::GET_FORMAT_FP16, v1::GET_FORMAT_RAW}) {
-  for (uint32_t layers : kGrpcGetLayers) {
-    v1::GetRequest request;
-    request.set_lease_id(absl::GetFlag(FLAGS_lease));
-    request.set_layer_end(layers);
-    request.set_format(format);
-    const bool ok = TimePoint(
-        "grpc_get", format == v1::GET_FORMAT_RAW ? "raw" : "fp16", absl::GetFlag(FLAGS_grpc_reps),
-        [&]() -> uint64_t {
-          client::CallOptions call;
-          call.deadline = absl::Seconds(120);
-          auto r = kv->Get(request, call);
-          if (!r.ok()) std::fprintf(stderr, "gRPC Get: %s\n", r.status().ToString().c_str());
-          return r.ok() ? r->payload_bytes : 0;
-        },
-        &points);
-    if (!ok) return Fail("gRPC Get failed");
-  }
+    for (uint32_t layers : kGrpcGetLayers) {
+      v1::GetRequest request;
+      request.set_lease_id(absl::GetFlag(FLAGS_lease));
+      request.set_layer_end(layers);
+      request.set_format(format);
+      const bool ok = TimePoint(
+          "grpc_get", format == v1::GET_FORMAT_RAW ? "raw" : "fp16", absl::GetFlag(FLAGS_grpc_reps),
+          [&]() -> uint64_t {
+            client::CallOptions call;
+            call.deadline = absl::Seconds(120);
+            auto r = kv->Get(request, call);
+            if (!r.ok()) std::fprintf(stderr, "gRPC Get: %s\n", r.status().ToString().c_str());
+            return r.ok() ? r->payload_bytes : 0;
+          },
+          &points);
+      if (!ok) return Fail("gRPC Get failed");
+    }
   }
   cudaFree(buffer);
   return WriteResults(points) ? 0 : 1;
