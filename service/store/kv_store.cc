@@ -253,10 +253,10 @@ absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
     Lease::Block block;
     block.id = *ns.index.Find(chain[b]);
     block.hash = chain[b];
-    block.hash_known = true;
     block.pinned = true;
     lease->AddBlock(block);
   }
+  lease->hashed_blocks = matched;
   absl::StatusOr<std::shared_ptr<Lease>> added = leases_.Add(lease, options_.clock->Now());
   if (!added.ok()) return added.status();
   lease_token_ids_ += lease->token_ids.size();

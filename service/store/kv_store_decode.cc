@@ -313,12 +313,9 @@ void StoreImpl::PublishTailLocked(NamespaceState& ns, Lease& lease) {
   const size_t bt = ns.block_tokens();
   const size_t written =
       *std::min_element(lease.layer_written.begin(), lease.layer_written.end());
-  // Blocks with known hashes are a prefix of `blocks` (the matched ones, then tail blocks
-  // published in order by this loop): the walk starts after them, so a decode step's append
-  // costs the same at any context length.
-  size_t j = lease.blocks.size();
-  while (j > 0 && !lease.blocks[j - 1].hash_known) --j;
-  for (; j < lease.blocks.size(); ++j) {
+  // The walk starts after the blocks already published, so a decode step's append costs the same
+  // at any context length.
+  for (size_t j = lease.hashed_blocks; j < lease.blocks.size(); ++j) {
     Lease::Block& block = lease.blocks[j];
     const size_t end = (j + 1) * bt;
     if (end > written || lease.token_ids.size() < end) return;
@@ -331,7 +328,7 @@ void StoreImpl::PublishTailLocked(NamespaceState& ns, Lease& lease) {
     absl::StatusOr<int32_t> published = ns.index.Insert(parent, hash, block.id);
     if (!published.ok()) return;
     block.hash = hash;
-    block.hash_known = true;
+    lease.hashed_blocks = j + 1;
     ns.index.Pin(hash);
     block.pinned = true;
     // Ours is now the index's; else the lease keeps its private copy and pins the twin.

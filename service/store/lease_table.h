@@ -27,8 +27,7 @@ struct Lease {
   // One block of the lease's sequence: block i holds tokens [i*block_tokens, +block_tokens).
   struct Block {
     int32_t id = -1;
-    bool hash_known = false;  // `hash` is the block's prefix hash
-    BlockHash hash;
+    BlockHash hash;  // the block's prefix hash, for blocks [0, hashed_blocks)
     // The lease holds a pin on `hash` in the prefix index (a matched block, a tail block it
     // published, or the published twin of its private copy). Pins cover a prefix of `blocks`,
     // so every pinned node's ancestors are pinned too.
@@ -42,6 +41,9 @@ struct Lease {
   absl::Duration ttl;
   absl::Time expires;       // set by the table
   std::vector<Block> blocks;  // grown by AddBlock only
+  // blocks[0, hashed_blocks) know their prefix hash: the matched ones, then tail blocks as they
+  // are published, in order.
+  size_t hashed_blocks = 0;
   // blocks[i].id for every i, back to back: copied whole into Attend's block tables.
   std::vector<int32_t> block_ids;
   void AddBlock(const Block& block) {
