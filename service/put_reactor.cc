@@ -108,17 +108,18 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
     return s;
   }
 
+  // A stream swept as idle or cancelled by the client ends like a complete one: it must not
+  // publish, and is counted as what ended it, header or not.
   absl::Status Commit() {
-    if (session_ == nullptr) {
-      return absl::InvalidArgumentError("Put stream ended without a header");
-    }
     if (stream_.cancelled_idle()) {
       return absl::DeadlineExceededError(absl::StrCat(
           "Put stream sent nothing for over ", absl::FormatDuration(options_->put_idle_timeout),
           " (--put_idle_timeout_ms): cancelled, nothing stored"));
     }
-    // A stream the client cancelled ends like a complete one; it must not publish.
     if (ctx_->IsCancelled()) return absl::CancelledError("Put cancelled by the client");
+    if (session_ == nullptr) {
+      return absl::InvalidArgumentError("Put stream ended without a header");
+    }
     absl::StatusOr<KvStore::PutResult> r = session_->Commit();
     if (!r.ok()) return r.status();
     response_->set_tokens_cached(r->tokens_cached);

@@ -434,7 +434,8 @@ TEST(BadInputLimits, Fp16GetPadsAPartialBlockWithZeros) {
 }
 
 // A Put that stalls after its header pins its blocks only until the sweep finds it idle for longer
-// than put_idle_timeout: then it is cancelled, stores nothing, and its blocks are free again.
+// than put_idle_timeout: then it is cancelled, stores nothing, and its blocks are free again. A
+// stream that never sent its header is swept alike; both count as DEADLINE_EXCEEDED.
 TEST(BadInputLimits, StalledPutIsCancelledAndItsBlocksFreed) {
   NamespaceConfig c = SmallNamespace("small", 0);
   c.capacity_bytes = 4 * BytesPerBlock(c);
@@ -456,6 +457,14 @@ TEST(BadInputLimits, StalledPutIsCancelledAndItsBlocksFreed) {
   v1::PutRequest header;
   header.mutable_header()->set_namespace_("small");
   for (int32_t id : stalled.tokens) header.mutable_header()->add_token_ids(id);
+  // Opened first, so that the server has registered it by the time the header's blocks are in
+  // use (the clock it was registered at must be the one the sweeps count from).
+  grpc::ClientContext silent_ctx;
+  silent_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::PutResponse silent_resp;
+  std::unique_ptr<grpc::ClientWriter<v1::PutRequest>> silent =
+      t->stub->Put(&silent_ctx, &silent_resp);
+  absl::SleepFor(absl::Milliseconds(50));
   ASSERT_TRUE(writer->Write(header));
   ASSERT_EQ(wait_for_blocks_in_use(4), 4u);
 
@@ -466,6 +475,16 @@ TEST(BadInputLimits, StalledPutIsCancelledAndItsBlocksFreed) {
   t->clock.Advance(absl::Seconds(2));
   t->server->Sweep();
   EXPECT_EQ(writer->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_EQ(silent->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  // Counted when the server's reactions end, which may come after the client saw the cancel.
+  const std::string swept =
+      "kvpool_rpc_duration_seconds_count{method=\"Put\",code=\"DEADLINE_EXCEEDED\"} 2\n";
+  bool counted = false;
+  for (int i = 0; i < 500 && !counted; ++i) {
+    counted = t->server->registry()->Serialize().find(swept) != std::string::npos;
+    if (!counted) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(counted) << t->server->registry()->Serialize();
   EXPECT_EQ(wait_for_blocks_in_use(0), 0u);
   EXPECT_EQ(FindNamespace(GetStats(t->stub.get()), "small")->tokens_stored(), 0u);
 
