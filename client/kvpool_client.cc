@@ -257,7 +257,8 @@ class GrpcKvPoolClient final : public KvPoolClient {
     v1::MatchRequest req;
     req.set_namespace_(std::string(ns));
     req.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-    req.set_ttl_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(ttl)));
+    if (ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("lease ttl is negative");
+    req.set_ttl_ms(ProtocolMilliseconds(ttl));
     v1::MatchResponse resp;
     absl::Status s = FromGrpc(stub_->Match(&ctx, req, &resp));
     if (!s.ok()) return s;
@@ -424,6 +425,10 @@ std::unique_ptr<KvPoolClient> KvPoolClient::Create(const std::string& target,
 std::unique_ptr<KvPoolClient> KvPoolClient::Create(std::shared_ptr<grpc::Channel> channel,
                                                    const ClientOptions& options) {
   return std::make_unique<GrpcKvPoolClient>(std::move(channel), "", options);
+}
+
+uint32_t ProtocolMilliseconds(absl::Duration d) {
+  return static_cast<uint32_t>(std::min<int64_t>(absl::ToInt64Milliseconds(d), UINT32_MAX));
 }
 
 }  // namespace kvpool::client

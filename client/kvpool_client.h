@@ -166,6 +166,10 @@ class KvPoolClient {
   virtual absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call = {}) = 0;
 };
 
+// Milliseconds of `d` (not negative) for the protocol's uint32 fields (ttl_ms, timeout_ms):
+// clamped at UINT32_MAX (about 49.7 days), never wrapped.
+uint32_t ProtocolMilliseconds(absl::Duration d);
+
 // Index in `targets` of the shard for a sequence, by rendezvous (highest random weight) hashing
 // of the namespace and the token ids of its first block (all ids when shorter). The hash is
 // stable across processes and builds, so every client places a shared system prompt on the same

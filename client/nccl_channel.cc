@@ -14,6 +14,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
+#include "client/kvpool_client.h"
 #include "grpcpp/client_context.h"
 
 namespace kvpool::client {
@@ -87,7 +88,7 @@ class NcclChannelImpl final : public NcclChannel {
     if (comm_ == nullptr) return absl::UnavailableError("NCCL channel aborted");
     request.set_channel_id(id_);
     request.set_buffer_bytes(capacity);
-    request.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
+    request.set_timeout_ms(ProtocolMilliseconds(timeout));
     const absl::Time deadline = absl::Now() + timeout;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(5)));
@@ -125,7 +126,7 @@ class NcclChannelImpl final : public NcclChannel {
     request.set_channel_id(id_);
     request.set_namespace_(std::string(ns));
     request.mutable_token_ids()->Add(token_ids.begin(), token_ids.end());
-    request.set_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(timeout)));
+    request.set_timeout_ms(ProtocolMilliseconds(timeout));
     const absl::Time deadline = absl::Now() + timeout;
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline + absl::Seconds(5)));

@@ -2,6 +2,7 @@
 // deadlines, status mapping, AttendStream), and rendezvous placement of ShardedKvPoolClient.
 #include "client/kvpool_client.h"
 
+#include <atomic>
 #include <cctype>
 #include <cstring>
 #include <map>
@@ -50,8 +51,9 @@ class FakeKvPool final : public v1::KvPool::Service {
     for (const v1::GetResponse& m : get_script_) writer->Write(m);
     return grpc::Status::OK;
   }
-  grpc::Status Match(grpc::ServerContext*, const v1::MatchRequest*,
+  grpc::Status Match(grpc::ServerContext*, const v1::MatchRequest* req,
                      v1::MatchResponse*) override {
+    match_ttl_ms = req->ttl_ms();
     return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "token ids must be non-negative");
   }
   grpc::Status Attend(grpc::ServerContext*, const v1::AttendRequest* req,
@@ -87,6 +89,7 @@ class FakeKvPool final : public v1::KvPool::Service {
   std::vector<v1::PutChunk> chunks_ ABSL_GUARDED_BY(mu_);
   std::vector<v1::GetResponse> get_script_;  // set before the call
   absl::Notification stats_release_;
+  std::atomic<uint32_t> match_ttl_ms{0};  // of the last Match
 };
 
 class KvPoolClientTest : public ::testing::Test {
@@ -218,6 +221,18 @@ TEST_F(KvPoolClientTest, ServerStatusCodeAndMessageReachTheCaller) {
   absl::StatusOr<v1::MatchResponse> r = Client(1 << 20)->Match("ns", {-1});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(r.status().message(), "token ids must be non-negative");
+}
+
+// A lease TTL reaches the server's uint32 milliseconds clamped, not wrapped; a negative one is
+// refused before the call.
+TEST_F(KvPoolClientTest, MatchTtlIsClampedAndNeverNegative) {
+  EXPECT_EQ(Client(1 << 20)->Match("ns", {1}, absl::Hours(24 * 60)).status().code(),
+            absl::StatusCode::kInvalidArgument);  // the fake's answer: the call went out
+  EXPECT_EQ(fake_.match_ttl_ms.load(), UINT32_MAX);
+  fake_.match_ttl_ms = 7;
+  EXPECT_EQ(Client(1 << 20)->Match("ns", {1}, absl::Seconds(-1)).status().message(),
+            "lease ttl is negative");
+  EXPECT_EQ(fake_.match_ttl_ms.load(), 7u);
 }
 
 TEST_F(KvPoolClientTest, CallDeadlineEndsACallTheServerNeverAnswers) {
