@@ -88,8 +88,9 @@ absl::StatusOr<StoreImpl::ReadPlan> StoreImpl::BeginRead(LeaseUse& use, uint64_t
         absl::StrFormat("layers [%d, %d) empty", layer_begin, layer_end));
   }
   ReadPlan plan;
-  plan.pool = namespaces_[(*lease)->namespace_index]->pool.get();
-  const uint64_t first_row = uint64_t{block_begin} * plan.pool->layout(layer_begin).block_tokens;
+  const NamespaceState& ns = *namespaces_[(*lease)->namespace_index];
+  plan.pool = ns.pool.get();
+  const uint64_t first_row = uint64_t{block_begin} * ns.block_tokens();
   for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
     absl::StatusOr<std::vector<int32_t>> checked =
         CheckReadLocked(**lease, layer, block_begin, num_blocks, head_begin, head_end);
