@@ -1,9 +1,11 @@
 #include "service/store/lease_table.h"
 
+#include <cstdint>
 #include <memory>
 #include <utility>
 #include <vector>
 
+#include "absl/random/distributions.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_format.h"
 
@@ -15,7 +17,9 @@ absl::StatusOr<std::shared_ptr<Lease>> LeaseTable::Add(std::shared_ptr<Lease> le
     return absl::ResourceExhaustedError(
         absl::StrFormat("lease limit reached: %d leases are active", leases_.size()));
   }
-  lease->id = next_id_++;
+  do {
+    lease->id = absl::Uniform<uint64_t>(absl::IntervalClosed, ids_, 1, UINT64_MAX);
+  } while (leases_.contains(lease->id));
   lease->expires = now + lease->ttl;
   by_expiry_.insert({lease->expires, lease->id});
   leases_[lease->id] = lease;

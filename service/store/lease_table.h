@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/random/random.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "service/store/prefix_index.h"
@@ -70,7 +71,8 @@ class LeaseTable {
   explicit LeaseTable(uint64_t max_leases) : max_leases_(max_leases) {}
 
   // Adds `lease` with a fresh id, expiring at now + lease->ttl. RESOURCE_EXHAUSTED (lease not
-  // added) at max_leases.
+  // added) at max_leases. Ids are random, non-zero 64-bit numbers: a client cannot reach another's
+  // lease by guessing its id from its own.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Lease>> Add(std::shared_ptr<Lease> lease,
                                                            absl::Time now);
   // The live lease `id`, renewed to expire at now + ttl; null when unknown or past its expiry.
@@ -84,7 +86,7 @@ class LeaseTable {
 
  private:
   const uint64_t max_leases_;
-  uint64_t next_id_ = 1;
+  absl::BitGen ids_;  // seeded from the OS's entropy
   absl::flat_hash_map<uint64_t, std::shared_ptr<Lease>> leases_;
   std::set<std::pair<absl::Time, uint64_t>> by_expiry_;  // (expires, id) of every lease
 };

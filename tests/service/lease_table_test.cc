@@ -1,6 +1,8 @@
 #include "service/store/lease_table.h"
 
+#include <cstdint>
 #include <memory>
+#include <set>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -61,6 +63,28 @@ TEST(LeaseTable, LimitEnforced) {
   EXPECT_EQ(table.size(), 2u);
   EXPECT_NE(table.Remove((*a)->id), nullptr);
   EXPECT_TRUE(table.Add(NewLease(absl::Seconds(1)), clock.Now()).ok());
+}
+
+// Ids are random 64-bit numbers, not a sequence a client could walk from its own lease's id:
+// consecutive ids lie far apart (two within 2^32 of each other: chance ~2^-31 per pair).
+TEST(LeaseTable, IdsAreNotASequence) {
+  FakeClock clock;
+  LeaseTable table(1000);
+  std::set<uint64_t> ids;
+  uint64_t previous = 0;
+  int close = 0;
+  for (int i = 0; i < 1000; ++i) {
+    auto lease = table.Add(NewLease(absl::Seconds(1)), clock.Now());
+    ASSERT_TRUE(lease.ok());
+    const uint64_t id = (*lease)->id;
+    EXPECT_NE(id, 0u);
+    ids.insert(id);
+    const uint64_t gap = id > previous ? id - previous : previous - id;
+    if (i > 0 && gap < (uint64_t{1} << 32)) ++close;
+    previous = id;
+  }
+  EXPECT_EQ(ids.size(), 1000u);
+  EXPECT_EQ(close, 0);
 }
 
 TEST(LeaseTable, RemoveUnknownReturnsNull) {
