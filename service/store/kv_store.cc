@@ -320,19 +320,22 @@ absl::Status StoreImpl::CheckLeaseTokenIdsLocked(uint64_t more) const {
       lease_token_ids_, more, options_.max_lease_token_ids));
 }
 
-absl::StatusOr<std::shared_ptr<Lease>> StoreImpl::UseLeaseLocked(uint64_t id) {
-  std::shared_ptr<Lease> lease = leases_.Use(id, options_.clock->Now());
+absl::StatusOr<std::shared_ptr<Lease>> StoreImpl::FindLeaseLocked(uint64_t id) {
+  std::shared_ptr<Lease> lease = leases_.Find(id, options_.clock->Now());
   if (lease == nullptr) {
     return absl::NotFoundError(absl::StrFormat("unknown or expired lease %d", id));
   }
   return lease;
 }
 
+void StoreImpl::RenewLeaseLocked(Lease& lease) { leases_.Renew(lease, options_.clock->Now()); }
+
 absl::StatusOr<KvStore::LeaseView> StoreImpl::DescribeLease(uint64_t lease_id) {
   absl::MutexLock l(&mu_);
   ExpireLocked();
-  absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+  absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(lease_id);
   if (!lease.ok()) return lease.status();
+  RenewLeaseLocked(**lease);
   LeaseView view;
   view.info = namespaces_[(*lease)->namespace_index]->info;
   view.num_blocks = static_cast<uint32_t>((*lease)->blocks.size());

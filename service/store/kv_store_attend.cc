@@ -46,7 +46,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     ExpireLocked();
     std::vector<std::shared_ptr<Lease>> leases;
     for (const AttendItem& item : items) {
-      absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(item.lease_id);
+      absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(item.lease_id);
       if (!lease.ok()) return lease.status();
       leases.push_back(*std::move(lease));
     }
@@ -133,7 +133,10 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       std::copy_n(leases[i]->block_ids.begin(), blocks, row);
       std::fill(row + blocks, row + max_blocks, row[0]);
     }
-    for (std::shared_ptr<Lease>& lease : leases) use.Add(std::move(lease));
+    for (std::shared_ptr<Lease>& lease : leases) {
+      RenewLeaseLocked(*lease);
+      use.Add(std::move(lease));
+    }
   }
 
   const NamespaceConfig& config = ns->info.config;

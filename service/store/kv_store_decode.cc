@@ -81,7 +81,7 @@ absl::StatusOr<StoreImpl::ReadPlan> StoreImpl::BeginRead(LeaseUse& use, uint64_t
                                                          uint32_t head_begin, uint32_t head_end) {
   absl::MutexLock l(&mu_);
   ExpireLocked();
-  absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+  absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(lease_id);
   if (!lease.ok()) return lease.status();
   if (layer_begin >= layer_end) {
     return absl::InvalidArgumentError(
@@ -99,6 +99,7 @@ absl::StatusOr<StoreImpl::ReadPlan> StoreImpl::BeginRead(LeaseUse& use, uint64_t
     const uint64_t written = (*lease)->layer_written[layer];
     plan.valid_rows.push_back(static_cast<uint32_t>(written - std::min(written, first_row)));
   }
+  RenewLeaseLocked(**lease);
   use.Add(*std::move(lease));
   return plan;
 }
@@ -358,7 +359,7 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
   {
     absl::MutexLock l(&mu_);
     ExpireLocked();
-    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+    absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(lease_id);
     if (!lease.ok()) return lease.status();
     ns = namespaces_[(*lease)->namespace_index].get();
   }
@@ -379,7 +380,7 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
   {
     absl::MutexLock l(&mu_);
     ExpireLocked();
-    absl::StatusOr<std::shared_ptr<Lease>> lease = UseLeaseLocked(lease_id);
+    absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(lease_id);
     if (!lease.ok()) return lease.status();
     plan = AppendPlan{lease->get(), num_tokens, token_ids};
     if (absl::Status s =
@@ -387,6 +388,7 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
         !s.ok()) {
       return s;
     }
+    RenewLeaseLocked(**lease);
     use.Add(*std::move(lease));
   }
   const BlockPool& pool = *ns->pool;

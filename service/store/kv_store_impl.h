@@ -129,9 +129,11 @@ class StoreImpl final : public KvStore {
   // Marks `lease` dropped and, unless a call still uses it, unpins and frees its blocks.
   void DropLeaseLocked(const std::shared_ptr<Lease>& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FinishLeaseLocked(Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The live lease `id` (renewed), or NOT_FOUND.
-  absl::StatusOr<std::shared_ptr<Lease>> UseLeaseLocked(uint64_t id)
+  // The live lease `id`, or NOT_FOUND. Not renewed: a call renews the leases it names once their
+  // checks passed (RenewLeaseLocked), so that bad input changes nothing, not even an expiry.
+  absl::StatusOr<std::shared_ptr<Lease>> FindLeaseLocked(uint64_t id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void RenewLeaseLocked(Lease& lease) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Validates a read of lease blocks [block_begin, +num_blocks), heads [head_begin, head_end)
   // of `layer` and returns the block ids.
   absl::StatusOr<std::vector<int32_t>> CheckReadLocked(const Lease& lease, uint32_t layer,

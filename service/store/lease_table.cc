@@ -26,15 +26,16 @@ absl::StatusOr<std::shared_ptr<Lease>> LeaseTable::Add(std::shared_ptr<Lease> le
   return lease;
 }
 
-std::shared_ptr<Lease> LeaseTable::Use(uint64_t id, absl::Time now) {
+std::shared_ptr<Lease> LeaseTable::Find(uint64_t id, absl::Time now) const {
   auto it = leases_.find(id);
-  if (it == leases_.end()) return nullptr;
-  Lease& lease = *it->second;
-  if (lease.expires <= now) return nullptr;
-  by_expiry_.erase({lease.expires, id});
-  lease.expires = now + lease.ttl;
-  by_expiry_.insert({lease.expires, id});
+  if (it == leases_.end() || it->second->expires <= now) return nullptr;
   return it->second;
+}
+
+void LeaseTable::Renew(Lease& lease, absl::Time now) {
+  by_expiry_.erase({lease.expires, lease.id});
+  lease.expires = now + lease.ttl;
+  by_expiry_.insert({lease.expires, lease.id});
 }
 
 std::shared_ptr<Lease> LeaseTable::Remove(uint64_t id) {

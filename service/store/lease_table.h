@@ -75,8 +75,10 @@ class LeaseTable {
   // lease by guessing its id from its own.
   [[nodiscard]] absl::StatusOr<std::shared_ptr<Lease>> Add(std::shared_ptr<Lease> lease,
                                                            absl::Time now);
-  // The live lease `id`, renewed to expire at now + ttl; null when unknown or past its expiry.
-  std::shared_ptr<Lease> Use(uint64_t id, absl::Time now);
+  // The live lease `id`; null when unknown or past its expiry.
+  std::shared_ptr<Lease> Find(uint64_t id, absl::Time now) const;
+  // Renews `lease` (one of the table's) to expire at now + ttl.
+  void Renew(Lease& lease, absl::Time now);
   // Removes lease `id`; null when unknown.
   std::shared_ptr<Lease> Remove(uint64_t id);
   // Removes and returns every lease whose expiry is <= now.

@@ -92,6 +92,35 @@ TEST_F(StoreErrorsTest, UnknownLeaseIsNotFound) {
             StatusCode::kNotFound);
 }
 
+// Calls refused for bad input leave the expiry of the leases they name alone (bad input changes
+// nothing); a call that passes its checks renews its lease. The fixture's lease lives 30 s.
+TEST_F(StoreErrorsTest, RefusedCallsDoNotRenewTheirLeases) {
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 31));
+  KvStore::AttendItem item;
+  item.lease_id = lease_;
+  item.q = q.data();
+  std::vector<float> out(2 * config_.head_dim);
+  uint32_t ctx;
+  std::vector<uint16_t> nan_k = kv_.k[0];
+  nan_k[3] = 0x7e00;
+  clock_.Advance(absl::Seconds(25));
+  EXPECT_EQ(store_->ReadFp16(lease_, 2, 0, 1, 0, 2, out_.data(), out_v_.data()).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Append(lease_, 0, {}, 1, nan_k.data(), kv_.v[0].data()).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Attend(2, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &ctx}).code(),
+            StatusCode::kInvalidArgument);
+  clock_.Advance(absl::Seconds(6));
+  EXPECT_EQ(store_->DescribeLease(lease_).status().code(), StatusCode::kNotFound);
+
+  auto renewed = store_->Match("main", ids_, absl::ZeroDuration());
+  ASSERT_TRUE(renewed.ok());
+  clock_.Advance(absl::Seconds(25));
+  EXPECT_TRUE(store_->ReadFp16(renewed->lease_id, 0, 0, 1, 0, 2, out_.data(), out_v_.data()).ok());
+  clock_.Advance(absl::Seconds(6));
+  EXPECT_TRUE(store_->DescribeLease(renewed->lease_id).ok());
+}
+
 TEST_F(StoreErrorsTest, LayerOutOfRangeIsInvalid) {
   auto session = store_->BeginPut("main", TokenIds(4, 77));
   ASSERT_TRUE(session.ok());

@@ -31,24 +31,28 @@ TEST(LeaseTable, ExpiresAfterTtl) {
   auto expired = table.Expire(clock.Now());
   ASSERT_EQ(expired.size(), 1u);
   EXPECT_EQ(expired[0]->id, (*a)->id);
-  EXPECT_EQ(table.Use((*a)->id, clock.Now()), nullptr);
-  EXPECT_NE(table.Use((*b)->id, clock.Now()), nullptr);
+  EXPECT_EQ(table.Find((*a)->id, clock.Now()), nullptr);
+  EXPECT_NE(table.Find((*b)->id, clock.Now()), nullptr);
   EXPECT_EQ(table.size(), 1u);
 }
 
-TEST(LeaseTable, RenewOnUse) {
+TEST(LeaseTable, RenewExtendsAndFindDoesNot) {
   FakeClock clock;
   LeaseTable table(10);
   auto a = table.Add(NewLease(absl::Seconds(10)), clock.Now());
   ASSERT_TRUE(a.ok());
   for (int i = 0; i < 5; ++i) {
     clock.Advance(absl::Seconds(8));
-    ASSERT_NE(table.Use((*a)->id, clock.Now()), nullptr) << "round " << i;
+    std::shared_ptr<Lease> found = table.Find((*a)->id, clock.Now());
+    ASSERT_NE(found, nullptr) << "round " << i;
+    table.Renew(*found, clock.Now());
     EXPECT_TRUE(table.Expire(clock.Now()).empty());
   }
   EXPECT_EQ((*a)->expires, clock.Now() + absl::Seconds(10));
-  clock.Advance(absl::Seconds(10));
-  EXPECT_EQ(table.Use((*a)->id, clock.Now()), nullptr);
+  clock.Advance(absl::Seconds(8));
+  EXPECT_NE(table.Find((*a)->id, clock.Now()), nullptr);
+  clock.Advance(absl::Seconds(2));
+  EXPECT_EQ(table.Find((*a)->id, clock.Now()), nullptr);
   EXPECT_EQ(table.Expire(clock.Now()).size(), 1u);
 }
 
