@@ -67,16 +67,9 @@ class CpuBackend final : public ComputeBackend {
   }
   absl::Status Synchronize() override { return absl::OkStatus(); }
 
+  // Arena memory is host memory here: gathering into it is reading the runs to the host.
   absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
-    for (const ArenaRun& run : runs) {
-      if (run.src == nullptr) {
-        std::memset(dst, 0, run.bytes);
-      } else if (absl::Status s = ReadArena(run.src, run.bytes, dst); !s.ok()) {
-        return s;
-      }
-      dst += run.bytes;
-    }
-    return absl::OkStatus();
+    return ReadRuns(runs, dst);
   }
   absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps) override {
     for (const DequantizeParams& p : ps) {
