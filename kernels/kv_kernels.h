@@ -107,6 +107,9 @@ bool Available();
 // a multiple of 16, pages under 4 GiB per layer. kInvalidArgument for an invalid layout,
 // kUnsupported otherwise (always without CUDA).
 KernelStatus ServesLayout(const PageLayout& layout);
+// PagedDecodeAttention takes at most this many sequences and query heads per call (kUnsupported
+// past it): its grids carry them as y or z dimensions.
+inline constexpr int kMaxAttentionSeqsOrHeads = 65535;
 [[nodiscard]] KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream);
 [[nodiscard]] KernelStatus Dequantize(const DequantizeParams& p, void* stream);
 [[nodiscard]] KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream);

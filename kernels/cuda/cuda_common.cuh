@@ -152,8 +152,6 @@ struct PageGeometry {
   uint32_t sink_page_bytes;
   int block_tokens_log2;
 };
-// The largest y or z dimension of a grid.
-inline constexpr int kMaxGridYZ = 65535;
 
 // Whether a layout's head and sink pages fit PageGeometry's 32-bit sizes (under 4 GiB each).
 inline bool FitsPageGeometry(const PageLayout& l) {

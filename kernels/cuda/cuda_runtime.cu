@@ -18,6 +18,10 @@ thread_local std::string last_error_message;
 KernelStatus RecordCudaError(cudaError_t err, const char* what) {
   last_error_message =
       std::string(what) + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")";
+  // A failed runtime call also leaves its error for the thread's next cudaGetLastError: taken
+  // here, so that the next launch check on this thread does not report this failure as its own
+  // (a sticky error, which poisons the context, stays).
+  cudaGetLastError();
   return KernelStatus::kCudaError;
 }
 

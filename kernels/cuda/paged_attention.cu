@@ -244,7 +244,9 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   }
   // The split kernels' grids take sequences as z and the merge kernel's query heads as y (at
   // most 65535 each).
-  if (p.num_seqs > kMaxGridYZ || p.num_q_heads > kMaxGridYZ) return KernelStatus::kUnsupported;
+  if (p.num_seqs > kMaxAttentionSeqsOrHeads || p.num_q_heads > kMaxAttentionSeqsOrHeads) {
+    return KernelStatus::kUnsupported;
+  }
   if (p.num_seqs == 0) return KernelStatus::kOk;
   if (p.pages == nullptr || p.q == nullptr || p.block_tables == nullptr || p.seq_lens == nullptr ||
       (p.out == nullptr) == (p.out_fp16 == nullptr) ||

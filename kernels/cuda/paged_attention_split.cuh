@@ -89,13 +89,13 @@ struct SplitTraits {
   // partial scores [kSlices][kStageTokens][kH], probabilities [kStageTokens][kH], alpha [kH].
   static constexpr int kFixedFloats =
       kH * kHeadDim + kH * (kHeadDim / 16) + kSlices * kStageTokens * kH + kStageTokens * kH + kH;
-  __host__ __device__ static size_t StageBytes(int meta_bytes_per_token) {
+  __host__ __device__ static constexpr size_t StageBytes(int meta_bytes_per_token) {
     return 2 * static_cast<size_t>(kStageTokens) * (kCodeStride + meta_bytes_per_token);
   }
   // The end's reduction: every token subset's sums [kTokenSets][kH][kHeadDim], over the freed
   // stages and fixed floats.
   static constexpr size_t kReduceBytes = static_cast<size_t>(kTokenSets) * kH * kHeadDim * 4;
-  static size_t SharedBytes(int meta_bytes_per_token) {
+  static constexpr size_t SharedBytes(int meta_bytes_per_token) {
     const size_t loop =
         kAttnStages * StageBytes(meta_bytes_per_token) + kFixedFloats * sizeof(float);
     return loop > kReduceBytes ? loop : kReduceBytes;
@@ -394,10 +394,13 @@ template <KvDtype kDtype, int kHeadDim>
 KernelStatus LaunchAttentionSplitsGeneral(const AttnSplitArgs& args, int num_seqs,
                                           cudaStream_t stream) {
   using T = SplitTraits<kDtype, kHeadDim>;
-  auto* kernel = AttentionSplitKernel<kDtype, kHeadDim>;
+  constexpr auto kernel = AttentionSplitKernel<kDtype, kHeadDim>;
+  // The cap is the kernel's, on the whole device: set once for the largest meta (groups of 16,
+  // the smallest ServesLayout takes), never per launch (one launch's setting could fall between
+  // another's setting and its launch, on another lane).
+  constexpr int kMaxShared = static_cast<int>(T::SharedBytes(kHeadDim / 16 * 4));
+  KVPOOL_CUDA_RETURN_IF_ERROR((AllowDynamicSharedMemory<kernel, kMaxShared>()));
   const size_t smem = T::SharedBytes(static_cast<int>(args.geo.meta_bytes_per_token));
-  KVPOOL_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(args.plan.num_splits, args.num_kv_heads * args.plan.head_groups, num_seqs);
   return CheckCuda(LaunchDependent(kernel, grid, dim3(kAttnThreads), smem, stream, args),
                    "AttentionSplitKernel");

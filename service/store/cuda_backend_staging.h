@@ -51,6 +51,13 @@ inline absl::Status ValidatePagedDecodeAttention(const PagedDecodeAttentionParam
     return absl::InvalidArgumentError(
         "PagedDecodeAttention: bad batch shape (or tables spanning over 2^30 tokens)");
   }
+  if (p.num_seqs > cuda::kMaxAttentionSeqsOrHeads ||
+      p.num_q_heads > cuda::kMaxAttentionSeqsOrHeads) {
+    return absl::UnimplementedError(absl::StrFormat(
+        "PagedDecodeAttention: %d sequences of %d query heads; the CUDA kernels take at most %d "
+        "of each per call",
+        p.num_seqs, p.num_q_heads, cuda::kMaxAttentionSeqsOrHeads));
+  }
   if (p.num_seqs == 0) return absl::OkStatus();
   if (append != nullptr) {
     if (absl::Status s = ValidateQuantizeAppend(*append); !s.ok()) return s;

@@ -47,6 +47,11 @@ TEST(ValidatePagedDecodeAttention, RefusesWhatTheKernelsMustNotSeeAndSaysWhich) 
   p.out_fp16 = reinterpret_cast<uint16_t*>(out.data());  // both outputs
   EXPECT_EQ(ValidatePagedDecodeAttention(p, nullptr).code(), absl::StatusCode::kInvalidArgument);
   p.out_fp16 = nullptr;
+  // Past the kernels' grids: refused here, before the append riding in the step runs (the
+  // kernel's own check came after it).
+  p.num_q_heads = cuda::kMaxAttentionSeqsOrHeads + 1;
+  EXPECT_EQ(ValidatePagedDecodeAttention(p, nullptr).code(), absl::StatusCode::kUnimplemented);
+  p.num_q_heads = 2;
 
   // The append riding in the step is checked with it.
   const std::vector<uint16_t> kv(2 * 64);
