@@ -2,8 +2,10 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 
+#include "kernels/fp16.h"
 #include "kernels/kv_kernels.h"
 
 namespace kvpool {
@@ -34,6 +36,14 @@ const char* ValidatePageLayout(const PageLayout& layout) {
     }
   }
   return nullptr;
+}
+
+uint16_t MaxInputHalfBits(const PageLayout& layout) {
+  if (!layout.rotated()) return kHalfMaxFiniteBits;
+  const float bound = 65504.0f / std::sqrt(static_cast<float>(layout.rot_block));
+  uint16_t bits = FloatToHalf(bound);
+  if (HalfToFloat(bits) > bound) --bits;  // rounded down: positive fp16 bits order like values
+  return bits;
 }
 
 int FirstBlockIdOutOfRange(const int32_t* ids, int n, int64_t num_blocks) {

@@ -103,6 +103,14 @@ KVPOOL_HD float RotationSign(uint64_t seed, int c) {
 // sink_tokens <= block_tokens. Returns nullptr when valid, else a static message.
 const char* ValidatePageLayout(const PageLayout& layout);
 
+// The magnitude bits (sign cleared) of the largest finite fp16 value, 65504.
+inline constexpr uint16_t kHalfMaxFiniteBits = 0x7BFF;
+// The largest magnitude (fp16 bits, sign cleared) of a K or V value `layout` quantizes: its
+// rotation (orthonormal, by blocks of rot_block) sums up to sqrt(rot_block) times that into one
+// rotated value, which the page's fp16 meta (zero, scale) must hold: 65504 / sqrt(rot_block)
+// rounded down, kHalfMaxFiniteBits unrotated. Larger values would store an infinite zero.
+uint16_t MaxInputHalfBits(const PageLayout& layout);
+
 // The index of the first of ids[0, n) outside [0, num_blocks), or -1 when all are in range. A
 // decode call's tables hold thousands of ids: one branch-free pass over fixed-size chunks (which
 // the compiler vectorizes) finds whether any is bad before the culprit is looked for.

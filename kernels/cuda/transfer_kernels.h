@@ -1,5 +1,5 @@
 // Kernels behind the CUDA backend's transfer paths (ComputeBackend::GatherArena and
-// CheckFiniteArena, used by the NCCL data plane). Host-callable; every pointer named "device" is
+// CheckHalfRangeArena, used by the NCCL data plane). Host-callable; every pointer named "device" is
 // device memory; work is enqueued on `stream` (a cudaStream_t) and every launch is checked.
 #ifndef KVPOOL_KERNELS_CUDA_TRANSFER_KERNELS_H_
 #define KVPOOL_KERNELS_CUDA_TRANSFER_KERNELS_H_
@@ -26,10 +26,12 @@ struct GatherRun {
 [[nodiscard]] KernelStatus GatherRuns(const GatherRun* runs, int64_t num_runs, uint8_t* dst,
                                       void* stream);
 
-// Writes to device `*first_bad` the index of the first fp16 value in device x[0, n) that is NaN
-// or Inf, or UINT64_MAX when all are finite. `first_bad` must be 8-byte aligned.
-[[nodiscard]] KernelStatus FindFirstNonFiniteHalf(const uint16_t* x, size_t n,
-                                                  unsigned long long* first_bad, void* stream);
+// Writes to device `*first_bad` the index of the first fp16 value in device x[0, n) whose
+// magnitude bits (sign cleared) pass max_abs_bits (NaN and Inf pass any finite bound), or
+// UINT64_MAX when none does. `first_bad` must be 8-byte aligned.
+[[nodiscard]] KernelStatus FindFirstHalfOutOfRange(const uint16_t* x, size_t n,
+                                                   uint16_t max_abs_bits,
+                                                   unsigned long long* first_bad, void* stream);
 
 }  // namespace kvpool::cuda
 

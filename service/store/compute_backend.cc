@@ -44,9 +44,9 @@ absl::Status ComputeBackend::QuantizeAppendFromArena(const QuantizeAppendParams&
   return NoTransferPath(*this, "QuantizeAppendFromArena");
 }
 
-absl::Status ComputeBackend::CheckFiniteArena(const uint16_t* /*x*/, size_t /*n*/,
-                                              const char* /*what*/) {
-  return NoTransferPath(*this, "CheckFiniteArena");
+absl::Status ComputeBackend::CheckHalfRangeArena(const uint16_t* /*x*/, size_t /*n*/,
+                                                 uint16_t /*max_abs_bits*/, const char* /*what*/) {
+  return NoTransferPath(*this, "CheckHalfRangeArena");
 }
 
 absl::Status ComputeBackend::CheckLayout(const PageLayout& /*layout*/) const {

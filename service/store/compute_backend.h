@@ -87,9 +87,10 @@ class ComputeBackend {
   [[nodiscard]] virtual absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps);
   // QuantizeAppend with k and v in arena memory (slot_mapping and positions stay host memory).
   [[nodiscard]] virtual absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p);
-  // INVALID_ARGUMENT naming `what` when one of the n fp16 values at arena `x` is NaN or Inf.
-  [[nodiscard]] virtual absl::Status CheckFiniteArena(const uint16_t* x, size_t n,
-                                                      const char* what);
+  // store_internal::CheckHalfRange over n fp16 values at arena `x`: INVALID_ARGUMENT naming
+  // `what` when one is NaN, Inf or of a magnitude whose bits pass max_abs_bits.
+  [[nodiscard]] virtual absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n,
+                                                         uint16_t max_abs_bits, const char* what);
 
   virtual ComputeBackendStats Stats() const = 0;
 };

@@ -80,8 +80,9 @@ class CpuBackend final : public ComputeBackend {
   absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
     return QuantizeAppend(p);
   }
-  absl::Status CheckFiniteArena(const uint16_t* x, size_t n, const char* what) override {
-    return store_internal::CheckFinite(x, n, what);
+  absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n, uint16_t max_abs_bits,
+                                   const char* what) override {
+    return store_internal::CheckHalfRange(x, n, max_abs_bits, what);
   }
 
   ComputeBackendStats Stats() const override {

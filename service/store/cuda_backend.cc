@@ -40,6 +40,7 @@
 #include "service/store/compute_backend.h"
 #include "service/store/cuda_backend_staging.h"
 #include "service/store/cuda_lanes.h"
+#include "service/store/kv_store_impl.h"
 
 namespace kvpool {
 
@@ -411,14 +412,16 @@ class CudaBackend final : public ComputeBackend {
     });
   }
 
-  absl::Status CheckFiniteArena(const uint16_t* x, size_t n, const char* what) override {
+  absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n, uint16_t max_abs_bits,
+                                   const char* what) override {
     if (n == 0) return absl::OkStatus();
     unsigned long long first_bad = 0;
     absl::Status s =
         RunSynchronous(sizeof(first_bad), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
           auto* result = reinterpret_cast<unsigned long long*>(slot.device);
-          if (absl::Status k = KernelResult(cuda::FindFirstNonFiniteHalf(x, n, result, lane.stream),
-                                            "CheckFiniteArena");
+          if (absl::Status k = KernelResult(
+                  cuda::FindFirstHalfOutOfRange(x, n, max_abs_bits, result, lane.stream),
+                  "CheckHalfRangeArena");
               !k.ok()) {
             return k;
           }
@@ -430,8 +433,7 @@ class CudaBackend final : public ComputeBackend {
         });
     if (!s.ok()) return s;
     if (first_bad == ULLONG_MAX) return absl::OkStatus();
-    return absl::InvalidArgumentError(
-        absl::StrFormat("%s holds NaN or Inf at element %d", what, first_bad));
+    return store_internal::HalfRangeError(what, first_bad, max_abs_bits);
   }
 
   absl::Status Synchronize() override {

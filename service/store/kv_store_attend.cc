@@ -63,6 +63,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     }
     const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
     const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+    const uint16_t bound = MaxInputHalfBits(ns->pool->layout(layer));
     for (size_t i = 0; i < items.size(); ++i) {
       const AttendItem& item = items[i];
       if (leases[i]->namespace_index != ns->ordinal) {
@@ -72,7 +73,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       if (item.q == nullptr) {
         return absl::InvalidArgumentError(absl::StrFormat("item %d: empty q", i));
       }
-      if (absl::Status s = CheckFinite(item.q, q_elems, "q"); !s.ok()) return s;
+      if (absl::Status s = CheckHalfRange(item.q, q_elems, kHalfMaxFiniteBits, "q"); !s.ok()) {
+        return s;
+      }
       const Lease& lease = *leases[i];
       if (lease.layer_written[layer] != lease.layer_tokens[layer]) {
         return absl::FailedPreconditionError(absl::StrFormat(
@@ -96,11 +99,13 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
         }
         new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
         new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
-        if (absl::Status s = CheckFinite(new_k.data() + new_k.size() - kv_elems, kv_elems, "new_k");
+        if (absl::Status s =
+                CheckHalfRange(new_k.data() + new_k.size() - kv_elems, kv_elems, bound, "new_k");
             !s.ok()) {
           return s;
         }
-        if (absl::Status s = CheckFinite(new_v.data() + new_v.size() - kv_elems, kv_elems, "new_v");
+        if (absl::Status s =
+                CheckHalfRange(new_v.data() + new_v.size() - kv_elems, kv_elems, bound, "new_v");
             !s.ok()) {
           return s;
         }

@@ -371,8 +371,9 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
         absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
   }
   const size_t n = static_cast<size_t>(num_tokens) * config.num_kv_heads * config.head_dim;
-  if (absl::Status s = CheckFinite(k, n, "k"); !s.ok()) return s;
-  if (absl::Status s = CheckFinite(v, n, "v"); !s.ok()) return s;
+  const uint16_t bound = MaxInputHalfBits(ns->pool->layout(layer));
+  if (absl::Status s = CheckHalfRange(k, n, bound, "k"); !s.ok()) return s;
+  if (absl::Status s = CheckHalfRange(v, n, bound, "v"); !s.ok()) return s;
   LeaseUse use(this);
   std::vector<int64_t> slots;
   std::vector<int32_t> positions;

@@ -51,8 +51,12 @@ struct NamespaceState {
   int num_layers() const { return info.config.num_layers; }
 };
 
-// INVALID_ARGUMENT naming `what` when one of the n fp16 values is NaN or Inf.
-absl::Status CheckFinite(const uint16_t* x, size_t n, const char* what);
+// INVALID_ARGUMENT naming `what` when one of the n fp16 values is NaN, Inf or of a magnitude
+// whose fp16 bits (sign cleared) pass max_abs_bits: kHalfMaxFiniteBits for NaN and Inf alone, a
+// layer's MaxInputHalfBits for K and V. The first such value is named.
+absl::Status CheckHalfRange(const uint16_t* x, size_t n, uint16_t max_abs_bits, const char* what);
+// CheckHalfRange's error for element `index`.
+absl::Status HalfRangeError(const char* what, size_t index, uint16_t max_abs_bits);
 // Relative L2 error ||a - b|| / ||b|| of fp16 `approx` against fp16 `exact`.
 double RelativeL2Error(absl::Span<const uint16_t> approx, absl::Span<const uint16_t> exact);
 // Page bytes QuantizeAppend writes for `tokens` tokens of one layer (codes + meta, K and V).

@@ -102,12 +102,13 @@ absl::Status PutSessionImpl::AddChunkFrom(Src src, uint32_t layer, uint32_t toke
   const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
   ComputeBackend* backend = store_->backend();
   const size_t elems = num_tokens * per_token;
+  const uint16_t bound = MaxInputHalfBits(ns_->pool->layout(layer));
   if (src == Src::kArena) {
-    if (absl::Status s = backend->CheckFiniteArena(k, elems, "k"); !s.ok()) return s;
-    if (absl::Status s = backend->CheckFiniteArena(v, elems, "v"); !s.ok()) return s;
+    if (absl::Status s = backend->CheckHalfRangeArena(k, elems, bound, "k"); !s.ok()) return s;
+    if (absl::Status s = backend->CheckHalfRangeArena(v, elems, bound, "v"); !s.ok()) return s;
   } else {
-    if (absl::Status s = CheckFinite(k, elems, "k"); !s.ok()) return s;
-    if (absl::Status s = CheckFinite(v, elems, "v"); !s.ok()) return s;
+    if (absl::Status s = CheckHalfRange(k, elems, bound, "k"); !s.ok()) return s;
+    if (absl::Status s = CheckHalfRange(v, elems, bound, "v"); !s.ok()) return s;
   }
 
   const size_t bt = config.block_tokens;

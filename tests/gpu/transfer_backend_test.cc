@@ -1,5 +1,5 @@
 // The CUDA backend's transfer paths (GatherArena, DequantizeToArena, QuantizeAppendFromArena,
-// CheckFiniteArena: inputs and outputs in device memory, used by the NCCL data plane), and
+// CheckHalfRangeArena: inputs and outputs in device memory, used by the NCCL data plane), and
 // ReadRuns (the runs to host memory), against the CPU backend on the same data, and against the
 // CUDA backend's own host-memory paths.
 #include <cuda_runtime.h>
@@ -349,7 +349,9 @@ INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaTransferDtype,
                          ::testing::Values(KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3,
                                            KvDtype::kFp16));
 
-TEST(CudaTransferBackend, CheckFiniteArenaFindsTheFirstNanOrInfLikeTheCpuBackend) {
+// The first NaN or Inf, and with a rotation's bound (MaxInputHalfBits at rot_block 128, 5788) the
+// first value past it, are the CPU backend's.
+TEST(CudaTransferBackend, CheckHalfRangeArenaFindsTheFirstBadValueLikeTheCpuBackend) {
   KVPOOL_SKIP_WITHOUT_GPU();
   std::unique_ptr<ComputeBackend> gpu = GpuBackend();
   ASSERT_NE(gpu, nullptr);
@@ -360,24 +362,32 @@ TEST(CudaTransferBackend, CheckFiniteArenaFindsTheFirstNanOrInfLikeTheCpuBackend
   std::vector<uint16_t> x = testing::ToHalf(d.k);
   x.pop_back();
   const size_t n = x.size();
-  // Per case, the indices made non-finite (NaN, then +Inf, then -Inf).
+  // Per case, the indices made bad (NaN, +Inf, -Inf, then -6000 and 6000: finite, past the
+  // rotation's bound).
   const std::vector<std::vector<size_t>> cases = {
-      {}, {n - 1}, {n / 2 + 3, 17}, {123457, 900001, 5}, {0}};
-  const uint16_t specials[3] = {0x7e00, 0x7c00, 0xfc00};
-  for (size_t shift : {size_t{0}, size_t{1}}) {
-    for (const std::vector<size_t>& bad : cases) {
-      std::vector<uint16_t> y = x;
-      for (size_t i = 0; i < bad.size(); ++i) y[bad[i]] = specials[i % 3];
-      uint8_t* arena = Upload(*gpu, y.data(), n * sizeof(uint16_t));
-      ASSERT_NE(arena, nullptr);
-      const auto* values = reinterpret_cast<const uint16_t*>(arena) + shift;
-      const absl::Status got = gpu->CheckFiniteArena(values, n - shift, "k");
-      const absl::Status want = cpu->CheckFiniteArena(y.data() + shift, n - shift, "k");
-      EXPECT_EQ(got, want) << "shift " << shift << ", " << bad.size() << " bad values";
-      gpu->FreeArena(arena);
+      {}, {n - 1}, {n / 2 + 3, 17}, {123457, 900001, 5}, {0}, {777, 2, 40000, 31, 9}};
+  const uint16_t specials[5] = {0x7e00, 0x7c00, 0xfc00, 0xeddc, 0x6ddc};
+  PageLayout rotated = TestLayout(KvDtype::kInt4);
+  rotated.rot_block = 128;
+  const uint16_t rotation_bound = MaxInputHalfBits(rotated);
+  ASSERT_LT(rotation_bound, 0x6ddc);
+  for (uint16_t bound : {kHalfMaxFiniteBits, rotation_bound}) {
+    for (size_t shift : {size_t{0}, size_t{1}}) {
+      for (const std::vector<size_t>& bad : cases) {
+        std::vector<uint16_t> y = x;
+        for (size_t i = 0; i < bad.size(); ++i) y[bad[i]] = specials[i % 5];
+        uint8_t* arena = Upload(*gpu, y.data(), n * sizeof(uint16_t));
+        ASSERT_NE(arena, nullptr);
+        const auto* values = reinterpret_cast<const uint16_t*>(arena) + shift;
+        const absl::Status got = gpu->CheckHalfRangeArena(values, n - shift, bound, "k");
+        const absl::Status want = cpu->CheckHalfRangeArena(y.data() + shift, n - shift, bound, "k");
+        EXPECT_EQ(got, want) << "shift " << shift << ", " << bad.size() << " bad values, bound "
+                             << bound;
+        gpu->FreeArena(arena);
+      }
     }
   }
-  EXPECT_TRUE(gpu->CheckFiniteArena(nullptr, 0, "v").ok());
+  EXPECT_TRUE(gpu->CheckHalfRangeArena(nullptr, 0, kHalfMaxFiniteBits, "v").ok());
 }
 
 }  // namespace

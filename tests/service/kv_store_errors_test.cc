@@ -1,5 +1,6 @@
 // One test per class of bad input to the store API: each is rejected with the documented code
 // and changes nothing.
+#include <cmath>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -7,6 +8,8 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "kernels/fp16.h"
+#include "kernels/page_layout.h"
 #include "service/store/kv_store.h"
 #include "tests/service/kv_store_test_util.h"
 
@@ -119,6 +122,52 @@ TEST_F(StoreErrorsTest, RefusedCallsDoNotRenewTheirLeases) {
   EXPECT_TRUE(store_->ReadFp16(renewed->lease_id, 0, 0, 1, 0, 2, out_.data(), out_v_.data()).ok());
   clock_.Advance(absl::Seconds(6));
   EXPECT_TRUE(store_->DescribeLease(renewed->lease_id).ok());
+}
+
+// A K or V value whose rotation could carry past fp16 (its page's zero would be infinite) is
+// refused before anything is written, on Put and Append; values at the bound store and read back
+// finite even when they all add up in one rotated value. SmallConfig rotates blocks of 16 channels:
+// the bound is 65504 / 4 = 16376.
+TEST_F(StoreErrorsTest, ValuesARotationWouldCarryPastFp16AreRefused) {
+  const size_t pt = PerToken();
+  SequenceKv kv = MakeSequenceKv(config_, 4, 40);
+  kv.k[1][pt + 5] = FloatToHalf(-16384.0f);
+  const uint64_t blocks_in_use = store_->Stats().namespaces[0].blocks_in_use;
+  auto session = store_->BeginPut("main", TokenIds(4, 300));
+  ASSERT_TRUE(session.ok());
+  const absl::Status refused = (*session)->AddChunk(1, 0, 4, kv.k[1].data(), kv.v[1].data());
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(refused.message()).find("over 16376 at element " + std::to_string(pt + 5)),
+            std::string::npos)
+      << refused;
+  session->reset();
+  EXPECT_EQ(
+      store_->Append(lease_, 1, {}, 1, kv.k[1].data() + pt, kv.v[1].data() + pt).status().code(),
+      StatusCode::kInvalidArgument);
+  EXPECT_EQ(store_->Stats().namespaces[0].blocks_in_use, blocks_in_use);
+
+  // Token 0, head 0 of every layer at the bound with the rotation's signs: rotated channel 0 of
+  // each block is 4 x 16376 = 65504, fp16's largest.
+  kv.k[1][pt + 5] = 0;
+  for (int layer = 0; layer < config_.num_layers; ++layer) {
+    const PageLayout l = LayerLayout(config_, layer);
+    for (int c = 0; c < config_.head_dim; ++c) {
+      kv.k[layer][c] = FloatToHalf(16376.0f * RotationSign(l.sign_seed, c));
+    }
+  }
+  const std::vector<int32_t> ids = TokenIds(4, 300);
+  const absl::StatusOr<KvStore::PutResult> stored = Put(ids, kv);
+  ASSERT_TRUE(stored.ok()) << stored.status();
+  auto match = store_->Match("main", ids, absl::ZeroDuration());
+  ASSERT_TRUE(match.ok());
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    std::vector<uint16_t> k(4 * pt), v(4 * pt);
+    ASSERT_TRUE(store_->ReadFp16(match->lease_id, layer, 0, 1, 0, 2, k.data(), v.data()).ok());
+    for (size_t i = 0; i < k.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(HalfToFloat(k[i]))) << "layer " << layer << " element " << i;
+    }
+    EXPECT_NEAR(HalfToFloat(k[0]), HalfToFloat(kv.k[layer][0]), 0.05 * 16376.0f);
+  }
 }
 
 TEST_F(StoreErrorsTest, LayerOutOfRangeIsInvalid) {

@@ -106,8 +106,9 @@ class ForwardingBackend : public ComputeBackend {
   absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
     return inner_->QuantizeAppendFromArena(p);
   }
-  absl::Status CheckFiniteArena(const uint16_t* x, size_t n, const char* what) override {
-    return inner_->CheckFiniteArena(x, n, what);
+  absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n, uint16_t max_abs_bits,
+                                   const char* what) override {
+    return inner_->CheckHalfRangeArena(x, n, max_abs_bits, what);
   }
   ComputeBackendStats Stats() const override { return inner_->Stats(); }
 
