@@ -13,6 +13,7 @@
 #include "kernels/fp16.h"
 #include "kernels/page_layout.h"
 #include "service/store/kv_store_impl.h"
+#include "tests/kernels/kernel_test_util.h"
 
 namespace kvpool::store_internal {
 namespace {
@@ -61,13 +62,7 @@ TEST(CheckHalfRange, ReportsTheFirstNonFiniteAtAnyLengthAndOffset) {
 // passes: rot_block 16 keeps 16376 (65504 / 4), and a block of sixteen 16376s rotates to at most
 // 65504.
 TEST(CheckHalfRange, NamesTheFirstValuePastARotationsBound) {
-  PageLayout l;
-  l.num_kv_heads = 1;
-  l.head_dim = 64;
-  l.block_tokens = 16;
-  l.dtype = KvDtype::kInt4;
-  l.group_size = 64;
-  l.rot_block = 16;
+  PageLayout l = testing::MakeLayout(KvDtype::kInt4, 16, 64);
   const uint16_t bound = MaxInputHalfBits(l);
   EXPECT_EQ(HalfToFloat(bound), 16376.0f);
   l.rot_block = 128;
