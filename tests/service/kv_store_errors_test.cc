@@ -64,6 +64,17 @@ class StoreErrorsTest : public StoreTest {
     out_v_.resize(8 * PerToken());
   }
 
+  // A decode step of 2 query heads over `lease` at `layer`, without a new token.
+  absl::Status AttendOne(uint64_t lease, uint32_t layer) {
+    const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 31));
+    KvStore::AttendItem item;
+    item.lease_id = lease;
+    item.q = q.data();
+    std::vector<float> out(2 * config_.head_dim);
+    uint32_t ctx;
+    return store_->Attend(layer, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &ctx});
+  }
+
   std::vector<int32_t> ids_;
   SequenceKv kv_;
   uint64_t lease_ = 0;
@@ -85,25 +96,12 @@ TEST_F(StoreErrorsTest, UnknownLeaseIsNotFound) {
   EXPECT_EQ(store_->Append(bad, 0, {}, 1, kv_.k[0].data(), kv_.v[0].data()).status().code(),
             StatusCode::kNotFound);
   EXPECT_EQ(store_->Release(bad).code(), StatusCode::kNotFound);
-  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 31));
-  KvStore::AttendItem item;
-  item.lease_id = bad;
-  item.q = q.data();
-  std::vector<float> out(2 * config_.head_dim);
-  uint32_t ctx;
-  EXPECT_EQ(store_->Attend(0, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &ctx}).code(),
-            StatusCode::kNotFound);
+  EXPECT_EQ(AttendOne(bad, 0).code(), StatusCode::kNotFound);
 }
 
 // Calls refused for bad input leave the expiry of the leases they name alone (bad input changes
 // nothing); a call that passes its checks renews its lease. The fixture's lease lives 30 s.
 TEST_F(StoreErrorsTest, RefusedCallsDoNotRenewTheirLeases) {
-  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 31));
-  KvStore::AttendItem item;
-  item.lease_id = lease_;
-  item.q = q.data();
-  std::vector<float> out(2 * config_.head_dim);
-  uint32_t ctx;
   std::vector<uint16_t> nan_k = kv_.k[0];
   nan_k[3] = 0x7e00;
   clock_.Advance(absl::Seconds(25));
@@ -111,8 +109,7 @@ TEST_F(StoreErrorsTest, RefusedCallsDoNotRenewTheirLeases) {
             StatusCode::kInvalidArgument);
   EXPECT_EQ(store_->Append(lease_, 0, {}, 1, nan_k.data(), kv_.v[0].data()).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(store_->Attend(2, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &ctx}).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(AttendOne(lease_, 2).code(), StatusCode::kInvalidArgument);
   clock_.Advance(absl::Seconds(6));
   EXPECT_EQ(store_->DescribeLease(lease_).status().code(), StatusCode::kNotFound);
 
