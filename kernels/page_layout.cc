@@ -38,12 +38,29 @@ const char* ValidatePageLayout(const PageLayout& layout) {
   return nullptr;
 }
 
-uint16_t MaxInputHalfBits(const PageLayout& layout) {
-  if (!layout.rotated()) return kHalfMaxFiniteBits;
-  const float bound = 65504.0f / std::sqrt(static_cast<float>(layout.rot_block));
+namespace {
+
+// The fp16 bits of the largest fp16 value at most `bound` (> 0), at most 65504.
+uint16_t HalfBitsAtMost(float bound) {
+  if (bound >= 65504.0f) return kHalfMaxFiniteBits;
   uint16_t bits = FloatToHalf(bound);
-  if (HalfToFloat(bits) > bound) --bits;  // rounded down: positive fp16 bits order like values
+  if (HalfToFloat(bits) > bound) --bits;  // positive fp16 bits order like their values
   return bits;
+}
+
+float RotationGain(const PageLayout& layout) {
+  return layout.rotated() ? std::sqrt(static_cast<float>(layout.rot_block)) : 1.0f;
+}
+
+}  // namespace
+
+uint16_t MaxInputHalfBits(const PageLayout& layout) {
+  return HalfBitsAtMost(65504.0f / RotationGain(layout));
+}
+
+uint16_t MaxQueryHalfBits(const PageLayout& layout, float sm_scale) {
+  constexpr float kLog2e = 1.44269504f;
+  return HalfBitsAtMost(65504.0f / (RotationGain(layout) * sm_scale * kLog2e));
 }
 
 int FirstBlockIdOutOfRange(const int32_t* ids, int n, int64_t num_blocks) {

@@ -110,6 +110,10 @@ inline constexpr uint16_t kHalfMaxFiniteBits = 0x7BFF;
 // rotated value, which the page's fp16 meta (zero, scale) must hold: 65504 / sqrt(rot_block)
 // rounded down, kHalfMaxFiniteBits unrotated. Larger values would store an infinite zero.
 uint16_t MaxInputHalfBits(const PageLayout& layout);
+// The largest magnitude (fp16 bits, sign cleared) of a query value PagedDecodeAttention takes at
+// `sm_scale`: the CUDA kernels carry q' sm_scale log2(e) in fp16 operands, q' the rotated query
+// (up to sqrt(rot_block) times |q|, as above); kHalfMaxFiniteBits when no finite query passes.
+uint16_t MaxQueryHalfBits(const PageLayout& layout, float sm_scale);
 
 // The index of the first of ids[0, n) outside [0, num_blocks), or -1 when all are in range. A
 // decode call's tables hold thousands of ids: one branch-free pass over fixed-size chunks (which

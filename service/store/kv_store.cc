@@ -52,8 +52,8 @@ absl::Status HalfRangeError(const char* what, size_t index, uint16_t max_abs_bit
         absl::StrFormat("%s holds NaN or Inf at element %d", what, index));
   }
   return absl::InvalidArgumentError(absl::StrFormat(
-      "%s holds NaN, Inf or a magnitude over %g at element %d: the layout's rotation would carry "
-      "it past fp16",
+      "%s holds NaN, Inf or a magnitude over %g at element %d: the layer's rotation (for q, times "
+      "sm_scale) could carry it past fp16",
       what, HalfToFloat(max_abs_bits), index));
 }
 

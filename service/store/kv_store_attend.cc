@@ -19,6 +19,15 @@ absl::Status StoreImpl::CheckAttendBatch(size_t items) const {
       "attend batch of %d items, over the limit of %d", items, options_.max_attend_batch));
 }
 
+namespace {
+
+// The scale of the scores: sm_scale, or 1 / sqrt(head_dim) for 0.
+float ScoreScale(float sm_scale, const NamespaceConfig& config) {
+  return sm_scale > 0 ? sm_scale : 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+}
+
+}  // namespace
+
 absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
                                absl::Span<const AttendItem> items, const AttendOutputs& outputs) {
   if (items.empty()) return absl::InvalidArgumentError("attend batch is empty");
@@ -64,6 +73,8 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
     const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
     const uint16_t bound = MaxInputHalfBits(ns->pool->layout(layer));
+    const uint16_t q_bound =
+        MaxQueryHalfBits(ns->pool->layout(layer), ScoreScale(sm_scale, config));
     for (size_t i = 0; i < items.size(); ++i) {
       const AttendItem& item = items[i];
       if (leases[i]->namespace_index != ns->ordinal) {
@@ -73,9 +84,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       if (item.q == nullptr) {
         return absl::InvalidArgumentError(absl::StrFormat("item %d: empty q", i));
       }
-      if (absl::Status s = CheckHalfRange(item.q, q_elems, kHalfMaxFiniteBits, "q"); !s.ok()) {
-        return s;
-      }
+      if (absl::Status s = CheckHalfRange(item.q, q_elems, q_bound, "q"); !s.ok()) return s;
       const Lease& lease = *leases[i];
       if (lease.layer_written[layer] != lease.layer_tokens[layer]) {
         return absl::FailedPreconditionError(absl::StrFormat(
@@ -178,7 +187,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   a.block_tables = block_tables.get();
   a.max_blocks_per_seq = max_blocks;
   a.seq_lens = seq_lens.data();
-  a.sm_scale = sm_scale > 0 ? sm_scale : 1.0f / std::sqrt(static_cast<float>(config.head_dim));
+  a.sm_scale = ScoreScale(sm_scale, config);
   a.out = outputs.out;
   a.out_fp16 = outputs.out_fp16;
   a.lse = outputs.lse;

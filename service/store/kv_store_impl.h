@@ -53,7 +53,7 @@ struct NamespaceState {
 
 // INVALID_ARGUMENT naming `what` when one of the n fp16 values is NaN, Inf or of a magnitude
 // whose fp16 bits (sign cleared) pass max_abs_bits: kHalfMaxFiniteBits for NaN and Inf alone, a
-// layer's MaxInputHalfBits for K and V. The first such value is named.
+// layer's MaxInputHalfBits for K and V, MaxQueryHalfBits for q. The first such value is named.
 absl::Status CheckHalfRange(const uint16_t* x, size_t n, uint16_t max_abs_bits, const char* what);
 // CheckHalfRange's error for element `index`.
 absl::Status HalfRangeError(const char* what, size_t index, uint16_t max_abs_bits);

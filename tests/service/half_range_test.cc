@@ -70,6 +70,10 @@ TEST(CheckHalfRange, NamesTheFirstValuePastARotationsBound) {
   EXPECT_GT(HalfToFloat(MaxInputHalfBits(l) + 1), 65504.0f / std::sqrt(128.0f));
   l.rot_block = 0;
   EXPECT_EQ(MaxInputHalfBits(l), kHalfMaxFiniteBits);
+  // Queries: the rotation's gain times sm_scale log2(e) (fp16 steps of 8 between 8192 and 16384).
+  EXPECT_EQ(MaxQueryHalfBits(l, 0.1f), kHalfMaxFiniteBits);
+  l.rot_block = 16;
+  EXPECT_EQ(HalfToFloat(MaxQueryHalfBits(l, 1.0f)), 11344.0f);  // 65504 / (4 x 1.4427) = 11350.8
 
   for (size_t n : {5u, 256u, 300u}) {
     std::vector<uint16_t> x = FiniteHalves(n);

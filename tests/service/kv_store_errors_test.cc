@@ -167,6 +167,29 @@ TEST_F(StoreErrorsTest, ValuesARotationWouldCarryPastFp16AreRefused) {
   }
 }
 
+// A query value that its layer's rotation and sm_scale could carry past the CUDA kernels' fp16
+// operands is refused on every backend: at sm_scale 1, SmallConfig's layers (rotation blocks of
+// 16) take magnitudes up to 11344 (MaxQueryHalfBits).
+TEST_F(StoreErrorsTest, QueriesScaledPastFp16AreRefused) {
+  std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 31));
+  KvStore::AttendItem item;
+  item.lease_id = lease_;
+  item.q = q.data();
+  std::vector<float> out(2 * config_.head_dim);
+  uint32_t ctx;
+  auto attend = [&](float sm_scale) {
+    return store_->Attend(0, 2, sm_scale, {item}, {out.data(), nullptr, nullptr, &ctx});
+  };
+  q[7] = FloatToHalf(-11400.0f);
+  const absl::Status refused = attend(1.0f);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(refused.message()).find("over 11344 at element 7"), std::string::npos)
+      << refused;
+  EXPECT_TRUE(attend(0.0f).ok());  // 1 / sqrt(32): the bound is past 65504
+  q[7] = FloatToHalf(11000.0f);
+  EXPECT_TRUE(attend(1.0f).ok());
+}
+
 TEST_F(StoreErrorsTest, LayerOutOfRangeIsInvalid) {
   auto session = store_->BeginPut("main", TokenIds(4, 77));
   ASSERT_TRUE(session.ok());
