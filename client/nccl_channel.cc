@@ -252,7 +252,7 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Open(
   grpc::ClientContext ctx;
   ctx.set_deadline(absl::ToChronoTime(absl::Now() + join_timeout));
   v1::OpenChannelRequest req;
-  req.set_join_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(join_timeout)));
+  req.set_join_timeout_ms(ProtocolMilliseconds(join_timeout));
   v1::OpenChannelResponse resp;
   if (grpc::Status s = stub->OpenChannel(&ctx, req, &resp); !s.ok()) return FromGrpc(s);
   auto impl = std::make_unique<NcclChannelImpl>(std::move(stub), resp.channel_id(), device);

@@ -18,8 +18,6 @@ void FloatsToHalves(const float* in, uint16_t* out, size_t n);
 float Fp8E4M3ToFloat(uint8_t v);
 uint8_t FloatToFp8E4M3(float f);  // RNE, saturating to +-448; NaN -> 0x7F
 
-inline bool HalfIsFinite(uint16_t h) { return (h & 0x7C00u) != 0x7C00u; }
-
 }  // namespace kvpool
 
 #endif  // KVPOOL_KERNELS_FP16_H_
