@@ -77,10 +77,14 @@ class AttendStreamCall final : public QueuedCall {
   static void Listen(AttendServer::Queue* queue) { new AttendStreamCall(queue); }
 
   void Proceed(int op, bool ok, bool draining) override {
+    if (op == kFinished) {
+      // The OK status went out, or the call was already dead (cancelled, past its deadline).
+      if (closing_) Count(ok ? grpc::StatusCode::OK : grpc::StatusCode::CANCELLED);
+      delete this;
+      return;
+    }
     if (draining) {
-      if (op == kRead || op == kWritten) {
-        queue_->metrics->stream.Finished(grpc::StatusCode::CANCELLED, absl::Now() - start_);
-      }
+      if (op == kRead || op == kWritten) Count(grpc::StatusCode::CANCELLED);
       delete this;
       return;
     }
@@ -95,8 +99,11 @@ class AttendStreamCall final : public QueuedCall {
         stream_.Read(&request_, &read_);
         return;
       case kRead:
-        if (!ok) {  // the client half-closed, or the call is over
-          FinishWith(grpc::Status::OK);
+        if (!ok) {
+          // The client half-closed, or the call is over; only the finish tells them apart, so
+          // the stream is counted there.
+          closing_ = true;
+          stream_.Finish(grpc::Status::OK, &finished_);
           return;
         }
         Step();
@@ -108,9 +115,6 @@ class AttendStreamCall final : public QueuedCall {
           return;
         }
         stream_.Read(&request_, &read_);
-        return;
-      case kFinished:
-        delete this;
         return;
     }
   }
@@ -139,10 +143,15 @@ class AttendStreamCall final : public QueuedCall {
     stream_.Write(response_, &written_);
   }
 
+  // Ends the stream with the server's error `s`, counted before Finish: a client that has the
+  // status also sees it counted.
   void FinishWith(const grpc::Status& s) {
-    // Recorded before Finish: a client that has the status also sees it counted.
-    queue_->metrics->stream.Finished(s.error_code(), absl::Now() - start_);
+    Count(s.error_code());
     stream_.Finish(s, &finished_);
+  }
+
+  void Count(grpc::StatusCode code) {
+    queue_->metrics->stream.Finished(code, absl::Now() - start_);
   }
 
   AttendServer::Queue* const queue_;
@@ -150,6 +159,8 @@ class AttendStreamCall final : public QueuedCall {
   grpc::ServerContext ctx_;
   grpc::ServerAsyncReaderWriter<v1::AttendResponse, v1::AttendRequest> stream_{&ctx_};
   absl::Time start_;
+  // The read ended the stream and its OK status was posted: counted when the finish returns.
+  bool closing_ = false;
   v1::AttendRequest request_;
   v1::AttendResponse response_;
   Tag accepted_{this, kAccepted};

@@ -1,8 +1,8 @@
 // Attend and AttendStream on their own threads (service/attend_server.h), driven through the C++
 // client (unary Attend and AttendSession) over an in-process channel with the CPU backend: more
 // streams and concurrent unary callers than threads, spinning and blocking queues, a bad step
-// that ends only its own stream, a bad unary call that leaves its queue serving, and a server
-// shutdown with streams still open.
+// that ends only its own stream, a stream cancelled between steps, a bad unary call that leaves
+// its queue serving, and a server shutdown with streams still open.
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -10,6 +10,8 @@
 #include <thread>
 #include <vector>
 
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/kvpool_client.h"
 #include "gtest/gtest.h"
 #include "tests/integration/attend_fixture.h"
@@ -24,6 +26,17 @@ AttendFixture Start(int threads, int spin_us, int sequences) {
     o->attend.threads = threads;
     o->attend.spin = absl::Microseconds(spin_us);
   });
+}
+
+// Whether the registry's text holds the line `series` within 5 s: a stream that ends OK is counted
+// once its status has gone out, which its client may see first.
+bool AwaitSeries(const AttendFixture& f, const std::string& series) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(5);
+  while (f.server->server->registry()->Serialize().find(series) == std::string::npos) {
+    if (absl::Now() > deadline) return false;
+    absl::SleepFor(absl::Milliseconds(1));
+  }
+  return true;
 }
 
 // Every stream's every step, and every unary call made from other threads at the same time,
@@ -79,7 +92,6 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
   for (std::thread& w : workers) w.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(mismatches.load(), 0);
-  const std::string text = f.server->server->registry()->Serialize();
   for (const std::string& want : {
            "kvpool_rpc_duration_seconds_count{method=\"AttendStream\",code=\"OK\"} " +
                std::to_string(kStreams) + "\n",
@@ -88,7 +100,8 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
            "kvpool_rpc_duration_seconds_count{method=\"Attend\",code=\"OK\"} " +
                std::to_string(2 * kStreams * kSteps) + "\n",
        }) {
-    EXPECT_NE(text.find(want), std::string::npos) << want << "\nin:\n" << text;
+    EXPECT_TRUE(AwaitSeries(f, want)) << want << "\nin:\n"
+                                      << f.server->server->registry()->Serialize();
   }
 }
 
@@ -130,6 +143,26 @@ TEST(AttendServer, BadStepEndsOnlyItsOwnStream) {
                       "ARGUMENT\"} 1\n"),
             std::string::npos)
       << text;
+}
+
+// A stream the client cancels between steps ends CANCELLED on the server, not OK like a stream
+// the client half-closed.
+TEST(AttendServer, StreamCancelledBetweenStepsCountsAsCancelled) {
+  AttendFixture f = Start(/*threads=*/1, /*spin_us=*/500, /*sequences=*/1);
+  ASSERT_NE(f.server, nullptr);
+  auto closed = f.client->OpenAttendStream();
+  auto cancelled = f.client->OpenAttendStream();
+  ASSERT_TRUE(closed.ok() && cancelled.ok());
+  ASSERT_TRUE((*closed)->Step(AttendRequestFor(f, f.leases[0], 1)).ok());
+  ASSERT_TRUE((*cancelled)->Step(AttendRequestFor(f, f.leases[0], 2)).ok());
+  EXPECT_TRUE((*closed)->Finish().ok());
+  cancelled->reset();  // an unfinished session cancels its call
+  for (const char* series : {"{method=\"AttendStream\",code=\"OK\"} 1\n",
+                             "{method=\"AttendStream\",code=\"CANCELLED\"} 1\n"}) {
+    EXPECT_TRUE(AwaitSeries(f, std::string("kvpool_rpc_duration_seconds_count") + series))
+        << series << "\nin:\n"
+        << f.server->server->registry()->Serialize();
+  }
 }
 
 TEST(AttendServer, BadUnaryCallLeavesItsQueueServing) {
