@@ -35,13 +35,22 @@ struct QuantizeAppendParams {
   // [num_tokens] slot = block_id * block_tokens + offset in block; a negative slot is skipped.
   const int64_t* slot_mapping = nullptr;
   // [num_tokens] position of the token in its sequence; only read when sink_tokens > 0:
-  // tokens with position < sink_tokens are also written in fp16 to the sink page of their block.
+  // tokens with position < sink_tokens are also written in fp16 to the sink page of their block,
+  // which must then be one of the first num_sink_blocks.
   const int32_t* positions = nullptr;
   int num_tokens = 0;
-  uint8_t* pages = nullptr;       // this layer's base: [num_blocks][layer_page_bytes]
-  uint8_t* sink_pages = nullptr;  // this layer's sink base: [num_blocks][sink_page_bytes] or null
-  int64_t num_blocks = 0;         // arena size, for bounds checks of the slot mapping
+  uint8_t* pages = nullptr;  // this layer's base: [num_blocks][layer_page_bytes]
+  // This layer's sink base, [num_sink_blocks][sink_page_bytes]: blocks [0, num_sink_blocks) have
+  // a sink page. Required iff sink_tokens > 0.
+  uint8_t* sink_pages = nullptr;
+  int64_t num_blocks = 0;  // arena size, for bounds checks of the slot mapping
+  int64_t num_sink_blocks = 0;
 };
+
+// The first token of `p` (host slot mapping and positions) whose slot is past the arena, or,
+// when the layout keeps sinks, whose position is negative or below sink_tokens in a block without
+// a sink page; -1 when every token can be written (negative slots are skipped).
+int FirstBadAppendSlot(const QuantizeAppendParams& p);
 
 // Reads blocks back as fp16 in the original (un-rotated) space, for a range of KV heads.
 struct DequantizeParams {
@@ -67,12 +76,13 @@ struct DequantizeParams {
 //   o = softmax_t(sm_scale * q . k_t) . v_t,   lse = log(sum_t exp(sm_scale * q . k_t))
 // computed on the rotated pages: q' = H.(sign*q), score = sum_g scale_g (q'_g . codes_g) +
 // zero_g sum(q'_g); V accumulated in the rotated space and un-rotated once. When sink_tokens > 0
-// the first min(sink_tokens, len) tokens come from the fp16 sink page of the first block
-// instead of the quantized page, merged by log-sum-exp.
+// the first min(sink_tokens, len) tokens come from the fp16 sink page of the first block (one of
+// the first num_sink_blocks) instead of the quantized page, merged by log-sum-exp.
 struct PagedDecodeAttentionParams {
   PageLayout layout;
-  const uint8_t* pages = nullptr;       // this layer's base: [num_blocks][layer_page_bytes]
-  const uint8_t* sink_pages = nullptr;  // this layer's sink base, required iff sink_tokens > 0
+  const uint8_t* pages = nullptr;  // this layer's base: [num_blocks][layer_page_bytes]
+  // This layer's sink base, [num_sink_blocks][sink_page_bytes]; required iff sink_tokens > 0.
+  const uint8_t* sink_pages = nullptr;
   const uint16_t* q = nullptr;          // [num_seqs][num_q_heads][head_dim] fp16, original space
   int num_seqs = 0;
   int num_q_heads = 0;                    // a multiple of num_kv_heads (GQA)
@@ -84,6 +94,7 @@ struct PagedDecodeAttentionParams {
   uint16_t* out_fp16 = nullptr;       // the same in fp16 (round to nearest): exactly one of the two
   float* lse = nullptr;               // [num_seqs][num_q_heads] natural log, or null
   int64_t num_blocks = 0;             // arena size, for bounds checks
+  int64_t num_sink_blocks = 0;        // blocks with a sink page, for bounds checks of first blocks
   // CUDA only: split-K partials. Size from cuda::AttentionWorkspaceBytes(); 0 splits = auto.
   void* workspace = nullptr;
   size_t workspace_bytes = 0;

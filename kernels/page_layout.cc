@@ -80,6 +80,22 @@ int FirstBlockIdOutOfRange(const int32_t* ids, int n, int64_t num_blocks) {
   return i;
 }
 
+int FirstBadAppendSlot(const QuantizeAppendParams& p) {
+  const PageLayout& l = p.layout;
+  const int64_t num_slots = p.num_blocks * l.block_tokens;
+  const int64_t sink_slots = p.num_sink_blocks * l.block_tokens;
+  for (int t = 0; t < p.num_tokens; ++t) {
+    const int64_t slot = p.slot_mapping[t];
+    if (slot < 0) continue;
+    if (slot >= num_slots) return t;
+    if (l.sink_tokens > 0 &&
+        (p.positions[t] < 0 || (p.positions[t] < l.sink_tokens && slot >= sink_slots))) {
+      return t;
+    }
+  }
+  return -1;
+}
+
 const char* KernelStatusName(KernelStatus s) {
   switch (s) {
     case KernelStatus::kOk:
@@ -101,12 +117,15 @@ bool AttentionTableSpanOk(const PageLayout& layout, int max_blocks_per_seq) {
 
 BadAttentionSequence FindBadAttentionSequence(const PageLayout& layout, const int32_t* seq_lens,
                                               const int32_t* block_tables, int num_seqs,
-                                              int max_blocks_per_seq, int64_t num_blocks) {
+                                              int max_blocks_per_seq, int64_t num_blocks,
+                                              int64_t num_sink_blocks) {
   const int max_len = max_blocks_per_seq * layout.block_tokens;  // AttentionTableSpanOk
+  const int64_t first_limit = layout.sink_tokens > 0 ? num_sink_blocks : num_blocks;
   for (int s = 0; s < num_seqs; ++s) {
     const int len = seq_lens[s];
     if (len < 1 || len > max_len) return {s, -1};
     const int32_t* row = block_tables + static_cast<size_t>(s) * max_blocks_per_seq;
+    if (FirstBlockIdOutOfRange(row, 1, first_limit) == 0) return {s, 0};
     const int b = FirstBlockIdOutOfRange(row, (len + layout.block_tokens - 1) / layout.block_tokens,
                                          num_blocks);
     if (b >= 0) return {s, b};

@@ -27,7 +27,8 @@
 // Sinks: when sink_tokens > 0, the first sink_tokens tokens of every sequence are also kept in
 // fp16, in a separate sink arena laid out like the pages: the sink page of block `b`, layer `l`
 // is at `sink_base[l] + b * sink_page_bytes()`, = [K|V][head][sink_tokens][head_dim] fp16. Only
-// the first block of a sequence ever uses its sink page (positions < sink_tokens <= block_tokens).
+// the first block of a sequence uses its sink page (positions < sink_tokens <= block_tokens), so
+// the sink arena covers only the lowest block ids, those a sequence's first block is taken from.
 #ifndef KVPOOL_KERNELS_PAGE_LAYOUT_H_
 #define KVPOOL_KERNELS_PAGE_LAYOUT_H_
 
@@ -128,7 +129,8 @@ bool AttentionTableSpanOk(const PageLayout& layout, int max_blocks_per_seq);
 
 // A sequence of a decode attention call (PagedDecodeAttentionParams) that breaks the call's
 // contract: its length outside [1, max_blocks_per_seq * block_tokens] (block -1), or the id at
-// `block` of its table row outside [0, num_blocks). seq -1: none does.
+// `block` of its table row outside [0, num_blocks), or (block 0) its first block outside
+// [0, num_sink_blocks) when the layout keeps sinks. seq -1: none does.
 struct BadAttentionSequence {
   int seq = -1;
   int block = -1;
@@ -136,7 +138,8 @@ struct BadAttentionSequence {
 // The first such sequence of the call's host arrays. Requires AttentionTableSpanOk.
 BadAttentionSequence FindBadAttentionSequence(const PageLayout& layout, const int32_t* seq_lens,
                                               const int32_t* block_tables, int num_seqs,
-                                              int max_blocks_per_seq, int64_t num_blocks);
+                                              int max_blocks_per_seq, int64_t num_blocks,
+                                              int64_t num_sink_blocks);
 
 }  // namespace kvpool
 

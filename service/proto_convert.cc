@@ -76,6 +76,9 @@ absl::StatusOr<NamespaceConfig> FromProtoSpec(const v1::NamespaceSpec& spec) {
   c.rotation_seed = spec.rotation_seed();
   c.group_size = spec.group_size() == 0 ? c.head_dim : static_cast<int>(spec.group_size());
   c.sink_tokens = static_cast<int>(spec.sink_tokens());
+  if (spec.blocks_per_sink_page() != 0) {
+    c.blocks_per_sink_page = static_cast<int>(spec.blocks_per_sink_page());
+  }
   c.capacity_bytes = spec.capacity_bytes();
   return c;
 }
@@ -103,7 +106,9 @@ void ToProtoInfo(const NamespaceInfo& info, v1::NamespaceInfo* out) {
   spec->set_group_size(c.group_size);
   spec->set_sink_tokens(c.sink_tokens);
   spec->set_capacity_bytes(c.capacity_bytes);
+  spec->set_blocks_per_sink_page(c.blocks_per_sink_page);
   out->set_num_blocks(info.num_blocks);
+  out->set_num_sink_blocks(info.num_sink_blocks);
   out->set_bytes_per_block(info.bytes_per_block);
   out->set_bytes_per_token(info.bytes_per_token);
   out->set_fp16_bytes_per_token(info.fp16_bytes_per_token);
@@ -126,6 +131,8 @@ void ToProtoStats(const StoreStats& stats, v1::StatsResponse* out) {
     p->set_bytes_per_token(n.bytes_per_token);
     p->set_fp16_bytes_per_token(n.fp16_bytes_per_token);
     p->set_quant_rel_error(n.quant_rel_error);
+    p->set_sink_blocks_total(n.sink_blocks_total);
+    p->set_sink_blocks_free(n.sink_blocks_free);
     query += n.prefix_query_tokens;
     hit += n.prefix_hit_tokens;
   }

@@ -13,6 +13,10 @@ struct StoreFamilies {
                                {"namespace", "state"})),
         pool_blocks(r->AddGauge("kvpool_pool_blocks", "Pool blocks by namespace and block state.",
                                 {"namespace", "state"})),
+        sink_blocks(r->AddGauge("kvpool_sink_blocks",
+                                "Blocks with a sink page (a sequence's first block takes one), "
+                                "by namespace: total and free.",
+                                {"namespace", "state"})),
         tokens_stored(
             r->AddGauge("kvpool_tokens_stored", "Tokens in published blocks.", {"namespace"})),
         query_tokens(r->AddCounter("kvpool_prefix_query_tokens_total",
@@ -52,6 +56,10 @@ struct StoreFamilies {
         pool_bytes.WithLabels({ns, st.state})
             .Set(static_cast<double>(st.blocks) * static_cast<double>(n.bytes_per_block));
       }
+      if (n.sink_blocks_total > 0) {
+        sink_blocks.WithLabels({ns, "total"}).Set(static_cast<double>(n.sink_blocks_total));
+        sink_blocks.WithLabels({ns, "free"}).Set(static_cast<double>(n.sink_blocks_free));
+      }
       tokens_stored.WithLabels({ns}).Set(static_cast<double>(n.tokens_stored));
       query_tokens.WithLabels({ns}).Set(static_cast<double>(n.prefix_query_tokens));
       hit_tokens.WithLabels({ns}).Set(static_cast<double>(n.prefix_hit_tokens));
@@ -72,6 +80,7 @@ struct StoreFamilies {
 
   metrics::GaugeFamily& pool_bytes;
   metrics::GaugeFamily& pool_blocks;
+  metrics::GaugeFamily& sink_blocks;
   metrics::GaugeFamily& tokens_stored;
   metrics::CounterFamily& query_tokens;
   metrics::CounterFamily& hit_tokens;

@@ -44,8 +44,9 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
       (l.sink_tokens > 0 && p.sink_pages == nullptr)) {
     return KernelStatus::kInvalidArgument;
   }
-  const BadAttentionSequence bad = FindBadAttentionSequence(
-      l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq, p.num_blocks);
+  const BadAttentionSequence bad =
+      FindBadAttentionSequence(l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq,
+                               p.num_blocks, p.num_sink_blocks);
   return bad.seq < 0 ? KernelStatus::kOk : KernelStatus::kInvalidArgument;
 }
 

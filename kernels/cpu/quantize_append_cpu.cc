@@ -15,8 +15,8 @@
 namespace kvpool::cpu {
 namespace {
 
-// Checks everything before a byte is written: layout, pointers, every slot in range and, when
-// sinks are kept, every written token's position non-negative.
+// Checks everything before a byte is written: layout, pointers, and every slot
+// (FirstBadAppendSlot).
 KernelStatus Validate(const QuantizeAppendParams& p) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_tokens < 0 || p.num_blocks < 0) {
@@ -30,14 +30,7 @@ KernelStatus Validate(const QuantizeAppendParams& p) {
   if (sinks && (p.positions == nullptr || p.sink_pages == nullptr)) {
     return KernelStatus::kInvalidArgument;
   }
-  const int64_t num_slots = p.num_blocks * l.block_tokens;
-  for (int t = 0; t < p.num_tokens; ++t) {
-    const int64_t slot = p.slot_mapping[t];
-    if (slot < 0) continue;
-    if (slot >= num_slots) return KernelStatus::kInvalidArgument;
-    if (sinks && p.positions[t] < 0) return KernelStatus::kInvalidArgument;
-  }
-  return KernelStatus::kOk;
+  return FirstBadAppendSlot(p) < 0 ? KernelStatus::kOk : KernelStatus::kInvalidArgument;
 }
 
 }  // namespace

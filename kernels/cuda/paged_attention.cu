@@ -88,7 +88,7 @@ struct MergeArgs {
   int sink_tokens = 0;
   int num_kv_heads = 0;
   uint32_t sink_page_bytes = 0;
-  const uint8_t* sink_pages = nullptr;    // [num_blocks][sink_page_bytes]
+  const uint8_t* sink_pages = nullptr;    // [num_sink_blocks][sink_page_bytes]
   const uint16_t* q = nullptr;            // [num_seqs][num_q_heads][head_dim] fp16
   const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
   int max_blocks_per_seq = 0;

@@ -36,10 +36,11 @@ struct QuantizeArgs {
   const int64_t* slot_mapping;  // [num_tokens]; < 0 skipped, >= num_slots skipped
   const int32_t* positions;     // [num_tokens]; read only when sink_tokens > 0
   uint8_t* pages;               // [num_blocks][layer_page_bytes], 16-byte aligned
-  uint8_t* sink_pages;          // [num_blocks][sink_page_bytes]; used when sink_tokens > 0
+  uint8_t* sink_pages;          // [num_sink_blocks][sink_page_bytes]; when sink_tokens > 0
   uint32_t num_items;           // num_tokens * num_kv_heads, < 2^31
   int num_kv_heads;
   int64_t num_slots;  // num_blocks * block_tokens
+  int64_t num_sink_blocks;
   int group_size;     // channels per {scale, zero}: a power of two >= 8 dividing head_dim
   int group_log2;     // log2(group_size)
   int sink_tokens;
@@ -183,7 +184,8 @@ __device__ __forceinline__ void StoreSinks(const QuantizeArgs& a, uint32_t token
                                            int64_t block, int chunk, const uint4 (&k)[4],
                                            const uint4 (&v)[4]) {
   const int pos = a.positions[token];
-  if (pos < 0 || pos >= a.sink_tokens) return;
+  // The host validated; never write past the sink arena.
+  if (pos < 0 || pos >= a.sink_tokens || block >= a.num_sink_blocks) return;
   uint8_t* sink = a.sink_pages + static_cast<size_t>(block) * a.geo.sink_page_bytes;
   constexpr size_t kRowBytes = static_cast<size_t>(kHeadDim) * 2;
   uint8_t* k_row = sink + (static_cast<size_t>(head) * a.sink_tokens + pos) * kRowBytes;
@@ -477,6 +479,7 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   a.num_items = static_cast<uint32_t>(items);
   a.num_kv_heads = l.num_kv_heads;
   a.num_slots = p.num_blocks * l.block_tokens;
+  a.num_sink_blocks = p.num_sink_blocks;
   a.group_size = l.quantized() ? l.group_size : 8;
   a.group_log2 = __builtin_ctz(static_cast<unsigned>(a.group_size));
   a.sink_tokens = l.sink_tokens;

@@ -28,14 +28,11 @@ inline absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
   if (sinks && p.positions == nullptr) {
     return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
   }
-  const int64_t num_slots = p.num_blocks * l.block_tokens;
-  for (int t = 0; t < p.num_tokens; ++t) {
-    const int64_t slot = p.slot_mapping[t];
-    if (slot < 0) continue;
-    if (slot >= num_slots || (sinks && p.positions[t] < 0)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("QuantizeAppend: token %d: slot %d or position out of range", t, slot));
-    }
+  if (const int t = FirstBadAppendSlot(p); t >= 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "QuantizeAppend: token %d: slot %d, or its position, out of range (or a sink outside the "
+        "sink blocks)",
+        t, p.slot_mapping[t]));
   }
   return absl::OkStatus();
 }
@@ -67,8 +64,9 @@ inline absl::Status ValidatePagedDecodeAttention(const PagedDecodeAttentionParam
     return absl::InvalidArgumentError(
         "PagedDecodeAttention: null argument, or not exactly one of out and out_fp16");
   }
-  const BadAttentionSequence bad = FindBadAttentionSequence(
-      l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq, p.num_blocks);
+  const BadAttentionSequence bad =
+      FindBadAttentionSequence(l, p.seq_lens, p.block_tables, p.num_seqs, p.max_blocks_per_seq,
+                               p.num_blocks, p.num_sink_blocks);
   if (bad.seq < 0) return absl::OkStatus();
   if (bad.block < 0) {
     return absl::InvalidArgumentError(absl::StrFormat(

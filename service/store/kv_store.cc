@@ -123,19 +123,20 @@ absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& 
         capacity, unreserved, options_.pool_bytes));
   }
   const uint64_t bytes_per_block = BytesPerBlock(config);
-  const uint64_t num_blocks = capacity / bytes_per_block;
-  if (num_blocks == 0) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "namespace %s: %d bytes hold no block of %d bytes", config.name, capacity,
-        bytes_per_block));
+  const ArenaBlocks blocks = PlanArena(config, capacity);
+  if (blocks.blocks == 0) {
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("namespace %s: %d bytes hold no block of %d bytes (and a sink page of %d)",
+                        config.name, capacity, bytes_per_block, SinkBytesPerBlock(config)));
   }
   absl::StatusOr<std::unique_ptr<BlockPool>> pool =
-      BlockPool::Create(config, num_blocks, options_.backend);
+      BlockPool::Create(config, blocks, options_.backend);
   if (!pool.ok()) return pool.status();
   NamespaceInfo info;
   info.config = config;
   info.config.capacity_bytes = capacity;
-  info.num_blocks = num_blocks;
+  info.num_blocks = blocks.blocks;
+  info.num_sink_blocks = blocks.sink_blocks;
   info.bytes_per_block = bytes_per_block;
   info.bytes_per_token = BytesPerToken(config);
   info.fp16_bytes_per_token = Fp16BytesPerToken(config);
@@ -195,8 +196,10 @@ absl::Status StoreImpl::CheckTokenIds(absl::Span<const int32_t> token_ids,
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::vector<int32_t>> StoreImpl::AllocateLocked(NamespaceState& ns, size_t n) {
+absl::StatusOr<std::vector<int32_t>> StoreImpl::AllocateLocked(NamespaceState& ns, size_t n,
+                                                               size_t firsts) {
   BlockPool& pool = *ns.pool;
+  if (pool.num_sink_blocks() == 0) firsts = 0;
   const size_t evictable = ns.index.size() - ns.index.pinned_nodes();
   if (n > static_cast<size_t>(pool.num_blocks())) {
     return absl::ResourceExhaustedError(
@@ -209,13 +212,23 @@ absl::StatusOr<std::vector<int32_t>> StoreImpl::AllocateLocked(NamespaceState& n
         "%d, %d free or evictable)",
         pool.num_blocks(), ns.info.config.name, n, pool.num_free() + evictable));
   }
-  // Every unpinned node is evictable eventually: a pinned node's ancestors are pinned too.
-  while (pool.num_free() < n) {
+  if (pool.num_free_sink() + ns.index.unpinned_sink_nodes() < firsts) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "namespace %s: %d new sequences need a first block with a sink page, but all %d such "
+        "blocks are pinned by leases or in-flight puts (%d free or evictable; the namespace has "
+        "one per %d blocks, blocks_per_sink_page)",
+        ns.info.config.name, firsts, pool.num_sink_blocks(),
+        pool.num_free_sink() + ns.index.unpinned_sink_nodes(),
+        ns.info.config.blocks_per_sink_page));
+  }
+  // Every unpinned node is evictable eventually: a pinned node's ancestors are pinned too. The
+  // blocks with a sink page free up as LRU order reaches them.
+  while (pool.num_free() < n || pool.num_free_sink() < firsts) {
     const std::optional<int32_t> victim = ns.index.EvictOne();
     pool.Free({*victim});
     ++ns.evictions;
   }
-  return pool.Allocate(n);
+  return pool.Allocate(n, firsts);
 }
 
 void StoreImpl::RecordQuantErrorLocked(NamespaceState& ns, double rel_error) {
@@ -360,6 +373,8 @@ StoreStats StoreImpl::Stats() const {
     n.blocks_free = ns->pool->num_free();
     n.blocks_evictable = ns->index.size() - ns->index.pinned_nodes();
     n.blocks_in_use = n.blocks_total - n.blocks_free - n.blocks_evictable;
+    n.sink_blocks_total = ns->pool->num_sink_blocks();
+    n.sink_blocks_free = ns->pool->num_free_sink();
     n.bytes_per_block = ns->info.bytes_per_block;
     n.tokens_stored = static_cast<uint64_t>(ns->index.size()) * ns->block_tokens();
     n.evictions = ns->evictions;

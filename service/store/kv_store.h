@@ -30,7 +30,8 @@ namespace kvpool {
 struct NamespaceInfo {
   NamespaceConfig config;
   uint64_t num_blocks = 0;
-  uint64_t bytes_per_block = 0;
+  uint64_t num_sink_blocks = 0;  // blocks with a sink page (ids below it); 0 without sinks
+  uint64_t bytes_per_block = 0;  // a block's pages, sink pages apart
   double bytes_per_token = 0;
   double fp16_bytes_per_token = 0;
 };
@@ -41,6 +42,8 @@ struct NamespaceStoreStats {
   uint64_t blocks_free = 0;
   uint64_t blocks_in_use = 0;     // pinned or being written
   uint64_t blocks_evictable = 0;  // published, unpinned
+  uint64_t sink_blocks_total = 0;  // blocks with a sink page (0 without sinks)
+  uint64_t sink_blocks_free = 0;
   uint64_t bytes_per_block = 0;
   uint64_t tokens_stored = 0;    // tokens in published blocks now
   uint64_t evictions = 0;        // blocks evicted, total

@@ -155,16 +155,12 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
 
   const NamespaceConfig& config = ns->info.config;
   const BlockPool& pool = *ns->pool;
-  QuantizeAppendParams p;
-  p.layout = pool.layout(layer);
+  QuantizeAppendParams p = pool.AppendParams(layer);
   p.k = new_k.data();
   p.v = new_v.data();
   p.slot_mapping = slots.data();
   p.positions = positions.data();
   p.num_tokens = static_cast<int>(plans.size());
-  p.pages = pool.layer_base(layer);
-  p.sink_pages = pool.sink_base(layer);
-  p.num_blocks = pool.num_blocks();
   // q goes to the backend in place when the items' rows are already back to back (an AttendSocket
   // region), else gathered.
   const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
@@ -177,10 +173,7 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     q.reserve(items.size() * q_elems);
     for (const AttendItem& item : items) q.insert(q.end(), item.q, item.q + q_elems);
   }
-  PagedDecodeAttentionParams a;
-  a.layout = pool.layout(layer);
-  a.pages = pool.layer_base(layer);
-  a.sink_pages = pool.sink_base(layer);
+  PagedDecodeAttentionParams a = pool.AttentionParams(layer);
   a.q = q_contiguous ? items[0].q : q.data();
   a.num_seqs = static_cast<int>(items.size());
   a.num_q_heads = static_cast<int>(num_q_heads);
@@ -191,7 +184,6 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   a.out = outputs.out;
   a.out_fp16 = outputs.out_fp16;
   a.lse = outputs.lse;
-  a.num_blocks = pool.num_blocks();
   // The new tokens are quantized into their slots in the same backend call, before the attention.
   const absl::Status s = backend()->PagedDecodeAttention(a, plans.empty() ? nullptr : &p);
   for (size_t i = 0; i < items.size(); ++i) {

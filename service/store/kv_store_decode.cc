@@ -229,6 +229,7 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
                                             [](int32_t id) { return id >= 0; });
   }
   size_t needed = 0;
+  size_t firsts = 0;      // leases that take their first block
   uint64_t more_ids = 0;  // at most what the leases' token_ids grow by below
   for (const auto& [lease, n, named] : growth) {
     const uint64_t after = lease->layer_tokens[layer] + n;
@@ -239,17 +240,18 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
     }
     const size_t blocks_after = (after + bt - 1) / bt;
     if (blocks_after > lease->blocks.size()) needed += blocks_after - lease->blocks.size();
+    if (blocks_after > 0 && lease->blocks.empty()) ++firsts;
     if (named && after > lease->token_ids.size()) more_ids += after - lease->token_ids.size();
   }
   if (absl::Status s = CheckLeaseTokenIdsLocked(more_ids); !s.ok()) return s;
-  absl::StatusOr<std::vector<int32_t>> ids = AllocateLocked(ns, needed);
+  absl::StatusOr<std::vector<int32_t>> ids = AllocateLocked(ns, needed, firsts);
   if (!ids.ok()) return ids.status();
-  size_t next = 0;
+  size_t next_first = 0, next = firsts;  // ids [0, firsts) are for first blocks
   for (const auto& [lease, n, named] : growth) {
     const size_t blocks_after = (lease->layer_tokens[layer] + n + bt - 1) / bt;
     while (lease->blocks.size() < blocks_after) {
       Lease::Block block;
-      block.id = (*ids)[next++];
+      block.id = (*ids)[lease->blocks.empty() ? next_first++ : next++];
       block.owned = true;
       lease->AddBlock(block);
     }
@@ -393,16 +395,12 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
     use.Add(*std::move(lease));
   }
   const BlockPool& pool = *ns->pool;
-  QuantizeAppendParams p;
-  p.layout = pool.layout(layer);
+  QuantizeAppendParams p = pool.AppendParams(layer);
   p.k = k;
   p.v = v;
   p.slot_mapping = slots.data();
   p.positions = positions.data();
   p.num_tokens = static_cast<int>(num_tokens);
-  p.pages = pool.layer_base(layer);
-  p.sink_pages = pool.sink_base(layer);
-  p.num_blocks = pool.num_blocks();
   absl::Status s = backend()->QuantizeAppend(p);
   if (s.ok()) s = backend()->Synchronize();
   absl::MutexLock l(&mu_);

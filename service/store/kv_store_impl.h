@@ -32,7 +32,10 @@ namespace kvpool::store_internal {
 // One namespace: geometry (immutable after creation), blocks, index and counters.
 struct NamespaceState {
   NamespaceState(int i, const NamespaceInfo& in, std::unique_ptr<BlockPool> p)
-      : ordinal(i), info(in), pool(std::move(p)), index(RootHash(in.config.name)) {}
+      : ordinal(i),
+        info(in),
+        pool(std::move(p)),
+        index(RootHash(in.config.name), pool->num_sink_blocks()) {}
 
   const int ordinal;  // position in the store's namespace list (Lease::namespace_index)
   const NamespaceInfo info;
@@ -103,9 +106,10 @@ class StoreImpl final : public KvStore {
   ComputeBackend* backend() const { return options_.backend; }
   absl::Mutex& mu() ABSL_LOCK_RETURNED(mu_) { return mu_; }
 
-  // `n` blocks of `ns`, evicting unpinned published blocks LRU-first when the free list is
-  // short. RESOURCE_EXHAUSTED, with nothing changed, when pins leave too few.
-  absl::StatusOr<std::vector<int32_t>> AllocateLocked(NamespaceState& ns, size_t n)
+  // `n` blocks of `ns`, the first `firsts` of them for sequences' first blocks (BlockPool::
+  // Allocate), evicting unpinned published blocks LRU-first when the free lists are short.
+  // RESOURCE_EXHAUSTED, with nothing changed, when pins leave too few.
+  absl::StatusOr<std::vector<int32_t>> AllocateLocked(NamespaceState& ns, size_t n, size_t firsts)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Folds one sampled relative error into the namespace's EWMA.
   void RecordQuantErrorLocked(NamespaceState& ns, double rel_error)

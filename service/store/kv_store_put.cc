@@ -127,16 +127,12 @@ absl::Status PutSessionImpl::AddChunkFrom(Src src, uint32_t layer, uint32_t toke
     positions[i] = static_cast<int32_t>(t);
   }
   const BlockPool& pool = *ns_->pool;
-  QuantizeAppendParams p;
-  p.layout = pool.layout(layer);
+  QuantizeAppendParams p = pool.AppendParams(layer);
   p.k = k + (begin - token_begin) * per_token;
   p.v = v + (begin - token_begin) * per_token;
   p.slot_mapping = slots.data();
   p.positions = positions.data();
   p.num_tokens = static_cast<int>(n);
-  p.pages = pool.layer_base(layer);
-  p.sink_pages = pool.sink_base(layer);
-  p.num_blocks = pool.num_blocks();
   if (absl::Status s = src == Src::kArena ? backend->QuantizeAppendFromArena(p)
                                            : backend->QuantizeAppend(p);
       !s.ok()) {
@@ -253,7 +249,9 @@ absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
   const size_t cached = ns.index.LongestPrefix(chain);
   // Pin the cached prefix first so that eviction for our blocks cannot take it.
   for (size_t b = 0; b < cached; ++b) ns.index.Pin(chain[b]);
-  absl::StatusOr<std::vector<int32_t>> blocks = AllocateLocked(ns, chain.size() - cached);
+  // Without a cached prefix the first new block starts the sequence.
+  absl::StatusOr<std::vector<int32_t>> blocks =
+      AllocateLocked(ns, chain.size() - cached, cached == 0 && !chain.empty() ? 1 : 0);
   if (!blocks.ok()) {
     for (size_t b = 0; b < cached; ++b) ns.index.Unpin(chain[b]);
     return blocks.status();

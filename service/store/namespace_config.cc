@@ -104,6 +104,9 @@ absl::Status ValidateNamespaceConfig(const NamespaceConfig& config) {
     return absl::InvalidArgumentError(
         "namespace rotation_block, group_size and sink_tokens must not be negative");
   }
+  if (config.blocks_per_sink_page < 1) {
+    return absl::InvalidArgumentError("namespace blocks_per_sink_page must be at least 1");
+  }
   for (int l = 0; l < config.num_layers; ++l) {
     if (!IsKnownDtype(config.layer_dtypes[l])) {
       return absl::InvalidArgumentError(absl::StrFormat(
@@ -131,15 +134,46 @@ PageLayout LayerLayout(const NamespaceConfig& config, int layer) {
 
 uint64_t BytesPerBlock(const NamespaceConfig& config) {
   uint64_t bytes = 0;
-  for (int l = 0; l < config.num_layers; ++l) {
-    const PageLayout p = LayerLayout(config, l);
-    bytes += p.layer_page_bytes() + p.sink_page_bytes();
-  }
+  for (int l = 0; l < config.num_layers; ++l) bytes += LayerLayout(config, l).layer_page_bytes();
   return bytes;
 }
 
+uint64_t SinkBytesPerBlock(const NamespaceConfig& config) {
+  uint64_t bytes = 0;
+  for (int l = 0; l < config.num_layers; ++l) bytes += LayerLayout(config, l).sink_page_bytes();
+  return bytes;
+}
+
+namespace {
+
+uint64_t SinkBlocks(const NamespaceConfig& config, uint64_t blocks) {
+  if (SinkBytesPerBlock(config) == 0) return 0;
+  const uint64_t r = static_cast<uint64_t>(config.blocks_per_sink_page);
+  return blocks / r + (blocks % r != 0 ? 1 : 0);
+}
+
+}  // namespace
+
+uint64_t ArenaBytes(const NamespaceConfig& config, uint64_t blocks) {
+  return BytesPerBlock(config) * blocks + SinkBytesPerBlock(config) * SinkBlocks(config, blocks);
+}
+
+ArenaBlocks PlanArena(const NamespaceConfig& config, uint64_t capacity_bytes) {
+  const uint64_t page = BytesPerBlock(config);
+  const uint64_t sink = SinkBytesPerBlock(config);
+  const auto r = static_cast<unsigned __int128>(config.blocks_per_sink_page);
+  // With a fraction of a sink page per block the arena holds capacity * r / (r * page + sink)
+  // blocks (capacity / page without sinks); rounding the sink pages up takes away a few at most.
+  uint64_t blocks =
+      static_cast<uint64_t>(static_cast<unsigned __int128>(capacity_bytes) * r / (r * page + sink));
+  while (blocks > 0 && ArenaBytes(config, blocks) > capacity_bytes) --blocks;
+  return {blocks, SinkBlocks(config, blocks)};
+}
+
 double BytesPerToken(const NamespaceConfig& config) {
-  return static_cast<double>(BytesPerBlock(config)) / config.block_tokens;
+  const double sink_share = static_cast<double>(SinkBytesPerBlock(config)) /
+                            static_cast<double>(config.blocks_per_sink_page);
+  return (static_cast<double>(BytesPerBlock(config)) + sink_share) / config.block_tokens;
 }
 
 double Fp16BytesPerToken(const NamespaceConfig& config) {

@@ -26,7 +26,11 @@ struct NamespaceConfig {
   uint64_t rotation_seed = 0;         // 0 = no sign vector
   int group_size = 0;                 // channels per scale/zero; equals head_dim by default
   int sink_tokens = 0;                // <= block_tokens
-  uint64_t capacity_bytes = 0;        // pool bytes reserved for this namespace
+  // With sink_tokens > 0: one sink page per this many blocks (rounded up), >= 1. Only a
+  // sequence's first block uses a sink page, so the pool gives them to the blocks a sequence
+  // starts in and the rest of the blocks go without.
+  int blocks_per_sink_page = 16;
+  uint64_t capacity_bytes = 0;  // pool bytes reserved for this namespace
 };
 
 // The default namespace served at start-up: Llama-3-8B geometry (32 layers, 8 KV heads,
@@ -40,9 +44,24 @@ absl::Status ValidateNamespaceConfig(const NamespaceConfig& config);
 // layer index (0 when rotation_seed is 0).
 PageLayout LayerLayout(const NamespaceConfig& config, int layer);
 
-// Bytes one block takes over all layers, pages plus sink pages.
+// Bytes a block's pages take over all layers, sink pages apart.
 uint64_t BytesPerBlock(const NamespaceConfig& config);
-// Bytes per token of the stored format, and of the same K/V in fp16.
+// Bytes a sink page takes over all layers (0 without sinks).
+uint64_t SinkBytesPerBlock(const NamespaceConfig& config);
+
+// How an arena of some capacity divides: `blocks` blocks, of which the first `sink_blocks` (ids
+// [0, sink_blocks)) have a sink page.
+struct ArenaBlocks {
+  uint64_t blocks = 0;
+  uint64_t sink_blocks = 0;
+};
+// The bytes of an arena of `blocks` blocks with ceil(blocks / blocks_per_sink_page) sink pages
+// (none without sinks).
+uint64_t ArenaBytes(const NamespaceConfig& config, uint64_t blocks);
+// The most blocks `capacity_bytes` hold that way.
+ArenaBlocks PlanArena(const NamespaceConfig& config, uint64_t capacity_bytes);
+// Arena bytes per token of the stored format (a block's pages and its share of a sink page), and
+// of the same K/V in fp16.
 double BytesPerToken(const NamespaceConfig& config);
 double Fp16BytesPerToken(const NamespaceConfig& config);
 

@@ -107,6 +107,7 @@ absl::StatusOr<int32_t> PrefixIndex::Insert(const BlockHash& parent, const Block
   n.parent = parent;
   n.tick = ++tick_;
   AddEvictable(hash, n);
+  if (HasSinkPage(n)) ++unpinned_sink_nodes_;
   nodes_.emplace(hash, n);
   return block;
 }
@@ -118,6 +119,7 @@ void PrefixIndex::Pin(const BlockHash& hash) {
   if (n.pins == 0) {
     if (n.children == 0) RemoveEvictable(hash, n);
     ++pinned_nodes_;
+    if (HasSinkPage(n)) --unpinned_sink_nodes_;
   }
   ++n.pins;
 }
@@ -128,6 +130,7 @@ void PrefixIndex::Unpin(const BlockHash& hash) {
   Node& n = it->second;
   if (--n.pins == 0) {
     --pinned_nodes_;
+    if (HasSinkPage(n)) ++unpinned_sink_nodes_;
     if (n.children == 0) AddEvictable(hash, n);
   }
 }
@@ -149,6 +152,7 @@ std::optional<int32_t> PrefixIndex::EvictOne() {
   auto it = nodes_.find(hash);
   const int32_t block = it->second.block;
   const BlockHash parent = it->second.parent;
+  if (HasSinkPage(it->second)) --unpinned_sink_nodes_;
   nodes_.erase(it);
   if (parent != root_) {
     Node& p = nodes_.find(parent)->second;

@@ -53,8 +53,10 @@ std::vector<BlockHash> HashChain(const BlockHash& root, absl::Span<const int32_t
 
 class PrefixIndex {
  public:
-  // `root` is h_0 of the namespace: the parent of every chain's first block.
-  explicit PrefixIndex(const BlockHash& root) : root_(root) {}
+  // `root` is h_0 of the namespace: the parent of every chain's first block. Nodes of blocks
+  // below `sink_blocks` (the ids with a sink page, BlockPool) are counted while unpinned.
+  explicit PrefixIndex(const BlockHash& root, int32_t sink_blocks = 0)
+      : root_(root), sink_blocks_(sink_blocks) {}
 
   const BlockHash& root() const { return root_; }
 
@@ -84,6 +86,9 @@ class PrefixIndex {
   size_t size() const { return nodes_.size(); }
   size_t evictable() const { return evictable_.size(); }
   size_t pinned_nodes() const { return pinned_nodes_; }
+  // Unpinned nodes of blocks with a sink page. Each can be evicted (after its descendants, all
+  // unpinned too), so while this is positive EvictOne frees such a block eventually.
+  size_t unpinned_sink_nodes() const { return unpinned_sink_nodes_; }
 
  private:
   struct Node {
@@ -94,12 +99,15 @@ class PrefixIndex {
     uint64_t tick = 0;  // last use
   };
   bool IsEvictable(const Node& n) const { return n.pins == 0 && n.children == 0; }
+  bool HasSinkPage(const Node& n) const { return n.block < sink_blocks_; }
   void AddEvictable(const BlockHash& hash, const Node& n) { evictable_.insert({n.tick, hash}); }
   void RemoveEvictable(const BlockHash& hash, const Node& n) { evictable_.erase({n.tick, hash}); }
 
   const BlockHash root_;
+  const int32_t sink_blocks_;
   uint64_t tick_ = 0;
   size_t pinned_nodes_ = 0;  // nodes with pins > 0
+  size_t unpinned_sink_nodes_ = 0;
   absl::flat_hash_map<BlockHash, Node> nodes_;
   // (tick, hash) of every unpinned leaf, oldest first.
   std::set<std::pair<uint64_t, BlockHash>> evictable_;

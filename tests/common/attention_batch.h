@@ -28,7 +28,7 @@ struct HostBatch {
   int64_t num_blocks = 0;
   std::vector<int32_t> block_tables;  // [num_seqs][max_blocks_per_seq]
   std::vector<uint8_t> pages;         // [num_blocks][layer_page_bytes]
-  std::vector<uint8_t> sink_pages;    // [num_blocks][sink_page_bytes]
+  std::vector<uint8_t> sink_pages;    // [num_blocks][sink_page_bytes]: every block has one
   std::vector<uint16_t> q;            // [num_seqs][num_q_heads][head_dim]
   std::vector<std::vector<uint16_t>> k, v;  // per seq [len][num_kv_heads][head_dim] fp16
 
@@ -37,6 +37,7 @@ struct HostBatch {
     p.layout = layout;
     p.pages = pages.data();
     p.sink_pages = sink_pages.empty() ? nullptr : sink_pages.data();
+    p.num_sink_blocks = sink_pages.empty() ? 0 : num_blocks;
     p.q = q.data();
     p.num_seqs = static_cast<int>(seq_lens.size());
     p.num_q_heads = num_q_heads;
@@ -111,6 +112,7 @@ inline bool MakeHostBatch(const PageLayout& layout, int num_q_heads,
     qp.pages = b->pages.data();
     qp.sink_pages = b->sink_pages.empty() ? nullptr : b->sink_pages.data();
     qp.num_blocks = b->num_blocks;
+    qp.num_sink_blocks = b->sink_pages.empty() ? 0 : b->num_blocks;
     if (cpu::QuantizeAppend(qp) != KernelStatus::kOk) return false;
   }
   b->q = ToHalf(MakeNormal(num_seqs * num_q_heads * layout.head_dim, seed * 31 + 7));

@@ -133,7 +133,10 @@ Inputs MakeInputs(const Case& c, uint64_t seed) {
 }
 
 // Runs one case's inputs on both backends and checks every byte of the arena (and sink arena).
-void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats) {
+// gpu_sink_blocks >= 0: the CUDA kernel is told that only blocks below it have a sink page, so
+// it must leave the others' untouched (the host refuses such appends; the kernel still stays
+// inside its sink arena).
+void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats, int64_t gpu_sink_blocks = -1) {
   SCOPED_TRACE(Name(c));
   const PageLayout& l = in.layout;
   const size_t page_bytes = in.num_blocks * l.layer_page_bytes();
@@ -150,6 +153,7 @@ void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats) {
   p.pages = cpu_pages.data();
   p.sink_pages = l.sink_tokens > 0 ? cpu_sinks.data() : nullptr;
   p.num_blocks = in.num_blocks;
+  p.num_sink_blocks = l.sink_tokens > 0 ? in.num_blocks : 0;
   ASSERT_EQ(cpu::QuantizeAppend(p), KernelStatus::kOk);
 
   DeviceBuffer k(in.k.size() * 2), v(in.v.size() * 2), slots(in.slots.size() * 8),
@@ -167,6 +171,10 @@ void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats) {
   d.positions = positions.as<int32_t>();
   d.pages = pages.as<uint8_t>();
   d.sink_pages = l.sink_tokens > 0 ? sinks.as<uint8_t>() : nullptr;
+  if (gpu_sink_blocks >= 0) {
+    d.num_sink_blocks = gpu_sink_blocks;
+    std::fill(cpu_sinks.begin() + gpu_sink_blocks * l.sink_page_bytes(), cpu_sinks.end(), kPoison);
+  }
   ASSERT_EQ(cuda::QuantizeAppend(d, nullptr), KernelStatus::kOk) << cuda::LastErrorMessage();
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<uint8_t> gpu_pages(page_bytes), gpu_sinks(sink_bytes);
@@ -349,6 +357,15 @@ TEST(QuantizeGpu, MatchesCpuReferenceOverDtypeRotHeadDimBlockTokens) {
     }
     if (dtype != KvDtype::kFp16) ExpectFewTies(stats, "all cases");
   }
+}
+
+TEST(QuantizeGpu, WritesNoSinkPagePastTheSinkBlocks) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  CodeStats stats;
+  const Case c{KvDtype::kInt4,     128, 128, 16, 0, /*sink_tokens=*/4, /*num_kv_heads=*/8,
+               /*num_tokens=*/1023};
+  const Inputs in = MakeInputs(c, 77);
+  CheckInputs(c, in, &stats, /*gpu_sink_blocks=*/in.num_blocks / 2);
 }
 
 TEST(QuantizeGpu, MatchesCpuReferenceWithGroupsSinksAndManyTokens) {

@@ -297,6 +297,7 @@ TEST_P(CudaTransferDtype, QuantizeAppendFromArenaMatchesHostPathAndCpuBackend) {
   p.positions = positions.data();
   p.num_tokens = kTokens;
   p.num_blocks = kNumBlocks;
+  p.num_sink_blocks = kNumBlocks;
   // Three targets: the CPU backend, the CUDA host path, the CUDA arena path.
   absl::StatusOr<uint8_t*> cpu_pages = cpu->AllocateArena(page_bytes);
   absl::StatusOr<uint8_t*> cpu_sinks = cpu->AllocateArena(sink_bytes);

@@ -157,7 +157,9 @@ TEST(AttentionTables, FindsTheFirstSequenceWithABadLengthOrBlock) {
   // Three sequences, tables of 4 blocks: lengths 16 (1 block), 17 (2 blocks), 64 (4 blocks).
   std::vector<int32_t> lens = {16, 17, 64};
   std::vector<int32_t> tables = {0, -9, -9, -9, 1, 2, 77, 77, 3, 4, 5, 6};
-  auto find = [&] { return FindBadAttentionSequence(l, lens.data(), tables.data(), 3, 4, 10); };
+  auto find = [&] {
+    return FindBadAttentionSequence(l, lens.data(), tables.data(), 3, 4, 10, /*sink_blocks=*/0);
+  };
   EXPECT_EQ(find().seq, -1);  // ids past each length are not looked at
   lens[1] = 65;               // past the table's 4 blocks
   EXPECT_EQ(find().seq, 1);
@@ -171,6 +173,23 @@ TEST(AttentionTables, FindsTheFirstSequenceWithABadLengthOrBlock) {
   tables[11] = -1;
   EXPECT_EQ(find().seq, 2);
   EXPECT_EQ(find().block, 3);
+}
+
+// With sinks, a sequence's first block must have a sink page: be among the lowest ids.
+TEST(AttentionTables, WithSinksAFirstBlockPastTheSinkBlocksIsBad) {
+  PageLayout l = Int4Layout();
+  l.sink_tokens = 4;
+  std::vector<int32_t> lens = {16, 40};
+  std::vector<int32_t> tables = {1, -9, -9, 0, 7, 8};
+  auto find = [&](int64_t sink_blocks) {
+    return FindBadAttentionSequence(l, lens.data(), tables.data(), 2, 3, 10, sink_blocks);
+  };
+  EXPECT_EQ(find(2).seq, -1);  // first blocks 1 and 0; 7 and 8 need no sink page
+  EXPECT_EQ(find(1).seq, 0);   // block 1 has none
+  EXPECT_EQ(find(1).block, 0);
+  EXPECT_EQ(find(0).seq, 0);
+  l.sink_tokens = 0;  // without sinks the bound does not apply
+  EXPECT_EQ(find(0).seq, -1);
 }
 
 // Tables spanning more than 2^30 tokens are not planned (their token count overflowed int and the

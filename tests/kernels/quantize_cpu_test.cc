@@ -28,6 +28,7 @@ struct Appender {
         sink_pages(num_blocks * layout.sink_page_bytes(), kPoison) {
     params.layout = layout;
     params.num_blocks = num_blocks;
+    params.num_sink_blocks = layout.sink_tokens > 0 ? num_blocks : 0;
     params.pages = pages.data();
     params.sink_pages = layout.sink_tokens > 0 ? sink_pages.data() : nullptr;
   }
@@ -313,6 +314,17 @@ TEST(QuantizeCpu, SinkTokensAreAlsoKeptInFp16InTheirBlocksSinkPage) {
       ASSERT_EQ(a.sink_pages[b * l.sink_page_bytes() + i], kPoison);
     }
   }
+  // With sink pages for blocks 0 and 1 only, block 2 cannot hold the sinks: refused before any
+  // write. Tokens past the sinks may go anywhere.
+  Appender few(l, 3);
+  few.params.num_sink_blocks = 2;
+  EXPECT_EQ(few.Append(k, v, slots, positions), KernelStatus::kInvalidArgument);
+  EXPECT_TRUE(
+      std::all_of(few.pages.begin(), few.pages.end(), [](uint8_t x) { return x == kPoison; }));
+  const std::vector<int64_t> rest(slots.begin() + sinks, slots.end());
+  const std::vector<int32_t> rest_positions(positions.begin() + sinks, positions.end());
+  const std::vector<uint16_t> rest_k(k.begin() + sinks * l.num_kv_heads * l.head_dim, k.end());
+  EXPECT_EQ(few.Append(rest_k, rest_k, rest, rest_positions), KernelStatus::kOk);
 }
 
 }  // namespace

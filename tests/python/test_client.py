@@ -267,3 +267,14 @@ def test_unknown_lease_and_namespace_are_not_found(client):
     with pytest.raises(grpc.RpcError) as e:
         client.match([1, 2, 3], namespace="no-such-namespace")
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_sink_pages_are_shared_out_one_per_blocks_per_sink_page(client):
+    info = client.create_namespace("pytest-sinks", LAYERS, HEADS, DIM, block_tokens=BLOCK,
+                                   sink_tokens=4, blocks_per_sink_page=4, capacity_bytes=1 << 20)
+    assert info.spec.blocks_per_sink_page == 4
+    assert info.num_sink_blocks == -(-info.num_blocks // 4)
+    default = client.create_namespace("pytest-sinks-default", LAYERS, HEADS, DIM,
+                                      block_tokens=BLOCK, sink_tokens=4, capacity_bytes=1 << 20)
+    assert default.spec.blocks_per_sink_page == 16
+    assert default.num_blocks > info.num_blocks  # fewer sink pages, more blocks

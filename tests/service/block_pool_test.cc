@@ -29,7 +29,7 @@ NamespaceConfig Config(int sink_tokens) {
 
 TEST(BlockPool, AllocatesDistinctBlocksUntilExhausted) {
   auto backend = NewCpuBackend();
-  auto pool = BlockPool::Create(Config(0), 5, backend.get());
+  auto pool = BlockPool::Create(Config(0), {5, 0}, backend.get());
   ASSERT_TRUE(pool.ok()) << pool.status();
   auto a = (*pool)->Allocate(3);
   ASSERT_TRUE(a.ok());
@@ -46,7 +46,7 @@ TEST(BlockPool, AllocatesDistinctBlocksUntilExhausted) {
 
 TEST(BlockPool, FailedAllocationTakesNothing) {
   auto backend = NewCpuBackend();
-  auto pool = BlockPool::Create(Config(0), 4, backend.get());
+  auto pool = BlockPool::Create(Config(0), {4, 0}, backend.get());
   ASSERT_TRUE(pool.ok());
   ASSERT_TRUE((*pool)->Allocate(3).ok());
   EXPECT_FALSE((*pool)->Allocate(2).ok());
@@ -55,7 +55,7 @@ TEST(BlockPool, FailedAllocationTakesNothing) {
 
 TEST(BlockPool, FreedBlocksAreReused) {
   auto backend = NewCpuBackend();
-  auto pool = BlockPool::Create(Config(0), 2, backend.get());
+  auto pool = BlockPool::Create(Config(0), {2, 0}, backend.get());
   ASSERT_TRUE(pool.ok());
   auto a = (*pool)->Allocate(2);
   ASSERT_TRUE(a.ok());
@@ -70,8 +70,8 @@ TEST(BlockPool, FreedBlocksAreReused) {
 TEST(BlockPool, ArenaIsLayerMajorWithSinksAfterPages) {
   auto backend = NewCpuBackend();
   const NamespaceConfig config = Config(2);
-  const int64_t n = 7;
-  auto pool = BlockPool::Create(config, n, backend.get());
+  const int64_t n = 7, sinks = 3;
+  auto pool = BlockPool::Create(config, {n, sinks}, backend.get());
   ASSERT_TRUE(pool.ok());
   const BlockPool& p = **pool;
   for (int l = 1; l < config.num_layers; ++l) {
@@ -82,15 +82,52 @@ TEST(BlockPool, ArenaIsLayerMajorWithSinksAfterPages) {
   EXPECT_EQ(p.sink_base(0) - p.layer_base(last),
             static_cast<ptrdiff_t>(p.layout(last).layer_page_bytes() * n));
   EXPECT_EQ(p.sink_base(1) - p.sink_base(0),
-            static_cast<ptrdiff_t>(p.layout(0).sink_page_bytes() * n));
-  EXPECT_EQ(backend->Stats().arena_bytes >= BytesPerBlock(config) * n, true);
-  const uint8_t* end = p.sink_base(last) + p.layout(last).sink_page_bytes() * n;
-  EXPECT_EQ(static_cast<uint64_t>(end - p.layer_base(0)), BytesPerBlock(config) * n);
+            static_cast<ptrdiff_t>(p.layout(0).sink_page_bytes() * sinks));
+  const uint64_t bytes = BytesPerBlock(config) * n + SinkBytesPerBlock(config) * sinks;
+  EXPECT_GE(backend->Stats().arena_bytes, bytes);
+  const uint8_t* end = p.sink_base(last) + p.layout(last).sink_page_bytes() * sinks;
+  EXPECT_EQ(static_cast<uint64_t>(end - p.layer_base(0)), bytes);
+}
+
+// A sequence's first block comes from the ids with a sink page; other blocks take the rest first
+// and those ids only when the rest are gone.
+TEST(BlockPool, FirstBlocksTakeTheIdsWithASinkPage) {
+  auto backend = NewCpuBackend();
+  auto pool = BlockPool::Create(Config(2), {6, 2}, backend.get());
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  BlockPool& p = **pool;
+  EXPECT_EQ(p.num_sink_blocks(), 2);
+  auto a = p.Allocate(3, /*firsts=*/1);
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(*a, (std::vector<int32_t>{0, 2, 3}));
+  EXPECT_EQ(p.num_free_sink(), 1u);
+  auto b = p.Allocate(3);  // ids 4 and 5, then the last with a sink page
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ(*b, (std::vector<int32_t>{4, 5, 1}));
+  EXPECT_EQ(p.num_free(), 0u);
+  p.Free({3, 1});
+  EXPECT_EQ(p.num_free_sink(), 1u);
+  EXPECT_EQ(p.Allocate(2, 2).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(p.num_free(), 2u);  // the refused call took nothing
+  auto c = p.Allocate(1, 1);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, (std::vector<int32_t>{1}));
+}
+
+TEST(BlockPool, RejectsSinkBlocksThatDoNotMatchTheSinks) {
+  auto backend = NewCpuBackend();
+  for (const ArenaBlocks& bad : {ArenaBlocks{4, 0}, ArenaBlocks{4, 5}}) {
+    EXPECT_EQ(BlockPool::Create(Config(2), bad, backend.get()).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << bad.sink_blocks;
+  }
+  EXPECT_EQ(BlockPool::Create(Config(0), {4, 1}, backend.get()).status().code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 TEST(BlockPool, NoSinkBaseWithoutSinks) {
   auto backend = NewCpuBackend();
-  auto pool = BlockPool::Create(Config(0), 3, backend.get());
+  auto pool = BlockPool::Create(Config(0), {3, 0}, backend.get());
   ASSERT_TRUE(pool.ok());
   EXPECT_EQ((*pool)->sink_base(0), nullptr);
 }
@@ -98,7 +135,7 @@ TEST(BlockPool, NoSinkBaseWithoutSinks) {
 TEST(BlockPool, ArenaReturnedOnDestruction) {
   auto backend = NewCpuBackend();
   {
-    auto pool = BlockPool::Create(Config(0), 3, backend.get());
+    auto pool = BlockPool::Create(Config(0), {3, 0}, backend.get());
     ASSERT_TRUE(pool.ok());
     EXPECT_GT(backend->Stats().arena_bytes, 0u);
   }
@@ -107,7 +144,7 @@ TEST(BlockPool, ArenaReturnedOnDestruction) {
 
 TEST(BlockPool, RejectsZeroBlocks) {
   auto backend = NewCpuBackend();
-  EXPECT_EQ(BlockPool::Create(Config(0), 0, backend.get()).status().code(),
+  EXPECT_EQ(BlockPool::Create(Config(0), {0, 0}, backend.get()).status().code(),
             absl::StatusCode::kInvalidArgument);
 }
 

@@ -121,12 +121,14 @@ class ForwardingBackend : public ComputeBackend {
 
 class StoreTest : public ::testing::Test {
  protected:
-  // A store whose pool holds exactly `blocks` blocks of SmallConfig("main", sink_tokens), with
-  // store_options_'s limits.
-  void MakeStore(uint64_t blocks, int sink_tokens = 0) {
+  // A store whose pool holds exactly `blocks` blocks of SmallConfig("main", sink_tokens) with a
+  // sink page per `blocks_per_sink_page`, with store_options_'s limits.
+  void MakeStore(uint64_t blocks, int sink_tokens = 0,
+                 int blocks_per_sink_page = NamespaceConfig{}.blocks_per_sink_page) {
     config_ = SmallConfig("main", sink_tokens);
+    config_.blocks_per_sink_page = blocks_per_sink_page;
     KvStore::Options o = store_options_;
-    o.pool_bytes = BytesPerBlock(config_) * blocks;
+    o.pool_bytes = ArenaBytes(config_, blocks);
     o.backend = backend_.get();
     o.clock = &clock_;
     o.quality_sample_every = 1;
@@ -165,6 +167,7 @@ class StoreTest : public ::testing::Test {
     p.pages = pages.data();
     p.sink_pages = layout.sink_tokens > 0 ? sinks.data() : nullptr;
     p.num_blocks = blocks;
+    p.num_sink_blocks = layout.sink_tokens > 0 ? blocks : 0;
     EXPECT_EQ(cpu::QuantizeAppend(p), KernelStatus::kOk);
     return pages;
   }

@@ -226,13 +226,14 @@ class Client:
                          layer_dtypes: Sequence[str] = (), rotation_block: int = 0,
                          rotation_disabled: bool = False, rotation_seed: int = 0,
                          group_size: int = 0, sink_tokens: int = 0, capacity_bytes: int = 0,
-                         timeout=None):
+                         blocks_per_sink_page: int = 0, timeout=None):
         spec = pb.NamespaceSpec(
             name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_tokens=block_tokens, default_dtype=_DTYPES[dtype],
             layer_dtypes=[_DTYPES[d] for d in layer_dtypes], rotation_block=rotation_block,
             rotation_disabled=rotation_disabled, rotation_seed=rotation_seed,
-            group_size=group_size, sink_tokens=sink_tokens, capacity_bytes=capacity_bytes)
+            group_size=group_size, sink_tokens=sink_tokens, capacity_bytes=capacity_bytes,
+            blocks_per_sink_page=blocks_per_sink_page)
         return self._stub.CreateNamespace(pb.CreateNamespaceRequest(spec=spec),
                                           timeout=self._t(timeout)).info
 
