@@ -89,6 +89,7 @@ struct MergeArgs {
   int num_kv_heads = 0;
   uint32_t sink_page_bytes = 0;
   const uint8_t* sink_pages = nullptr;    // [num_sink_blocks][sink_page_bytes]
+  int64_t num_sink_blocks = 0;
   const uint16_t* q = nullptr;            // [num_seqs][num_q_heads][head_dim] fp16
   const int32_t* block_tables = nullptr;  // [num_seqs][max_blocks_per_seq]
   int max_blocks_per_seq = 0;
@@ -197,12 +198,14 @@ __global__ void __launch_bounds__(kAttnThreads) MergeSplitsKernel(const MergeArg
   }
 
   const int len = min(a.seq_lens[seq], a.max_blocks_per_seq << a.block_tokens_log2);
-  const int n_sink = min(a.sink_tokens, len);
+  // The host validated the first block; never read past the sink arena.
+  const int block =
+      a.sink_tokens > 0 ? a.block_tables[static_cast<size_t>(seq) * a.max_blocks_per_seq] : 0;
+  const int n_sink = block >= 0 && block < a.num_sink_blocks ? min(a.sink_tokens, len) : 0;
   if (n_sink > 0) {
     float q[8];
     UnpackHalf8(*reinterpret_cast<const uint4*>(a.q + head_row * kHeadDim + chunk * 8), q);
     const int kv_head = head / a.ratio;
-    const int block = a.block_tables[static_cast<size_t>(seq) * a.max_blocks_per_seq];
     const uint8_t* page = a.sink_pages + static_cast<size_t>(block) * a.sink_page_bytes;
     const size_t row_bytes = static_cast<size_t>(kHeadDim) * 2;
     const uint8_t* k_rows = page + static_cast<size_t>(kv_head) * a.sink_tokens * row_bytes;
@@ -407,6 +410,7 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* str
   merge.num_kv_heads = l.num_kv_heads;
   merge.sink_page_bytes = geo.sink_page_bytes;
   merge.sink_pages = p.sink_pages;
+  merge.num_sink_blocks = p.num_sink_blocks;
   merge.q = p.q;
   merge.block_tables = p.block_tables;
   merge.max_blocks_per_seq = p.max_blocks_per_seq;

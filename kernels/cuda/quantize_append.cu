@@ -446,9 +446,10 @@ KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
 
 // Requires (else kInvalidArgument): a valid layout, 16-byte aligned k, v, pages and sink_pages,
 // positions and sink_pages when sink_tokens > 0. The device-side slot mapping cannot be checked
-// here: slots outside the arena are skipped by the kernel, and callers validate them (the CUDA
-// backend does, on its host copy). kUnsupported: sizes outside DispatchLayout's, group_size not
-// a multiple of 8, or 2^31 items (tokens x KV heads) or more.
+// here: slots outside the arena, and sink tokens in blocks from num_sink_blocks on, are skipped by
+// the kernel, and callers validate them (the CUDA backend does, on its host copy). kUnsupported:
+// sizes outside DispatchLayout's, group_size not a multiple of 8, or 2^31 items (tokens x KV heads)
+// or more.
 KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   const PageLayout& l = p.layout;
   if (ValidatePageLayout(l) != nullptr || p.num_tokens < 0 || p.num_blocks < 0) {

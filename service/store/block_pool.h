@@ -8,7 +8,8 @@
 // rest first, and among those with a sink page only when the rest are all taken.
 //
 // Thread safety: not thread-safe; the owning store's lock guards every call except the const
-// accessors of the arena geometry (layout, layer_base, sink_base, num_blocks), which never change.
+// accessors of the arena geometry (layout, layer_base, sink_base, num_blocks, num_sink_blocks,
+// AppendParams, AttentionParams), which never change.
 #ifndef KVPOOL_SERVICE_STORE_BLOCK_POOL_H_
 #define KVPOOL_SERVICE_STORE_BLOCK_POOL_H_
 

@@ -73,7 +73,9 @@ inline absl::Status ValidatePagedDecodeAttention(const PagedDecodeAttentionParam
         "PagedDecodeAttention: seq %d length %d out of range", bad.seq, p.seq_lens[bad.seq]));
   }
   return absl::InvalidArgumentError(absl::StrFormat(
-      "PagedDecodeAttention: seq %d block %d id %d out of range", bad.seq, bad.block,
+      "PagedDecodeAttention: seq %d block %d id %d out of range (a first block must have a sink "
+      "page when the layout keeps sinks)",
+      bad.seq, bad.block,
       p.block_tables[static_cast<size_t>(bad.seq) * p.max_blocks_per_seq + bad.block]));
 }
 

@@ -126,8 +126,8 @@ absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& 
   const ArenaBlocks blocks = PlanArena(config, capacity);
   if (blocks.blocks == 0) {
     return absl::ResourceExhaustedError(
-        absl::StrFormat("namespace %s: %d bytes hold no block of %d bytes (and a sink page of %d)",
-                        config.name, capacity, bytes_per_block, SinkBytesPerBlock(config)));
+        absl::StrFormat("namespace %s: %d bytes hold no block (%d bytes, with a sink page %d)",
+                        config.name, capacity, bytes_per_block, ArenaBytes(config, 1)));
   }
   absl::StatusOr<std::unique_ptr<BlockPool>> pool =
       BlockPool::Create(config, blocks, options_.backend);
@@ -214,19 +214,24 @@ absl::StatusOr<std::vector<int32_t>> StoreImpl::AllocateLocked(NamespaceState& n
   }
   if (pool.num_free_sink() + ns.index.unpinned_sink_nodes() < firsts) {
     return absl::ResourceExhaustedError(absl::StrFormat(
-        "namespace %s: %d new sequences need a first block with a sink page, but all %d such "
-        "blocks are pinned by leases or in-flight puts (%d free or evictable; the namespace has "
-        "one per %d blocks, blocks_per_sink_page)",
-        ns.info.config.name, firsts, pool.num_sink_blocks(),
-        pool.num_free_sink() + ns.index.unpinned_sink_nodes(),
-        ns.info.config.blocks_per_sink_page));
+        "namespace %s: %d new sequences need a first block with a sink page, but only %d of its "
+        "%d such blocks are free or evictable (the others are pinned by leases or in-flight "
+        "puts, or hold lease tails; one per %d blocks, blocks_per_sink_page)",
+        ns.info.config.name, firsts, pool.num_free_sink() + ns.index.unpinned_sink_nodes(),
+        pool.num_sink_blocks(), ns.info.config.blocks_per_sink_page));
   }
-  // Every unpinned node is evictable eventually: a pinned node's ancestors are pinned too. The
-  // blocks with a sink page free up as LRU order reaches them.
-  while (pool.num_free() < n || pool.num_free_sink() < firsts) {
-    const std::optional<int32_t> victim = ns.index.EvictOne();
-    pool.Free({*victim});
-    ++ns.evictions;
+  auto free_blocks = [&](absl::Span<const int32_t> ids) {
+    pool.Free(ids);
+    ns.evictions += ids.size();
+  };
+  // Every unpinned node can be evicted: a pinned node's ancestors are pinned too. First blocks
+  // free the least recently used block with a sink page, with its subtree.
+  while (pool.num_free_sink() < firsts) free_blocks(ns.index.EvictSinkTree());
+  // The other blocks take blocks without a sink page, evicting least recently used leaves for
+  // them; blocks with a sink page are kept for first blocks while any other can be evicted.
+  while (pool.num_free() < n || (pool.num_free() - pool.num_free_sink() < n - firsts &&
+                                 ns.index.unpinned_other_nodes() > 0)) {
+    free_blocks({*ns.index.EvictOne()});
   }
   return pool.Allocate(n, firsts);
 }

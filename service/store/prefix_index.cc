@@ -90,25 +90,21 @@ size_t PrefixIndex::LongestPrefix(absl::Span<const BlockHash> chain) const {
 absl::StatusOr<int32_t> PrefixIndex::Insert(const BlockHash& parent, const BlockHash& hash,
                                             int32_t block) {
   if (auto it = nodes_.find(hash); it != nodes_.end()) return it->second.block;
-  Node* parent_node = nullptr;
   if (parent != root_) {
     auto it = nodes_.find(parent);
     if (it == nodes_.end()) {
       return absl::FailedPreconditionError("parent block is not published");
     }
-    parent_node = &it->second;
-  }
-  if (parent_node != nullptr) {
-    if (IsEvictable(*parent_node)) RemoveEvictable(parent, *parent_node);
-    ++parent_node->children;
+    Unindex(parent, it->second);
+    it->second.children.push_back(hash);
+    Index(parent, it->second);
   }
   Node n;
   n.block = block;
   n.parent = parent;
   n.tick = ++tick_;
-  AddEvictable(hash, n);
-  if (HasSinkPage(n)) ++unpinned_sink_nodes_;
-  nodes_.emplace(hash, n);
+  Index(hash, n);
+  nodes_.emplace(hash, std::move(n));
   return block;
 }
 
@@ -116,49 +112,76 @@ void PrefixIndex::Pin(const BlockHash& hash) {
   auto it = nodes_.find(hash);
   assert(it != nodes_.end());
   Node& n = it->second;
-  if (n.pins == 0) {
-    if (n.children == 0) RemoveEvictable(hash, n);
-    ++pinned_nodes_;
-    if (HasSinkPage(n)) --unpinned_sink_nodes_;
-  }
-  ++n.pins;
+  Unindex(hash, n);
+  if (n.pins++ == 0) ++pinned_nodes_;
+  Index(hash, n);
 }
 
 void PrefixIndex::Unpin(const BlockHash& hash) {
   auto it = nodes_.find(hash);
   assert(it != nodes_.end() && it->second.pins > 0);
   Node& n = it->second;
-  if (--n.pins == 0) {
-    --pinned_nodes_;
-    if (HasSinkPage(n)) ++unpinned_sink_nodes_;
-    if (n.children == 0) AddEvictable(hash, n);
-  }
+  Unindex(hash, n);
+  if (--n.pins == 0) --pinned_nodes_;
+  Index(hash, n);
 }
 
 void PrefixIndex::Touch(const BlockHash& hash) {
   auto it = nodes_.find(hash);
   assert(it != nodes_.end());
   Node& n = it->second;
-  const bool evictable = IsEvictable(n);
-  if (evictable) RemoveEvictable(hash, n);
+  Unindex(hash, n);
   n.tick = ++tick_;
-  if (evictable) AddEvictable(hash, n);
+  Index(hash, n);
 }
 
 std::optional<int32_t> PrefixIndex::EvictOne() {
   if (evictable_.empty()) return std::nullopt;
   const BlockHash hash = evictable_.begin()->second;
-  evictable_.erase(evictable_.begin());
-  auto it = nodes_.find(hash);
-  const int32_t block = it->second.block;
-  const BlockHash parent = it->second.parent;
-  if (HasSinkPage(it->second)) --unpinned_sink_nodes_;
-  nodes_.erase(it);
-  if (parent != root_) {
-    Node& p = nodes_.find(parent)->second;
-    if (--p.children == 0 && p.pins == 0) AddEvictable(parent, p);
-  }
+  const int32_t block = nodes_.find(hash)->second.block;
+  Erase(hash);
   return block;
+}
+
+std::vector<int32_t> PrefixIndex::EvictSinkTree() {
+  std::vector<int32_t> blocks;
+  if (unpinned_sinks_.empty()) return blocks;
+  // The subtree in pre-order, erased in reverse: children before their parent.
+  std::vector<BlockHash> order = {unpinned_sinks_.begin()->second};
+  for (size_t i = 0; i < order.size(); ++i) {
+    const Node& n = nodes_.find(order[i])->second;
+    order.insert(order.end(), n.children.begin(), n.children.end());
+  }
+  for (auto it = order.rbegin(); it != order.rend(); ++it) {
+    blocks.push_back(nodes_.find(*it)->second.block);
+    Erase(*it);
+  }
+  return blocks;
+}
+
+void PrefixIndex::Index(const BlockHash& hash, const Node& n) {
+  if (IsEvictable(n)) evictable_.insert({n.tick, hash});
+  if (IsUnpinnedSink(n)) unpinned_sinks_.insert({n.tick, hash});
+}
+
+void PrefixIndex::Unindex(const BlockHash& hash, const Node& n) {
+  evictable_.erase({n.tick, hash});
+  unpinned_sinks_.erase({n.tick, hash});
+}
+
+void PrefixIndex::Erase(const BlockHash& hash) {
+  auto it = nodes_.find(hash);
+  assert(it != nodes_.end() && it->second.pins == 0 && it->second.children.empty());
+  Unindex(hash, it->second);
+  const BlockHash parent = it->second.parent;
+  nodes_.erase(it);
+  if (parent == root_) return;
+  Node& p = nodes_.find(parent)->second;
+  Unindex(parent, p);
+  std::vector<BlockHash>& siblings = p.children;
+  std::swap(*std::find(siblings.begin(), siblings.end(), hash), siblings.back());
+  siblings.pop_back();
+  Index(parent, p);
 }
 
 }  // namespace kvpool

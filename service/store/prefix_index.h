@@ -4,7 +4,9 @@
 // evicted before its children, so every cached block stays reachable from h_0.
 //
 // Pins (leases, in-flight puts) keep a node from eviction. Only unpinned leaves are evictable,
-// least recently used first; the LRU order is a logical tick bumped by Insert and Touch.
+// least recently used first; the LRU order is a logical tick bumped by Insert and Touch. Blocks
+// with a sink page (ids below the namespace's sink blocks) can be freed on their own: the least
+// recently used unpinned one goes with its subtree.
 //
 // Thread safety: not thread-safe; the owning store's lock guards every call.
 #ifndef KVPOOL_SERVICE_STORE_PREFIX_INDEX_H_
@@ -53,8 +55,8 @@ std::vector<BlockHash> HashChain(const BlockHash& root, absl::Span<const int32_t
 
 class PrefixIndex {
  public:
-  // `root` is h_0 of the namespace: the parent of every chain's first block. Nodes of blocks
-  // below `sink_blocks` (the ids with a sink page, BlockPool) are counted while unpinned.
+  // `root` is h_0 of the namespace: the parent of every chain's first block. Blocks below
+  // `sink_blocks` are those with a sink page (BlockPool).
   explicit PrefixIndex(const BlockHash& root, int32_t sink_blocks = 0)
       : root_(root), sink_blocks_(sink_blocks) {}
 
@@ -82,35 +84,47 @@ class PrefixIndex {
   // Removes the least recently used unpinned leaf and returns its block, or nullopt when none.
   // Its parent may become an evictable leaf.
   std::optional<int32_t> EvictOne();
+  // Removes the least recently used unpinned node whose block has a sink page, and its subtree
+  // (unpinned too: a pinned node's ancestors are pinned), and returns their blocks; empty when
+  // there is no such node.
+  std::vector<int32_t> EvictSinkTree();
 
   size_t size() const { return nodes_.size(); }
   size_t evictable() const { return evictable_.size(); }
   size_t pinned_nodes() const { return pinned_nodes_; }
-  // Unpinned nodes of blocks with a sink page. Each can be evicted (after its descendants, all
-  // unpinned too), so while this is positive EvictOne frees such a block eventually.
-  size_t unpinned_sink_nodes() const { return unpinned_sink_nodes_; }
+  // Unpinned nodes whose block has, and has not, a sink page.
+  size_t unpinned_sink_nodes() const { return unpinned_sinks_.size(); }
+  size_t unpinned_other_nodes() const {
+    return nodes_.size() - pinned_nodes_ - unpinned_sinks_.size();
+  }
 
  private:
   struct Node {
     int32_t block = -1;
     BlockHash parent;
-    uint32_t children = 0;
+    std::vector<BlockHash> children;
     uint32_t pins = 0;
     uint64_t tick = 0;  // last use
   };
-  bool IsEvictable(const Node& n) const { return n.pins == 0 && n.children == 0; }
+  bool IsEvictable(const Node& n) const { return n.pins == 0 && n.children.empty(); }
   bool HasSinkPage(const Node& n) const { return n.block < sink_blocks_; }
-  void AddEvictable(const BlockHash& hash, const Node& n) { evictable_.insert({n.tick, hash}); }
-  void RemoveEvictable(const BlockHash& hash, const Node& n) { evictable_.erase({n.tick, hash}); }
+  // Whether `n` belongs in unpinned_sinks_.
+  bool IsUnpinnedSink(const Node& n) const { return n.pins == 0 && HasSinkPage(n); }
+  // Adds or removes `n` in the ordered sets it belongs in by its state and tick.
+  void Index(const BlockHash& hash, const Node& n);
+  void Unindex(const BlockHash& hash, const Node& n);
+  // Removes `hash` (its subtree removed already) from the index and from its parent's children.
+  void Erase(const BlockHash& hash);
 
   const BlockHash root_;
   const int32_t sink_blocks_;
   uint64_t tick_ = 0;
   size_t pinned_nodes_ = 0;  // nodes with pins > 0
-  size_t unpinned_sink_nodes_ = 0;
   absl::flat_hash_map<BlockHash, Node> nodes_;
   // (tick, hash) of every unpinned leaf, oldest first.
   std::set<std::pair<uint64_t, BlockHash>> evictable_;
+  // (tick, hash) of every unpinned node whose block has a sink page, oldest first.
+  std::set<std::pair<uint64_t, BlockHash>> unpinned_sinks_;
 };
 
 }  // namespace kvpool

@@ -2,12 +2,14 @@
 // holds nearly as many blocks as one without), and the store taking a block with a sink page for
 // every new sequence's first block, evicting for one when none is free, refusing when every one
 // is pinned, over Put, Append and a decode step that starts two sequences at once.
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
+#include "kernels/fp16.h"
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
 #include "tests/service/kv_store_test_util.h"
@@ -53,12 +55,12 @@ TEST(SinkArena, NamespaceRefusesBlocksPerSinkPageBelowOne) {
   EXPECT_EQ(ValidateNamespaceConfig(c).code(), absl::StatusCode::kInvalidArgument);
 }
 
-// 8 blocks of 4 tokens, 2 of them (ids 0, 1) with a sink page.
-class SinkStoreTest : public StoreTest {
+// A store of SmallConfig blocks (4 tokens) whose namespace keeps 2 sink tokens.
+class SinkStoreBase : public StoreTest {
  protected:
-  void SetUp() override {
-    MakeStore(8, /*sink_tokens=*/2, /*blocks_per_sink_page=*/4);
-    ASSERT_EQ(store_->ListNamespaces()[0].num_sink_blocks, 2u);
+  void Make(uint64_t blocks, int blocks_per_sink_page, uint64_t sink_blocks) {
+    MakeStore(blocks, /*sink_tokens=*/2, blocks_per_sink_page);
+    ASSERT_EQ(store_->ListNamespaces()[0].num_sink_blocks, sink_blocks);
   }
   uint64_t Evictions() const { return store_->Stats().namespaces[0].evictions; }
   uint32_t Cached(const std::vector<int32_t>& ids) {
@@ -71,8 +73,58 @@ class SinkStoreTest : public StoreTest {
   absl::Status PutTokens(const std::vector<int32_t>& ids, uint64_t seed) {
     return Put(ids, MakeSequenceKv(config_, static_cast<int>(ids.size()), seed)).status();
   }
+  static std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  }
 
+  static constexpr int kQHeads = 2;  // one per KV head
+  struct Step {
+    absl::Status status;
+    std::vector<float> out;  // [leases][kQHeads][head_dim]
+    std::vector<uint32_t> context;
+  };
+  // One decode step on layer 0 that appends to each of `leases` its row of `kv` as K and V.
+  Step DecodeStep(const std::vector<uint64_t>& leases, const std::vector<uint16_t>& kv) {
+    const size_t q_elems = kQHeads * config_.head_dim;
+    const std::vector<uint16_t> q = ToHalf(MakeNormal(leases.size() * q_elems, 5));
+    std::vector<KvStore::AttendItem> items(leases.size());
+    for (size_t i = 0; i < leases.size(); ++i) {
+      items[i].lease_id = leases[i];
+      items[i].q = q.data() + i * q_elems;
+      items[i].new_k = kv.data() + i * PerToken();
+      items[i].new_v = items[i].new_k;
+      items[i].new_token_id = -1;
+    }
+    Step step;
+    step.out.resize(leases.size() * q_elems);
+    step.context.resize(leases.size());
+    step.status = store_->Attend(0, kQHeads, 0.f, items,
+                                 {step.out.data(), nullptr, nullptr, step.context.data()});
+    return step;
+  }
+  // The relative L2 error of n fp16 values `got` against `want`.
+  static double RelError(const uint16_t* got, const uint16_t* want, size_t n) {
+    double err = 0, norm = 0;
+    for (size_t c = 0; c < n; ++c) {
+      err += std::pow(HalfToFloat(got[c]) - HalfToFloat(want[c]), 2);
+      norm += std::pow(HalfToFloat(want[c]), 2);
+    }
+    return std::sqrt(err / norm);
+  }
+};
+
+// 8 blocks, 2 of them (ids 0, 1) with a sink page.
+class SinkStoreTest : public SinkStoreBase {
+ protected:
+  void SetUp() override { Make(8, 4, 2); }
   const std::vector<int32_t> a_ = TokenIds(8, 1), b_ = TokenIds(8, 2), c_ = TokenIds(4, 3);
+};
+
+// 16 blocks, 2 of them with a sink page.
+class WideSinkStoreTest : public SinkStoreBase {
+ protected:
+  void SetUp() override { Make(16, 8, 2); }
 };
 
 // Two cached sequences hold both blocks with a sink page: a third evicts, least recently used
@@ -117,33 +169,20 @@ TEST_F(SinkStoreTest, ADecodeStepStartingTwoSequencesTakesTwoBlocksWithASinkPage
   auto l2 = store_->Match("main", {600}, absl::ZeroDuration());
   ASSERT_TRUE(l1.ok() && l2.ok());
   ASSERT_EQ(l1->num_blocks, 0u);
-  const int q_heads = 2;
-  const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * q_heads * config_.head_dim, 5));
   const std::vector<uint16_t> kv = ToHalf(MakeNormal(2 * PerToken(), 6));
-  std::vector<KvStore::AttendItem> items(2);
-  for (int i = 0; i < 2; ++i) {
-    items[i].lease_id = i == 0 ? l1->lease_id : l2->lease_id;
-    items[i].q = q.data() + i * q_heads * config_.head_dim;
-    items[i].new_k = kv.data() + i * PerToken();
-    items[i].new_v = items[i].new_k;
-    items[i].new_token_id = -1;
-  }
-  std::vector<float> out(2 * q_heads * config_.head_dim);
-  uint32_t context[2] = {};
-  const absl::Status s =
-      store_->Attend(0, q_heads, 0.f, items, {out.data(), nullptr, nullptr, context});
-  ASSERT_TRUE(s.ok()) << s;
-  EXPECT_EQ(context[0], 1u);
-  EXPECT_EQ(context[1], 1u);
+  const Step step = DecodeStep({l1->lease_id, l2->lease_id}, kv);
+  ASSERT_TRUE(step.status.ok()) << step.status;
+  EXPECT_EQ(step.context, (std::vector<uint32_t>{1, 1}));
   EXPECT_EQ(Evictions(), 4u);
   EXPECT_EQ(Cached(a_), 0u);
   EXPECT_EQ(Cached(b_), 0u);
-  // One token attends to itself alone: its output is its own V (here equal to K).
+  // One token attends to itself alone: its output is its own V (here equal to K), from the sink
+  // page in fp16.
   for (int i = 0; i < 2; ++i) {
-    for (int h = 0; h < q_heads; ++h) {
-      const int kv_head = h / (q_heads / config_.num_kv_heads);
+    for (int h = 0; h < kQHeads; ++h) {
+      const int kv_head = h / (kQHeads / config_.num_kv_heads);
       for (int d = 0; d < config_.head_dim; ++d) {
-        EXPECT_FLOAT_EQ(out[(i * q_heads + h) * config_.head_dim + d],
+        EXPECT_FLOAT_EQ(step.out[(i * kQHeads + h) * config_.head_dim + d],
                         HalfToFloat(kv[i * PerToken() + kv_head * config_.head_dim + d]))
             << i << " " << h << " " << d;
       }
@@ -163,6 +202,81 @@ TEST_F(SinkStoreTest, AnAppendStartingASequenceTakesABlockWithASinkPage) {
   EXPECT_EQ(Evictions(), 2u);
   EXPECT_EQ(Cached(a_), 0u);
   EXPECT_EQ(Cached(b_), 8u);
+}
+
+// A full pool and one lease growing its sequence: its new blocks are evicted for among those
+// without a sink page, so the one with a sink page that eviction frees on the way is left for
+// the next new sequence (the lease used to take it, and that sequence was then refused).
+TEST_F(WideSinkStoreTest, AGrowingLeaseLeavesBlocksWithASinkPageToNewSequences) {
+  const std::vector<int32_t> a = TokenIds(4, 1), b = TokenIds(28, 100);
+  ASSERT_TRUE(PutTokens(a, 1).ok());                             // block 0
+  ASSERT_TRUE(PutTokens(b, 2).ok());                             // blocks 1, 2..7
+  ASSERT_TRUE(PutTokens(Concat(b, TokenIds(28, 500)), 3).ok());  // 8..14
+  ASSERT_TRUE(PutTokens(Concat(b, TokenIds(4, 900)), 4).ok());   // 15: the pool is full
+  auto lease = store_->Match("main", b, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  const std::vector<uint16_t> kv = ToHalf(MakeNormal(8 * PerToken(), 7));
+  ASSERT_TRUE(store_->Append(lease->lease_id, 0, {}, 8, kv.data(), kv.data()).ok());
+  EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 1u);  // a's block, evicted
+  EXPECT_TRUE(PutTokens(TokenIds(4, 7000), 9).ok());
+}
+
+// A new sequence evicts the least recently used tree that frees a block with a sink page, not the
+// older cached sequences under a pinned first block, which would free none.
+TEST_F(WideSinkStoreTest, ANewSequenceEvictsOnlyATreeWithASinkPage) {
+  const std::vector<int32_t> s = TokenIds(4, 1);  // a shared first block, kept by a lease
+  ASSERT_TRUE(PutTokens(s, 1).ok());
+  auto pin = store_->Match("main", s, absl::ZeroDuration());
+  ASSERT_TRUE(pin.ok());
+  const std::vector<int32_t> s1 = Concat(s, TokenIds(12, 100)), s2 = Concat(s, TokenIds(12, 200));
+  ASSERT_TRUE(PutTokens(s1, 2).ok());
+  ASSERT_TRUE(PutTokens(s2, 3).ok());
+  const std::vector<int32_t> u = TokenIds(8, 300);
+  ASSERT_TRUE(PutTokens(u, 4).ok());  // the other block with a sink page, and one more
+  ASSERT_TRUE(PutTokens(TokenIds(4, 400), 5).ok());
+  EXPECT_EQ(Evictions(), 2u);  // u's two blocks
+  EXPECT_EQ(Cached(u), 0u);
+  EXPECT_EQ(Cached(s1), 16u);
+  EXPECT_EQ(Cached(s2), 16u);
+}
+
+// One decode step in which a lease crosses into its second block before another lease starts:
+// the starting lease's first block is the one with a sink page, and the two blocks differ (each
+// lease reads back its own token).
+TEST_F(WideSinkStoreTest, ADecodeStepGivesTheSinkBlockToTheLeaseThatStarts) {
+  const std::vector<int32_t> a = TokenIds(4, 1);
+  ASSERT_TRUE(PutTokens(a, 1).ok());  // block 0; block 1 is the other with a sink page
+  auto growing = store_->Match("main", a, absl::ZeroDuration());
+  auto starting = store_->Match("main", {}, absl::ZeroDuration());
+  ASSERT_TRUE(growing.ok() && starting.ok());
+  const std::vector<uint16_t> kv = ToHalf(MakeNormal(2 * PerToken(), 6));
+  const Step step = DecodeStep({growing->lease_id, starting->lease_id}, kv);
+  ASSERT_TRUE(step.status.ok()) << step.status;
+  EXPECT_EQ(step.context, (std::vector<uint32_t>{5, 1}));
+  for (int i = 0; i < 2; ++i) {
+    const uint64_t lease = i == 0 ? growing->lease_id : starting->lease_id;
+    const uint32_t block = i == 0 ? 1 : 0;  // where the item's new token went
+    std::vector<uint16_t> k(4 * PerToken()), v(4 * PerToken());
+    ASSERT_TRUE(
+        store_->ReadFp16(lease, 0, block, 1, 0, config_.num_kv_heads, k.data(), v.data()).ok());
+    // INT4's error, not another token's.
+    EXPECT_LT(RelError(k.data(), kv.data() + i * PerToken(), PerToken()), 0.2) << "item " << i;
+  }
+}
+
+// An Append of several blocks into an empty lease: its first block has a sink page, and the
+// blocks are distinct (each reads back its own tokens).
+TEST_F(WideSinkStoreTest, AnAppendOfSeveralBlocksStartsInABlockWithASinkPage) {
+  auto lease = store_->Match("main", {}, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  constexpr int kTokens = 13;
+  const std::vector<uint16_t> kv = ToHalf(MakeNormal(kTokens * PerToken(), 7));
+  ASSERT_TRUE(store_->Append(lease->lease_id, 0, {}, kTokens, kv.data(), kv.data()).ok());
+  std::vector<uint16_t> k(16 * PerToken()), v(16 * PerToken());
+  ASSERT_TRUE(
+      store_->ReadFp16(lease->lease_id, 0, 0, 4, 0, config_.num_kv_heads, k.data(), v.data()).ok());
+  EXPECT_LT(RelError(k.data(), kv.data(), kTokens * PerToken()), 0.2);
+  EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 1u);
 }
 
 }  // namespace

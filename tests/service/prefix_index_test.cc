@@ -132,5 +132,57 @@ TEST(PrefixIndex, PinCountsAreCounted) {
   EXPECT_EQ(index.EvictOne(), 0);
 }
 
+// Blocks 0 and 1 have a sink page. The least recently used unpinned one goes with its subtree,
+// children first; pinned ones, and those whose descendants a lease pins, stay.
+TEST(PrefixIndex, EvictsTheLeastRecentlyUsedTreeWithASinkPage) {
+  PrefixIndex index(RootHash("ns"), /*sink_blocks=*/2);
+  const std::vector<int32_t> a = Tokens(12, 1), b = Tokens(8, 2);
+  const std::vector<BlockHash> ca = InsertChain(index, a, 0);  // blocks 0, 1, 2
+  // b's first block is 5, which has no sink page; its second 6.
+  const std::vector<BlockHash> cb = InsertChain(index, b, 5);
+  EXPECT_EQ(index.unpinned_sink_nodes(), 2u);  // blocks 0 and 1, both in a's chain
+  EXPECT_EQ(index.unpinned_other_nodes(), 3u);
+  index.Pin(ca[1]);  // a lease on a's first two blocks pins 0 and 1
+  index.Pin(ca[0]);
+  EXPECT_EQ(index.unpinned_sink_nodes(), 0u);
+  EXPECT_TRUE(index.EvictSinkTree().empty());
+  index.Unpin(ca[0]);
+  index.Unpin(ca[1]);
+  EXPECT_EQ(index.unpinned_sink_nodes(), 2u);
+  EXPECT_EQ(index.EvictSinkTree(), (std::vector<int32_t>{2, 1, 0}));
+  EXPECT_EQ(index.size(), 2u);
+  EXPECT_EQ(index.unpinned_sink_nodes(), 0u);
+  EXPECT_EQ(index.unpinned_other_nodes(), 2u);
+  EXPECT_EQ(index.EvictOne(), 6);  // b's chain is whole and still evicts leaf first
+  EXPECT_EQ(index.EvictOne(), 5);
+  EXPECT_FALSE(index.EvictOne().has_value());
+}
+
+// A subtree with branches: the evicted tree's blocks come children first, and its parent's other
+// children and the parent itself are left.
+TEST(PrefixIndex, EvictsASubtreeWithBranchesAndLeavesItsParent) {
+  PrefixIndex index(RootHash("ns"), /*sink_blocks=*/8);
+  const std::vector<int32_t> trunk = Tokens(4, 1);
+  const std::vector<BlockHash> t = InsertChain(index, trunk, 10);  // block 10: no sink page
+  std::vector<int32_t> left = trunk, right = trunk;
+  const std::vector<int32_t> l = Tokens(8, 50), r = Tokens(4, 60);
+  left.insert(left.end(), l.begin(), l.end());
+  right.insert(right.end(), r.begin(), r.end());
+  const std::vector<BlockHash> cl = HashChain(index.root(), left, kBlockTokens);
+  const std::vector<BlockHash> cr = HashChain(index.root(), right, kBlockTokens);
+  ASSERT_TRUE(index.Insert(t[0], cl[1], 3).ok());  // sink page
+  ASSERT_TRUE(index.Insert(cl[1], cl[2], 11).ok());
+  ASSERT_TRUE(index.Insert(t[0], cr[1], 12).ok());
+  index.Pin(cr[1]);  // and with it the trunk
+  index.Pin(t[0]);
+  EXPECT_EQ(index.EvictSinkTree(), (std::vector<int32_t>{11, 3}));
+  EXPECT_EQ(index.size(), 2u);
+  EXPECT_TRUE(index.EvictSinkTree().empty());
+  index.Unpin(cr[1]);
+  EXPECT_EQ(index.EvictOne(), 12);  // the trunk is a leaf again after its right child goes
+  index.Unpin(t[0]);
+  EXPECT_EQ(index.EvictOne(), 10);
+}
+
 }  // namespace
 }  // namespace kvpool
