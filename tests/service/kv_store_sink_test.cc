@@ -159,6 +159,26 @@ TEST_F(SinkStoreTest, NoNewSequenceWhileEveryBlockWithASinkPageIsPinned) {
   EXPECT_EQ(Cached(b_), 8u);
 }
 
+// Two puts of the same sequence at once each take a block with a sink page for its first block;
+// the one that commits second finds the first published and gives its copy back.
+TEST_F(SinkStoreTest, TwoPutsOfOneSequenceGiveTheSecondBlockWithASinkPageBack) {
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 10);
+  auto first = store_->BeginPut("main", a_);
+  auto second = store_->BeginPut("main", a_);
+  ASSERT_TRUE(first.ok() && second.ok());
+  EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 0u);
+  EXPECT_EQ(store_->BeginPut("main", b_).status().code(), absl::StatusCode::kResourceExhausted);
+  for (auto* session : {&*first, &*second}) {
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
+      ASSERT_TRUE((*session)->AddChunk(layer, 0, 8, kv.k[layer].data(), kv.v[layer].data()).ok());
+    }
+    ASSERT_TRUE((*session)->Commit().ok());
+  }
+  EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 1u);
+  EXPECT_EQ(Cached(a_), 8u);
+  EXPECT_TRUE(PutTokens(b_, 11).ok());
+}
+
 // A decode step that starts two sequences takes two blocks with a sink page (evicting both
 // cached sequences), and attention over their sink tokens runs: the backend refuses a first block
 // without a sink page.
