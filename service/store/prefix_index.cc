@@ -165,8 +165,8 @@ void PrefixIndex::Index(const BlockHash& hash, const Node& n) {
 }
 
 void PrefixIndex::Unindex(const BlockHash& hash, const Node& n) {
-  evictable_.erase({n.tick, hash});
-  unpinned_sinks_.erase({n.tick, hash});
+  if (IsEvictable(n)) evictable_.erase({n.tick, hash});
+  if (IsUnpinnedSink(n)) unpinned_sinks_.erase({n.tick, hash});
 }
 
 void PrefixIndex::Erase(const BlockHash& hash) {

@@ -110,7 +110,8 @@ class PrefixIndex {
   bool HasSinkPage(const Node& n) const { return n.block < sink_blocks_; }
   // Whether `n` belongs in unpinned_sinks_.
   bool IsUnpinnedSink(const Node& n) const { return n.pins == 0 && HasSinkPage(n); }
-  // Adds or removes `n` in the ordered sets it belongs in by its state and tick.
+  // Adds or removes `n` in the ordered sets it belongs in by its state and tick (only those: a
+  // chain's inner nodes, the most of them, cost no set operation).
   void Index(const BlockHash& hash, const Node& n);
   void Unindex(const BlockHash& hash, const Node& n);
   // Removes `hash` (its subtree removed already) from the index and from its parent's children.
