@@ -226,12 +226,22 @@ absl::StatusOr<std::vector<int32_t>> StoreImpl::AllocateLocked(NamespaceState& n
   };
   // Every unpinned node can be evicted: a pinned node's ancestors are pinned too. First blocks
   // free the least recently used block with a sink page, with its subtree.
-  while (pool.num_free_sink() < firsts) free_blocks(ns.index.EvictSinkTree());
-  // The other blocks take blocks without a sink page, evicting least recently used leaves for
-  // them; blocks with a sink page are kept for first blocks while any other can be evicted.
+  const absl::Status broken = absl::InternalError(
+      absl::StrFormat("namespace %s: the prefix index has fewer evictable blocks than it counts",
+                      ns.info.config.name));
+  while (pool.num_free_sink() < firsts) {
+    const std::vector<int32_t> freed = ns.index.EvictSinkTree();
+    if (freed.empty()) return broken;
+    free_blocks(freed);
+  }
+  // The other blocks take blocks without a sink page, evicting least recently used leaves
+  // without one for them; blocks with a sink page are kept for first blocks while any other can
+  // be evicted.
   while (pool.num_free() < n || (pool.num_free() - pool.num_free_sink() < n - firsts &&
                                  ns.index.unpinned_other_nodes() > 0)) {
-    free_blocks({*ns.index.EvictOne()});
+    const std::optional<int32_t> victim = ns.index.EvictOne(/*spare_sink_pages=*/true);
+    if (!victim.has_value()) return broken;
+    free_blocks({*victim});
   }
   return pool.Allocate(n, firsts);
 }
@@ -325,7 +335,11 @@ void StoreImpl::DropLeaseLocked(const std::shared_ptr<Lease>& lease) {
 void StoreImpl::FinishLeaseLocked(Lease& lease) {
   NamespaceState& ns = *namespaces_[lease.namespace_index];
   for (const Lease::Block& block : lease.blocks) {
-    if (block.pinned) ns.index.Unpin(block.hash);
+    if (block.pinned) {
+      // Used until now: a sequence decoded for long ranks by its end, not by its start.
+      ns.index.Touch(block.hash);
+      ns.index.Unpin(block.hash);
+    }
     if (block.owned) ns.pool->Free({block.id});
   }
   lease.blocks.clear();

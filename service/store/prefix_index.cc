@@ -90,18 +90,22 @@ size_t PrefixIndex::LongestPrefix(absl::Span<const BlockHash> chain) const {
 absl::StatusOr<int32_t> PrefixIndex::Insert(const BlockHash& parent, const BlockHash& hash,
                                             int32_t block) {
   if (auto it = nodes_.find(hash); it != nodes_.end()) return it->second.block;
+  uint32_t slot = 0;
   if (parent != root_) {
     auto it = nodes_.find(parent);
     if (it == nodes_.end()) {
       return absl::FailedPreconditionError("parent block is not published");
     }
-    Unindex(parent, it->second);
-    it->second.children.push_back(hash);
-    Index(parent, it->second);
+    Node& p = it->second;
+    Unindex(parent, p);
+    slot = static_cast<uint32_t>(p.children.size());
+    p.children.push_back(hash);
+    Index(parent, p);
   }
   Node n;
   n.block = block;
   n.parent = parent;
+  n.slot = slot;
   n.tick = ++tick_;
   Index(hash, n);
   nodes_.emplace(hash, std::move(n));
@@ -135,9 +139,11 @@ void PrefixIndex::Touch(const BlockHash& hash) {
   Index(hash, n);
 }
 
-std::optional<int32_t> PrefixIndex::EvictOne() {
-  if (evictable_.empty()) return std::nullopt;
-  const BlockHash hash = evictable_.begin()->second;
+std::optional<int32_t> PrefixIndex::EvictOne(bool spare_sink_pages) {
+  const auto& leaves =
+      spare_sink_pages && !evictable_other_.empty() ? evictable_other_ : evictable_;
+  if (leaves.empty()) return std::nullopt;
+  const BlockHash hash = leaves.begin()->second;
   const int32_t block = nodes_.find(hash)->second.block;
   Erase(hash);
   return block;
@@ -146,7 +152,7 @@ std::optional<int32_t> PrefixIndex::EvictOne() {
 std::vector<int32_t> PrefixIndex::EvictSinkTree() {
   std::vector<int32_t> blocks;
   if (unpinned_sinks_.empty()) return blocks;
-  // The subtree in pre-order, erased in reverse: children before their parent.
+  // The subtree breadth first, erased in reverse: children before their parent.
   std::vector<BlockHash> order = {unpinned_sinks_.begin()->second};
   for (size_t i = 0; i < order.size(); ++i) {
     const Node& n = nodes_.find(order[i])->second;
@@ -161,11 +167,13 @@ std::vector<int32_t> PrefixIndex::EvictSinkTree() {
 
 void PrefixIndex::Index(const BlockHash& hash, const Node& n) {
   if (IsEvictable(n)) evictable_.insert({n.tick, hash});
+  if (IsEvictable(n) && !HasSinkPage(n)) evictable_other_.insert({n.tick, hash});
   if (IsUnpinnedSink(n)) unpinned_sinks_.insert({n.tick, hash});
 }
 
 void PrefixIndex::Unindex(const BlockHash& hash, const Node& n) {
   if (IsEvictable(n)) evictable_.erase({n.tick, hash});
+  if (IsEvictable(n) && !HasSinkPage(n)) evictable_other_.erase({n.tick, hash});
   if (IsUnpinnedSink(n)) unpinned_sinks_.erase({n.tick, hash});
 }
 
@@ -174,12 +182,17 @@ void PrefixIndex::Erase(const BlockHash& hash) {
   assert(it != nodes_.end() && it->second.pins == 0 && it->second.children.empty());
   Unindex(hash, it->second);
   const BlockHash parent = it->second.parent;
+  const uint32_t slot = it->second.slot;
   nodes_.erase(it);
   if (parent == root_) return;
   Node& p = nodes_.find(parent)->second;
   Unindex(parent, p);
+  // The last child takes the erased one's slot.
   std::vector<BlockHash>& siblings = p.children;
-  std::swap(*std::find(siblings.begin(), siblings.end(), hash), siblings.back());
+  if (slot + 1 != siblings.size()) {
+    siblings[slot] = siblings.back();
+    nodes_.find(siblings[slot])->second.slot = slot;
+  }
   siblings.pop_back();
   Index(parent, p);
 }

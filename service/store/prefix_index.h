@@ -82,8 +82,9 @@ class PrefixIndex {
   void Touch(const BlockHash& hash);
 
   // Removes the least recently used unpinned leaf and returns its block, or nullopt when none.
-  // Its parent may become an evictable leaf.
-  std::optional<int32_t> EvictOne();
+  // Its parent may become an evictable leaf. With `spare_sink_pages`, the least recently used
+  // such leaf whose block has no sink page, when there is one.
+  std::optional<int32_t> EvictOne(bool spare_sink_pages = false);
   // Removes the least recently used unpinned node whose block has a sink page, and its subtree
   // (unpinned too: a pinned node's ancestors are pinned), and returns their blocks; empty when
   // there is no such node.
@@ -103,6 +104,7 @@ class PrefixIndex {
     int32_t block = -1;
     BlockHash parent;
     std::vector<BlockHash> children;
+    uint32_t slot = 0;  // its position in its parent's children
     uint32_t pins = 0;
     uint64_t tick = 0;  // last use
   };
@@ -122,8 +124,9 @@ class PrefixIndex {
   uint64_t tick_ = 0;
   size_t pinned_nodes_ = 0;  // nodes with pins > 0
   absl::flat_hash_map<BlockHash, Node> nodes_;
-  // (tick, hash) of every unpinned leaf, oldest first.
+  // (tick, hash) of every unpinned leaf, oldest first, and of those without a sink page.
   std::set<std::pair<uint64_t, BlockHash>> evictable_;
+  std::set<std::pair<uint64_t, BlockHash>> evictable_other_;
   // (tick, hash) of every unpinned node whose block has a sink page, oldest first.
   std::set<std::pair<uint64_t, BlockHash>> unpinned_sinks_;
 };

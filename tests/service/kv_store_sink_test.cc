@@ -225,8 +225,9 @@ TEST_F(SinkStoreTest, AnAppendStartingASequenceTakesABlockWithASinkPage) {
 }
 
 // A full pool and one lease growing its sequence: its new blocks are evicted for among those
-// without a sink page, so the one with a sink page that eviction frees on the way is left for
-// the next new sequence (the lease used to take it, and that sequence was then refused).
+// without a sink page, and the next new sequence evicts the cached one that holds a block with a
+// sink page (the lease used to evict that one and take its block, and the new sequence was then
+// refused).
 TEST_F(WideSinkStoreTest, AGrowingLeaseLeavesBlocksWithASinkPageToNewSequences) {
   const std::vector<int32_t> a = TokenIds(4, 1), b = TokenIds(28, 100);
   ASSERT_TRUE(PutTokens(a, 1).ok());                             // block 0
@@ -237,8 +238,10 @@ TEST_F(WideSinkStoreTest, AGrowingLeaseLeavesBlocksWithASinkPageToNewSequences) 
   ASSERT_TRUE(lease.ok());
   const std::vector<uint16_t> kv = ToHalf(MakeNormal(8 * PerToken(), 7));
   ASSERT_TRUE(store_->Append(lease->lease_id, 0, {}, 8, kv.data(), kv.data()).ok());
-  EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 1u);  // a's block, evicted
+  EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 0u);
+  EXPECT_EQ(Cached(a), 4u);  // the append evicted blocks without a sink page
   EXPECT_TRUE(PutTokens(TokenIds(4, 7000), 9).ok());
+  EXPECT_EQ(Cached(a), 0u);
 }
 
 // A new sequence evicts the least recently used tree that frees a block with a sink page, not the
@@ -297,6 +300,51 @@ TEST_F(WideSinkStoreTest, AnAppendOfSeveralBlocksStartsInABlockWithASinkPage) {
       store_->ReadFp16(lease->lease_id, 0, 0, 4, 0, config_.num_kv_heads, k.data(), v.data()).ok());
   EXPECT_LT(RelError(k.data(), kv.data(), kTokens * PerToken()), 0.2);
   EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 1u);
+}
+
+// A lease that starts a sequence and decodes it for long ranks, once released, by when it ended:
+// a new sequence evicts the tree put in the meantime, not the lease's.
+TEST_F(WideSinkStoreTest, AReleasedLeasesTreeRanksByItsLastUse) {
+  auto lease = store_->Match("main", {}, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  const std::vector<int32_t> ids = TokenIds(16, 42);
+  auto append = [&](int begin, int n) {
+    const std::vector<uint16_t> kv = ToHalf(MakeNormal(n * PerToken(), 7 + begin));
+    const std::vector<int32_t> t(ids.begin() + begin, ids.begin() + begin + n);
+    for (int layer = 0; layer < config_.num_layers; ++layer) {
+      ASSERT_TRUE(store_->Append(lease->lease_id, layer, t, n, kv.data(), kv.data()).ok());
+    }
+  };
+  append(0, 4);  // its first block published
+  const std::vector<int32_t> x = TokenIds(8, 50);
+  ASSERT_TRUE(PutTokens(x, 1).ok());  // the other block with a sink page
+  append(4, 12);
+  ASSERT_TRUE(store_->Release(lease->lease_id).ok());
+  ASSERT_TRUE(PutTokens(TokenIds(4, 7000), 9).ok());
+  EXPECT_EQ(Cached(ids), 16u);
+  EXPECT_EQ(Cached(x), 0u);
+}
+
+// 16 blocks, 8 with a sink page. Growing a cached sequence by a block when only blocks with a
+// sink page are free evicts one leaf without a sink page, not the older one-block sequences.
+class HalfSinkStoreTest : public SinkStoreBase {
+ protected:
+  void SetUp() override { Make(16, 2, 8); }
+};
+
+TEST_F(HalfSinkStoreTest, GrowingASequenceSparesOlderSequencesInBlocksWithASinkPage) {
+  std::vector<std::vector<int32_t>> singles;
+  for (int i = 0; i < 4; ++i) {
+    singles.push_back(TokenIds(4, 100 + i));
+    ASSERT_TRUE(PutTokens(singles.back(), i).ok());
+  }
+  const std::vector<int32_t> b = TokenIds(20, 7), d = TokenIds(20, 8);
+  ASSERT_TRUE(PutTokens(b, 20).ok());
+  ASSERT_TRUE(PutTokens(d, 21).ok());
+  ASSERT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 2u);  // and no other block free
+  ASSERT_TRUE(PutTokens(Concat(b, TokenIds(4, 9)), 22).ok());
+  EXPECT_EQ(Evictions(), 1u);
+  for (const std::vector<int32_t>& single : singles) EXPECT_EQ(Cached(single), 4u);
 }
 
 }  // namespace

@@ -1,6 +1,8 @@
 #include "service/store/prefix_index.h"
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -182,6 +184,36 @@ TEST(PrefixIndex, EvictsASubtreeWithBranchesAndLeavesItsParent) {
   EXPECT_EQ(index.EvictOne(), 12);  // the trunk is a leaf again after its right child goes
   index.Unpin(t[0]);
   EXPECT_EQ(index.EvictOne(), 10);
+}
+
+// A node with many children loses them in any order (each child keeps its place in its parent's
+// list, updated when the last one moves into a freed place), and EvictOne(spare_sink_pages)
+// takes the least recently used leaf without a sink page first.
+TEST(PrefixIndex, WideNodesLoseChildrenInAnyOrder) {
+  PrefixIndex index(RootHash("ns"), /*sink_blocks=*/4);
+  const std::vector<BlockHash> trunk = InsertChain(index, Tokens(4, 1), 100);
+  std::vector<BlockHash> kids;
+  for (int i = 0; i < 40; ++i) {
+    std::vector<int32_t> t = Tokens(4, 1);
+    const std::vector<int32_t> more = Tokens(4, 1000 + i);
+    t.insert(t.end(), more.begin(), more.end());
+    kids.push_back(HashChain(index.root(), t, kBlockTokens)[1]);
+    // Blocks 0..3 have a sink page.
+    ASSERT_TRUE(index.Insert(trunk[0], kids.back(), i < 4 ? i : 10 + i).ok());
+  }
+  // The oldest leaves have a sink page; sparing them takes block 14 first.
+  EXPECT_EQ(index.EvictOne(/*spare_sink_pages=*/true), 14);
+  EXPECT_EQ(index.EvictOne(), 0);
+  // Touch some children out of order, then evict everything: each block exactly once, the trunk
+  // last.
+  for (int i : {30, 5, 17, 2}) index.Touch(kids[i]);
+  std::vector<int32_t> evicted;
+  while (std::optional<int32_t> b = index.EvictOne()) evicted.push_back(*b);
+  ASSERT_EQ(evicted.size(), 39u);
+  EXPECT_EQ(evicted.back(), 100);
+  std::sort(evicted.begin(), evicted.end());
+  EXPECT_EQ(std::adjacent_find(evicted.begin(), evicted.end()), evicted.end());
+  EXPECT_EQ(index.size(), 0u);
 }
 
 }  // namespace
