@@ -30,8 +30,16 @@ class AttendUnaryCall final : public QueuedCall {
   static void Listen(AttendServer::Queue* queue) { new AttendUnaryCall(queue); }
 
   void Proceed(int op, bool ok, bool draining) override {
-    // The accept failed only when the server is shutting down; a finish ends the call either way.
-    if (draining || op == kFinished || !ok) {
+    if (op == kFinished) {
+      // Counted once the response went out, or found the call dead (cancelled by the client or
+      // past its deadline): CANCELLED then, unless the server's own status was an error.
+      queue_->metrics->unary.Finished(
+          ok || code_ != grpc::StatusCode::OK ? code_ : grpc::StatusCode::CANCELLED, elapsed_);
+      delete this;
+      return;
+    }
+    // The accept failed only when the server is shutting down.
+    if (draining || !ok) {
       delete this;
       return;
     }
@@ -40,7 +48,8 @@ class AttendUnaryCall final : public QueuedCall {
     method.Received(request_.ByteSizeLong());
     const grpc::Status s = ToGrpcStatus(queue_->unary_runner.Run(request_, &response_));
     if (s.ok()) method.Sent(response_.ByteSizeLong());
-    method.Finished(s.error_code(), absl::Now() - begin);
+    code_ = s.error_code();
+    elapsed_ = absl::Now() - begin;
     // The next call is taken once this one has run: a long step does not hold calls that another
     // queue's thread could run.
     Listen(queue_);
@@ -64,6 +73,9 @@ class AttendUnaryCall final : public QueuedCall {
   grpc::ServerAsyncResponseWriter<v1::AttendResponse> responder_{&ctx_};
   v1::AttendRequest request_;
   v1::AttendResponse response_;
+  // The run's status and time, counted when the finish returns.
+  grpc::StatusCode code_ = grpc::StatusCode::OK;
+  absl::Duration elapsed_;
   Tag accepted_{this, kAccepted};
   Tag finished_{this, kFinished};
 };

@@ -39,8 +39,9 @@ class AttendServer {
   ~AttendServer();
 
   // kvpool_rpc_duration_seconds has a series per unary call (method "Attend": the server's time
-  // from the request to its response handed to gRPC), per stream (method "AttendStream": accept
-  // to final status; one the client cancelled, or that passed its deadline, counts as
+  // from the request to its response handed to gRPC; CANCELLED when the response could not go
+  // out, the client having cancelled or passed its deadline), per stream (method "AttendStream":
+  // accept to final status; one the client cancelled, or that passed its deadline, counts as
   // CANCELLED) and per step (method "AttendStream.step": like "Attend", the figure to
   // compare with a client's step latency).
   struct Metrics {

@@ -39,6 +39,15 @@ bool AwaitSeries(const AttendFixture& f, const std::string& series) {
   return true;
 }
 
+// Expects each of `series` (kvpool_rpc_duration_seconds_count's labels and value) within 5 s.
+void ExpectSeries(const AttendFixture& f, std::initializer_list<std::string> series) {
+  for (const std::string& labels : series) {
+    EXPECT_TRUE(AwaitSeries(f, std::string("kvpool_rpc_duration_seconds_count") + labels))
+        << labels << "\nin:\n"
+        << f.server->server->registry()->Serialize();
+  }
+}
+
 // Every stream's every step, and every unary call made from other threads at the same time,
 // equals the unary Attend of the same request made alone (no append, so the context does not
 // change): responses are neither mixed up between calls nor reordered.
@@ -92,17 +101,13 @@ void ExpectStreamsMatchUnary(int threads, int spin_us) {
   for (std::thread& w : workers) w.join();
   EXPECT_EQ(failures.load(), 0);
   EXPECT_EQ(mismatches.load(), 0);
-  for (const std::string& want : {
-           "kvpool_rpc_duration_seconds_count{method=\"AttendStream\",code=\"OK\"} " +
-               std::to_string(kStreams) + "\n",
-           "kvpool_rpc_duration_seconds_count{method=\"AttendStream.step\",code=\"OK\"} " +
-               std::to_string(kStreams * kSteps) + "\n",
-           "kvpool_rpc_duration_seconds_count{method=\"Attend\",code=\"OK\"} " +
-               std::to_string(2 * kStreams * kSteps) + "\n",
-       }) {
-    EXPECT_TRUE(AwaitSeries(f, want)) << want << "\nin:\n"
-                                      << f.server->server->registry()->Serialize();
-  }
+  ExpectSeries(
+      f,
+      {
+          "{method=\"AttendStream\",code=\"OK\"} " + std::to_string(kStreams) + "\n",
+          "{method=\"AttendStream.step\",code=\"OK\"} " + std::to_string(kStreams * kSteps) + "\n",
+          "{method=\"Attend\",code=\"OK\"} " + std::to_string(2 * kStreams * kSteps) + "\n",
+      });
 }
 
 TEST(AttendServer, MoreStreamsThanSpinningThreadsEachGetTheirOwnAnswers) {
@@ -157,12 +162,30 @@ TEST(AttendServer, StreamCancelledBetweenStepsCountsAsCancelled) {
   ASSERT_TRUE((*cancelled)->Step(AttendRequestFor(f, f.leases[0], 2)).ok());
   EXPECT_TRUE((*closed)->Finish().ok());
   cancelled->reset();  // an unfinished session cancels its call
-  for (const char* series : {"{method=\"AttendStream\",code=\"OK\"} 1\n",
-                             "{method=\"AttendStream\",code=\"CANCELLED\"} 1\n"}) {
-    EXPECT_TRUE(AwaitSeries(f, std::string("kvpool_rpc_duration_seconds_count") + series))
-        << series << "\nin:\n"
-        << f.server->server->registry()->Serialize();
-  }
+  ExpectSeries(f, {"{method=\"AttendStream\",code=\"OK\"} 1\n",
+                   "{method=\"AttendStream\",code=\"CANCELLED\"} 1\n"});
+}
+
+// A unary call whose client gives up while the server runs it (its deadline passes) counts as
+// CANCELLED, not OK: its response never went out.
+TEST(AttendServer, UnaryCallPastItsDeadlineCountsAsCancelled) {
+  AttendFixture f = Start(/*threads=*/1, /*spin_us=*/0, /*sequences=*/1);
+  ASSERT_NE(f.server, nullptr);
+  // A call the CPU backend takes long over: 8 items of 4096 query heads.
+  constexpr int kHeads = 4096;
+  v1::AttendRequest slow = AttendRequestFor(f, f.leases[0], 1);
+  slow.set_num_q_heads(kHeads);
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(kHeads * f.config.head_dim, 9));
+  slow.mutable_items(0)->set_q(reinterpret_cast<const char*>(q.data()), q.size() * 2);
+  for (int i = 1; i < 8; ++i) *slow.add_items() = slow.items(0);
+  const absl::Time begin = absl::Now();
+  ASSERT_TRUE(f.client->Attend(slow).ok());
+  const absl::Duration run = absl::Now() - begin;
+  client::CallOptions call;
+  call.deadline = run / 4;
+  EXPECT_EQ(f.client->Attend(slow, call).status().code(), absl::StatusCode::kDeadlineExceeded);
+  ExpectSeries(
+      f, {"{method=\"Attend\",code=\"CANCELLED\"} 1\n", "{method=\"Attend\",code=\"OK\"} 1\n"});
 }
 
 TEST(AttendServer, BadUnaryCallLeavesItsQueueServing) {
@@ -180,15 +203,9 @@ TEST(AttendServer, BadUnaryCallLeavesItsQueueServing) {
   ASSERT_TRUE(again.ok()) << again.status();
   EXPECT_EQ(again->out(), want->out());
   EXPECT_TRUE(f.client->Attend(AttendRequestFor(f, f.leases[0], 4)).ok());
-  const std::string text = f.server->server->registry()->Serialize();
-  for (const char* series :
-       {"{method=\"Attend\",code=\"INVALID_ARGUMENT\"} 1\n",
-        "{method=\"Attend\",code=\"NOT_FOUND\"} 1\n", "{method=\"Attend\",code=\"OK\"} 3\n"}) {
-    EXPECT_NE(text.find(std::string("kvpool_rpc_duration_seconds_count") + series),
-              std::string::npos)
-        << series << "\nin:\n"
-        << text;
-  }
+  ExpectSeries(
+      f, {"{method=\"Attend\",code=\"INVALID_ARGUMENT\"} 1\n",
+          "{method=\"Attend\",code=\"NOT_FOUND\"} 1\n", "{method=\"Attend\",code=\"OK\"} 3\n"});
 }
 
 TEST(AttendServer, ShutdownEndsOpenStreamsWithoutHanging) {
