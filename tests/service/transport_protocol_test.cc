@@ -32,8 +32,7 @@ TEST_F(TransportProtocolTest, OpensAndClosesChannels) {
   EXPECT_TRUE(Counted("CloseChannel", "NOT_FOUND", 1));
   v1::NcclGetDescriptor header;
   std::vector<uint8_t> buf;
-  v1::NcclGetRequest req;
-  req.set_lease_id(PutAndMatch(8, 1));
+  v1::NcclGetRequest req = NcclGetOf(PutAndMatch(8, 1));
   EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kUnavailable);
 }
 
@@ -58,9 +57,7 @@ TEST_F(TransportProtocolTest, RawGetIsByteExactWithReadRaw) {
     const uint64_t lease = PutAndMatch(13, 7);  // 3 full blocks
     TestWorker w(stub_.get(), &network_);
     ASSERT_TRUE(w.Open().ok());
-    v1::NcclGetRequest req;
-    req.set_lease_id(lease);
-    req.set_format(v1::GET_FORMAT_RAW);
+    v1::NcclGetRequest req = NcclGetOf(lease, v1::GET_FORMAT_RAW);
     req.set_head_begin(1);
     v1::NcclGetDescriptor header;
     std::vector<uint8_t> buf;
@@ -90,9 +87,7 @@ TEST_F(TransportProtocolTest, Fp16GetMatchesReadFp16) {
     const uint64_t lease = PutAndMatch(12, 3);
     TestWorker w(stub_.get(), &network_);
     ASSERT_TRUE(w.Open().ok());
-    v1::NcclGetRequest req;
-    req.set_lease_id(lease);
-    req.set_format(v1::GET_FORMAT_FP16);
+    v1::NcclGetRequest req = NcclGetOf(lease, v1::GET_FORMAT_FP16);
     v1::NcclGetDescriptor header;
     std::vector<uint8_t> buf;
     ASSERT_TRUE(w.Get(req, &header, &buf).ok());
@@ -116,8 +111,7 @@ TEST_F(TransportProtocolTest, GetRefusesTooSmallBufferWithoutBreakingChannel) {
   const uint64_t lease = PutAndMatch(8, 4);
   TestWorker w(stub_.get(), &network_);
   ASSERT_TRUE(w.Open().ok());
-  v1::NcclGetRequest req;
-  req.set_lease_id(lease);
+  v1::NcclGetRequest req = NcclGetOf(lease);
   v1::NcclGetDescriptor header;
   std::vector<uint8_t> buf;
   EXPECT_EQ(w.Get(req, &header, &buf, 16).code(), absl::StatusCode::kResourceExhausted);
@@ -232,8 +226,7 @@ TEST_F(TransportProtocolTest, TimeoutAbortsChannel) {
     TestWorker w(stub_.get(), &network_);
     ASSERT_TRUE(w.Open().ok());
     network_.set_op_latency(absl::Seconds(2));
-    v1::NcclGetRequest req;
-    req.set_lease_id(lease);
+    v1::NcclGetRequest req = NcclGetOf(lease);
     req.set_timeout_ms(1000);
     v1::NcclGetDescriptor header;
     std::vector<uint8_t> buf;
@@ -265,8 +258,7 @@ TEST_F(TransportProtocolTest, SecondTransferOnBusyChannelIsRefused) {
   auto reader = stub_->NcclPut(&ctx, put);
   v1::NcclPutResponse msg;
   ASSERT_TRUE(reader->Read(&msg));
-  v1::NcclGetRequest req;
-  req.set_lease_id(lease);
+  v1::NcclGetRequest req = NcclGetOf(lease);
   v1::NcclGetDescriptor header;
   std::vector<uint8_t> buf;
   EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kAborted);
@@ -298,9 +290,7 @@ TEST_F(TransportProtocolTest, ConcurrentWorkersGetExactBytes) {
       TestWorker w(stub_.get(), &network_);
       if (!w.Open().ok()) return;
       for (int round = 0; round < 5; ++round) {
-        v1::NcclGetRequest req;
-        req.set_lease_id(lease);
-        req.set_format(v1::GET_FORMAT_RAW);
+        v1::NcclGetRequest req = NcclGetOf(lease, v1::GET_FORMAT_RAW);
         req.set_layer_end(1);
         v1::NcclGetDescriptor header;
         std::vector<uint8_t> buf;

@@ -42,9 +42,7 @@ TEST_F(TransportProtocolTest, GetWhoseFirstReadFailsKeepsTheChannel) {
     const uint64_t lease = PutAndMatch(8, 4);
     TestWorker w(stub_.get(), &network_);
     ASSERT_TRUE(w.Open().ok());
-    v1::NcclGetRequest req;
-    req.set_lease_id(lease);
-    req.set_format(v1::GET_FORMAT_RAW);
+    v1::NcclGetRequest req = NcclGetOf(lease, v1::GET_FORMAT_RAW);
     v1::NcclGetDescriptor header;
     std::vector<uint8_t> buf;
     failing->fail = true;
@@ -121,8 +119,7 @@ TEST_F(TransportProtocolTest, TransfersPastTheStagingTotalAreRefused) {
   const uint64_t in_use = BlocksInUse();
   TestWorker w(stub_.get(), &network_);
   ASSERT_TRUE(w.Open().ok());
-  v1::NcclGetRequest req;
-  req.set_lease_id(lease);
+  v1::NcclGetRequest req = NcclGetOf(lease);
   v1::NcclGetDescriptor header;
   std::vector<uint8_t> buf;
   EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kResourceExhausted);

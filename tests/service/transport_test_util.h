@@ -123,6 +123,15 @@ class TestWorker {
   std::unique_ptr<PeerTransport> end_;
 };
 
+// An NcclGet of every layer and head of `lease` in `format`.
+inline v1::NcclGetRequest NcclGetOf(uint64_t lease,
+                                    v1::GetFormat format = v1::GET_FORMAT_UNSPECIFIED) {
+  v1::NcclGetRequest req;
+  req.set_lease_id(lease);
+  req.set_format(format);
+  return req;
+}
+
 class TransportProtocolTest : public StoreTest {
  protected:
   void StartService(TransportOptions options = {}) {
