@@ -74,6 +74,11 @@ class SocketAttendSession final : public AttendSession, public InPlaceAttendSess
   absl::Status Exchange(FrameType type, const google::protobuf::MessageLite& message,
                         v1::AttendResponse* response) {
     if (finished_) return Finished();
+    // Past the session's deadline nothing more is sent (the server would still run the step).
+    if (absl::Now() >= deadline_) {
+      End(absl::DeadlineExceededError("AttendSocket session deadline"));
+      return final_status_;
+    }
     // A server that refused or ended the session has sent a status frame before closing: it is
     // read even when the write fails.
     const absl::Status written = conn_->WriteMessage(type, message, deadline_);

@@ -171,6 +171,20 @@ TEST(AttendSocket, BlockingSessionsMatchUnaryAttend) {
   ExpectSessionsMatchUnary(absl::ZeroDuration(), absl::ZeroDuration(), /*max_spinning=*/4);
 }
 
+// A layer-0 step of `lease` that appends new token `step` (K and V drawn from `step`).
+v1::AttendRequest AppendingRequest(const AttendFixture& f, uint64_t lease, int step) {
+  v1::AttendRequest req = AttendRequestFor(f, lease, 7 + step);
+  req.set_layer(0);
+  v1::AttendItem* item = req.mutable_items(0);
+  const int per_token = f.config.num_kv_heads * f.config.head_dim;
+  const std::vector<uint16_t> k = ToHalf(MakeNormal(per_token, 900 + step));
+  const std::vector<uint16_t> v = ToHalf(MakeNormal(per_token, 1900 + step));
+  item->set_new_k(reinterpret_cast<const char*>(k.data()), k.size() * 2);
+  item->set_new_v(reinterpret_cast<const char*>(v.data()), v.size() * 2);
+  item->set_new_token_id(5000 + step);
+  return req;
+}
+
 // The same decode loop, appending a new token every step, over AttendStream on one lease and
 // over the AttendSocket on another lease of the same prompt: equal outputs and lengths.
 TEST(AttendSocket, AppendingDecodeLoopMatchesAttendStream) {
@@ -182,19 +196,11 @@ TEST(AttendSocket, AppendingDecodeLoopMatchesAttendStream) {
   auto stream = s.f.client->OpenAttendStream();
   auto socket = s.socket_client->OpenAttendStream();
   ASSERT_TRUE(stream.ok() && socket.ok());
-  const int per_token = s.f.config.num_kv_heads * s.f.config.head_dim;
   v1::AttendResponse a, b;  // each session's, reused every step
   for (int step = 0; step < 20; ++step) {
-    v1::AttendRequest req = AttendRequestFor(s.f, s.f.leases[0], 7 + step);
-    req.set_layer(0);
-    v1::AttendItem* item = req.mutable_items(0);
-    const std::vector<uint16_t> k = ToHalf(MakeNormal(per_token, 900 + step));
-    const std::vector<uint16_t> v = ToHalf(MakeNormal(per_token, 1900 + step));
-    item->set_new_k(reinterpret_cast<const char*>(k.data()), k.size() * 2);
-    item->set_new_v(reinterpret_cast<const char*>(v.data()), v.size() * 2);
-    item->set_new_token_id(5000 + step);
+    v1::AttendRequest req = AppendingRequest(s.f, s.f.leases[0], step);
     const absl::Status sa = (*stream)->Step(req, &a);
-    item->set_lease_id(second->lease_id());
+    req.mutable_items(0)->set_lease_id(second->lease_id());
     const absl::Status sb = (*socket)->Step(req, &b);
     ASSERT_TRUE(sa.ok() && sb.ok()) << sa << " " << sb;
     EXPECT_EQ(a.out(), b.out()) << "step " << step;
@@ -308,6 +314,26 @@ TEST(AttendSocket, IdleSessionIsClosedWithDeadlineExceeded) {
   absl::SleepFor(absl::Milliseconds(300));
   EXPECT_EQ((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 2)).status().code(),
             absl::StatusCode::kDeadlineExceeded);
+}
+
+// A step after the session's deadline is not sent, with or without the client's spin: the
+// session ends with DEADLINE_EXCEEDED and the step's token is not appended.
+TEST(AttendSocket, StepPastTheSessionDeadlineIsNotSent) {
+  for (const absl::Duration client_spin : {absl::Microseconds(500), absl::ZeroDuration()}) {
+    SocketFixture s = StartSocket(/*sequences=*/1, {}, client_spin);
+    ASSERT_NE(s.f.server, nullptr);
+    auto session = s.socket_client->OpenAttendStream({.deadline = absl::Milliseconds(200)});
+    ASSERT_TRUE(session.ok()) << session.status();
+    ASSERT_TRUE((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+    absl::SleepFor(absl::Milliseconds(300));
+    EXPECT_EQ((*session)->Step(AppendingRequest(s.f, s.f.leases[0], 0)).status().code(),
+              absl::StatusCode::kDeadlineExceeded);
+    v1::AttendRequest check = AttendRequestFor(s.f, s.f.leases[0], 2);
+    check.set_layer(0);
+    absl::StatusOr<v1::AttendResponse> r = s.f.client->Attend(check);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(r->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens));
+  }
 }
 
 TEST(AttendSocket, ShutdownEndsOpenSessionsWithoutHanging) {

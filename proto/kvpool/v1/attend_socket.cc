@@ -188,7 +188,10 @@ absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payloa
                                                              absl::Time deadline,
                                                              absl::Duration spin) {
   using Clock = std::chrono::steady_clock;
-  const Clock::time_point spin_end = Clock::now() + absl::ToChronoNanoseconds(spin);
+  // The spin ends by the deadline too.
+  const Clock::time_point spin_end =
+      Clock::now() + absl::ToChronoNanoseconds(
+                         std::max(absl::ZeroDuration(), std::min(spin, deadline - absl::Now())));
   uint8_t header[kHeaderBytes];
   // Fills [dst, dst + n): spinning on recv until spin_end, then polling until the deadline.
   size_t total = 0;  // bytes of this frame read so far

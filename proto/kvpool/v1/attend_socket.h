@@ -57,12 +57,12 @@ class FrameConnection {
     int code;  // status frames only
   };
   // Reads the next frame's payload into `payload` (its capacity is reused). Polls without
-  // sleeping for `spin` (a response or the next step then lands without a thread wake-up), then
-  // blocks until `deadline`. Errors: OUT_OF_RANGE when the peer closed between frames,
-  // UNAVAILABLE when it closed inside one or the socket failed, DEADLINE_EXCEEDED,
-  // INVALID_ARGUMENT for a header that is not this format's, RESOURCE_EXHAUSTED for a payload
-  // over `max_payload` (nothing of it is read).
-  // A descriptor passed with the frame (Unix sockets) is kept for TakeReceivedFd.
+  // sleeping for `spin`, or until `deadline` when that is sooner (a response or the next step
+  // then lands without a thread wake-up), then blocks until `deadline`. Errors: OUT_OF_RANGE when
+  // the peer closed between frames, UNAVAILABLE when it closed inside one or the socket failed,
+  // DEADLINE_EXCEEDED, INVALID_ARGUMENT for a header that is not this format's, RESOURCE_EXHAUSTED
+  // for a payload over `max_payload` (nothing of it is read). A descriptor passed with the frame
+  // (Unix sockets) is kept for TakeReceivedFd.
   absl::StatusOr<Frame> Read(std::string* payload, uint32_t max_payload, absl::Time deadline,
                              absl::Duration spin);
   // Writes `message` as a frame of `type` (kRequest, kResponse or kRegionRequest).
