@@ -216,8 +216,10 @@ class GrpcKvPoolClient final : public KvPoolClient {
     }
     const size_t token_elems = size_t{kv.num_kv_heads} * kv.head_dim;
     const size_t token_bytes = 2 * token_elems * sizeof(uint16_t);  // k + v
+    // Clamped before it narrows: a max_chunk_bytes past 2^32 tokens must not wrap.
     const uint32_t chunk_tokens = static_cast<uint32_t>(
-        std::max<size_t>(1, options_.max_chunk_bytes / std::max<size_t>(1, token_bytes)));
+        std::clamp<size_t>(options_.max_chunk_bytes / std::max<size_t>(1, token_bytes), 1,
+                           std::max<uint32_t>(1, kv.num_tokens)));
 
     grpc::ClientContext ctx;
     Prepare(ctx, call);

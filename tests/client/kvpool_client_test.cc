@@ -153,6 +153,19 @@ TEST_F(KvPoolClientTest, PutSplitsEveryLayerIntoBoundedChunksCoveringItsTokens) 
   EXPECT_EQ(v, kv.v);
 }
 
+// A chunk limit of more than 2^32 tokens (an "unbounded" setting) sends each layer whole.
+TEST_F(KvPoolClientTest, PutWithAChunkLimitPastTwoToThe32TokensSendsLayersWhole) {
+  const size_t token_bytes = 2 * kHeads * kDim * 2;
+  const SequenceKv kv = RandomKv(3, 0, 10, 9);
+  std::vector<int32_t> ids(10, 1);
+  absl::StatusOr<v1::PutResponse> r =
+      Client((token_bytes << 32) + 3 * token_bytes)->Put("", ids, kv);
+  ASSERT_TRUE(r.ok()) << r.status();
+  absl::MutexLock lock(&fake_.mu_);
+  ASSERT_EQ(fake_.chunks_.size(), 3u);
+  for (const v1::PutChunk& c : fake_.chunks_) EXPECT_EQ(c.num_tokens(), 10u);
+}
+
 TEST_F(KvPoolClientTest, PutRejectsKvWhoseSizeDoesNotMatchItsShape) {
   SequenceKv kv = RandomKv(2, 0, 4, 3);
   kv.v.pop_back();
