@@ -113,7 +113,8 @@ inline constexpr uint16_t kHalfMaxFiniteBits = 0x7BFF;
 uint16_t MaxInputHalfBits(const PageLayout& layout);
 // The largest magnitude (fp16 bits, sign cleared) of a query value PagedDecodeAttention takes at
 // `sm_scale`: the CUDA kernels carry q' sm_scale log2(e) in fp16 operands, q' the rotated query
-// (up to sqrt(rot_block) times |q|, as above); kHalfMaxFiniteBits when no finite query passes.
+// (up to sqrt(rot_block) times |q|, as above); kHalfMaxFiniteBits when every finite query
+// passes (sm_scale 0 included), 0 when only zeros do.
 uint16_t MaxQueryHalfBits(const PageLayout& layout, float sm_scale);
 
 // The index of the first of ids[0, n) outside [0, num_blocks), or -1 when all are in range. A

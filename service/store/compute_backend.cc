@@ -53,6 +53,11 @@ absl::Status ComputeBackend::CheckLayout(const PageLayout& /*layout*/) const {
   return absl::OkStatus();
 }
 
+absl::Status ComputeBackend::CheckAttentionShape(size_t /*num_seqs*/,
+                                                 size_t /*num_q_heads*/) const {
+  return absl::OkStatus();
+}
+
 absl::Status ComputeBackend::RegisterHostMemory(void* /*data*/, size_t /*bytes*/) {
   return absl::OkStatus();
 }

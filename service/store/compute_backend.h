@@ -34,6 +34,10 @@ class ComputeBackend {
   // not. CreateNamespace refuses a namespace with a layer this fails. The default (a backend
   // over the CPU reference) serves every valid layout.
   [[nodiscard]] virtual absl::Status CheckLayout(const PageLayout& layout) const;
+  // OK when PagedDecodeAttention serves a call of `num_seqs` sequences of `num_q_heads` query
+  // heads; else why not. The store checks it before an Attend appends or evicts anything. The
+  // default serves every shape.
+  [[nodiscard]] virtual absl::Status CheckAttentionShape(size_t num_seqs, size_t num_q_heads) const;
 
   // Arena memory (host or device), zero-filled. Freed with FreeArena.
   [[nodiscard]] virtual absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) = 0;

@@ -48,6 +48,7 @@ namespace kvpool {
 namespace {
 
 using cuda_backend_internal::AppendStaging;
+using cuda_backend_internal::CheckCudaAttentionShape;
 using cuda_backend_internal::CudaError;
 using cuda_backend_internal::kNumLanes;
 using cuda_backend_internal::kSlotsPerLane;
@@ -108,6 +109,10 @@ class CudaBackend final : public ComputeBackend {
         "the cuda backend's kernels serve head_dim 64, 128 or 256, block_tokens 16, 32 or 64, "
         "rotation blocks of 16 to 128 channels (at most head_dim) or none, quantization groups "
         "of a multiple of 16 channels, and layer pages under 4 GiB");
+  }
+
+  absl::Status CheckAttentionShape(size_t num_seqs, size_t num_q_heads) const override {
+    return CheckCudaAttentionShape(num_seqs, num_q_heads);
   }
 
   absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {

@@ -37,7 +37,18 @@ inline absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
   return absl::OkStatus();
 }
 
-// Host-side checks of Dequantize's arguments (block_ids is host memory).
+// UNIMPLEMENTED past the sequences and query heads one PagedDecodeAttention call takes.
+inline absl::Status CheckCudaAttentionShape(size_t num_seqs, size_t num_q_heads) {
+  constexpr size_t kMax = cuda::kMaxAttentionSeqsOrHeads;
+  if (num_seqs <= kMax && num_q_heads <= kMax) {
+    return absl::OkStatus();
+  }
+  return absl::UnimplementedError(absl::StrFormat(
+      "PagedDecodeAttention: %d sequences of %d query heads; the CUDA kernels take at most %d of "
+      "each per call",
+      num_seqs, num_q_heads, cuda::kMaxAttentionSeqsOrHeads));
+}
+
 // Host-side checks of PagedDecodeAttention's arguments and of the append riding in it (tables,
 // lengths and q are host memory), before anything is queued: the kernels must never see an
 // out-of-range block id or length.
@@ -48,13 +59,7 @@ inline absl::Status ValidatePagedDecodeAttention(const PagedDecodeAttentionParam
     return absl::InvalidArgumentError(
         "PagedDecodeAttention: bad batch shape (or tables spanning over 2^30 tokens)");
   }
-  if (p.num_seqs > cuda::kMaxAttentionSeqsOrHeads ||
-      p.num_q_heads > cuda::kMaxAttentionSeqsOrHeads) {
-    return absl::UnimplementedError(absl::StrFormat(
-        "PagedDecodeAttention: %d sequences of %d query heads; the CUDA kernels take at most %d "
-        "of each per call",
-        p.num_seqs, p.num_q_heads, cuda::kMaxAttentionSeqsOrHeads));
-  }
+  if (absl::Status s = CheckCudaAttentionShape(p.num_seqs, p.num_q_heads); !s.ok()) return s;
   if (p.num_seqs == 0) return absl::OkStatus();
   if (append != nullptr) {
     if (absl::Status s = ValidateQuantizeAppend(*append); !s.ok()) return s;
@@ -79,6 +84,7 @@ inline absl::Status ValidatePagedDecodeAttention(const PagedDecodeAttentionParam
       p.block_tables[static_cast<size_t>(bad.seq) * p.max_blocks_per_seq + bad.block]));
 }
 
+// Host-side checks of Dequantize's arguments (block_ids is host memory).
 inline absl::Status ValidateDequantize(const DequantizeParams& p) {
   if (p.num_out_blocks < 0 || p.head_begin < 0 || p.head_end <= p.head_begin ||
       p.head_end > p.layout.num_kv_heads) {

@@ -70,6 +70,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
           absl::StrFormat("num_q_heads %d is not a positive multiple of the %d KV heads",
                           num_q_heads, config.num_kv_heads));
     }
+    if (absl::Status s = backend()->CheckAttentionShape(items.size(), num_q_heads); !s.ok()) {
+      return s;
+    }
     const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
     const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
     const uint16_t bound = MaxInputHalfBits(ns->pool->layout(layer));

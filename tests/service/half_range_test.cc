@@ -72,6 +72,8 @@ TEST(CheckHalfRange, NamesTheFirstValuePastARotationsBound) {
   EXPECT_EQ(MaxInputHalfBits(l), kHalfMaxFiniteBits);
   // Queries: the rotation's gain times sm_scale log2(e) (fp16 steps of 8 between 8192 and 16384).
   EXPECT_EQ(MaxQueryHalfBits(l, 0.1f), kHalfMaxFiniteBits);
+  EXPECT_EQ(MaxQueryHalfBits(l, 0.0f), kHalfMaxFiniteBits);
+  EXPECT_EQ(MaxQueryHalfBits(l, 1e30f), 0);  // only zeros pass
   l.rot_block = 16;
   EXPECT_EQ(HalfToFloat(MaxQueryHalfBits(l, 1.0f)), 11344.0f);  // 65504 / (4 x 1.4427) = 11350.8
 

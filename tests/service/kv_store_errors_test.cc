@@ -2,6 +2,7 @@
 // and changes nothing.
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,55 @@ TEST(StoreNamespaces, ALayerTheBackendDoesNotServeIsRefused) {
   const absl::StatusOr<NamespaceInfo> created = (*store)->CreateNamespace(c);
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_EQ(created->config.capacity_bytes, uint64_t{1} << 20);  // the whole pool was free
+}
+
+// A backend whose attention kernels take at most 2 query heads per call (as the CUDA backend's
+// take at most 65535), and refuse more when called.
+class TwoHeadsBackend final : public ForwardingBackend {
+ public:
+  absl::Status CheckAttentionShape(size_t num_seqs, size_t num_q_heads) const override {
+    return num_q_heads > 2 ? absl::UnimplementedError("at most 2 query heads here")
+                           : ForwardingBackend::CheckAttentionShape(num_seqs, num_q_heads);
+  }
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
+    if (absl::Status s = CheckAttentionShape(p.num_seqs, p.num_q_heads); !s.ok()) return s;
+    return ForwardingBackend::PagedDecodeAttention(p, append);
+  }
+};
+
+// An Attend of a shape the backend does not serve is refused before its new token takes a block
+// (which, in a full pool, would evict a cached sequence).
+TEST_F(StoreTest, AnAttendShapeTheBackendDoesNotServeTakesAndEvictsNothing) {
+  backend_ = std::make_unique<TwoHeadsBackend>();
+  MakeStore(4);
+  const std::vector<int32_t> ids = TokenIds(8, 1), other = TokenIds(8, 100);
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 40);
+  ASSERT_TRUE(Put(ids, kv).ok());
+  ASSERT_TRUE(Put(other, MakeSequenceKv(config_, 8, 41)).ok());  // the pool is full
+  auto lease = store_->Match("main", ids, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const std::vector<uint16_t> q = ToHalf(MakeNormal(4 * config_.head_dim, 42));
+  KvStore::AttendItem item;
+  item.lease_id = lease->lease_id;
+  item.q = q.data();
+  item.new_k = kv.k[0].data();
+  item.new_v = kv.v[0].data();
+  std::vector<float> out(4 * config_.head_dim);
+  uint32_t ctx = 0;
+  const absl::Status s = store_->Attend(0, 4, 0.f, {item}, {out.data(), nullptr, nullptr, &ctx});
+  EXPECT_EQ(s.code(), StatusCode::kUnimplemented) << s;
+  auto view = store_->DescribeLease(lease->lease_id);
+  ASSERT_TRUE(view.ok());
+  EXPECT_EQ(view->num_blocks, 2u);
+  EXPECT_EQ(view->layer_tokens, (std::vector<uint32_t>{8, 8}));
+  auto cached = store_->Match("main", other, absl::ZeroDuration());
+  ASSERT_TRUE(cached.ok()) << cached.status();
+  EXPECT_EQ(cached->cached_tokens, 8u);
+  ASSERT_TRUE(store_->Release(cached->lease_id).ok());
+  // Two heads are served (evicting the other sequence's last block for the new token).
+  EXPECT_TRUE(store_->Attend(0, 2, 0.f, {item}, {out.data(), nullptr, nullptr, &ctx}).ok());
+  EXPECT_EQ(ctx, 9u);
 }
 
 class StoreErrorsTest : public StoreTest {

@@ -111,6 +111,9 @@ class ForwardingBackend : public ComputeBackend {
     return inner_->CheckHalfRangeArena(x, n, max_abs_bits, what);
   }
   ComputeBackendStats Stats() const override { return inner_->Stats(); }
+  absl::Status CheckAttentionShape(size_t num_seqs, size_t num_q_heads) const override {
+    return inner_->CheckAttentionShape(num_seqs, num_q_heads);
+  }
 
  protected:
   ComputeBackend& inner() { return *inner_; }
