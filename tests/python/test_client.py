@@ -190,6 +190,43 @@ def test_attend_socket_bad_step_raises_its_status_and_ends_the_session(socket_cl
         socket_client.release(m.lease_id)
 
 
+def test_attend_socket_answer_over_max_message_bytes_is_resource_exhausted(
+        server, attend_socket_port, client):
+    ids, _, _, _ = put_sequence(client, 32, seed=47)
+    m = client.match(ids, namespace="pytest")
+    q = np.ones((2 * HEADS, DIM), np.float16)  # 512 bytes out, 1,024 back (fp32)
+    try:
+        with Client(server, timeout=30, attend_socket_port=attend_socket_port,
+                    max_message_bytes=800) as c, c.attend_stream() as stream:
+            with pytest.raises(AttendSocketError) as e:
+                stream.step(0, [AttendItem(m.lease_id, q)])
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        client.release(m.lease_id)
+
+
+def test_attend_socket_step_past_the_session_deadline_is_not_sent(server, attend_socket_port,
+                                                                   client):
+    """The step raises DEADLINE_EXCEEDED, appends nothing, and closes the session's socket."""
+    ids, _, _, _ = put_sequence(client, 32, seed=48)
+    extra_k, extra_v = outlier_kv(1, seed=49)
+    m = client.match(ids, namespace="pytest")
+    q = np.ones((2 * HEADS, DIM), np.float16)
+    try:
+        with Client(server, timeout=30, attend_socket_port=attend_socket_port) as c:
+            stream = c.attend_stream(timeout=0.3)
+            sock = stream._socket._sock  # the connection, to see it closed
+            assert stream.step(0, [AttendItem(m.lease_id, q)]).context_tokens == [32]
+            time.sleep(0.4)
+            with pytest.raises(AttendSocketError) as e:
+                stream.step(0, [AttendItem(m.lease_id, q, extra_k[0, 0], extra_v[0, 0], 900)])
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert sock.fileno() == -1
+        assert client.attend(0, [AttendItem(m.lease_id, q)]).context_tokens == [32]
+    finally:
+        client.release(m.lease_id)
+
+
 def test_in_place_steps_match_unary_attend(server, attend_unix_socket, client):
     """q written into the region by the caller, one item appending its K/V from the region too:
     the outputs (views of the region) equal the unary Attend's over the same context."""

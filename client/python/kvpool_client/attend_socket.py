@@ -240,18 +240,25 @@ class AttendSocketSession:
         """Sends `req` as a frame of `kind_sent` and reads the response frame."""
         self._check_open()
         payload = req.SerializeToString()
+        try:
+            left = self._left()  # past the deadline nothing more is sent
+        except AttendSocketError as e:
+            self._fail(e)
         sent = True
         try:
-            self._sock.settimeout(self._left())
+            self._sock.settimeout(left)
             self._sock.sendall(_HEADER.pack(_MAGIC, kind_sent, 0, len(payload), 0) + payload)
         except OSError:
             sent = False  # the server may have closed after a status frame: read it
         try:
             magic, kind, code, length, zero = _HEADER.unpack(self._read(_HEADER.size))
-            if (magic != _MAGIC or zero != 0 or kind not in (_RESPONSE, _STATUS)
-                    or length > self._max):
+            if magic != _MAGIC or zero != 0 or kind not in (_RESPONSE, _STATUS):
                 self._fail(AttendSocketError(grpc.StatusCode.INTERNAL,
                                              "AttendSocket: the server's answer is not a frame"))
+            if length > self._max:
+                self._fail(AttendSocketError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"AttendSocket: a {length}-byte answer, over max_message_bytes {self._max}"))
             body = self._read(length)
         except AttendSocketError as e:
             self._fail(e)
