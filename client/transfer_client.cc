@@ -5,7 +5,9 @@
 #include <string>
 #include <utility>
 
+#include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
 
 namespace kvpool::client {
 namespace {
@@ -24,6 +26,15 @@ absl::Status CheckPutSource(const PutSource& src, size_t num_tokens) {
     return absl::InvalidArgumentError("PutSource needs a shape and both buffers");
   }
   return absl::OkStatus();
+}
+
+// What is left of a call's timeout for its gRPC transfer (the whole of it without an NCCL
+// attempt); DEADLINE_EXCEEDED, naming the NCCL attempt's error, when nothing is.
+absl::StatusOr<absl::Duration> TimeLeft(absl::Time deadline, const absl::Status& nccl_error) {
+  const absl::Duration left = deadline - absl::Now();
+  if (left > absl::ZeroDuration()) return left;
+  return absl::DeadlineExceededError(absl::StrCat(
+      "the timeout passed in the NCCL attempt, no time left for gRPC: ", nccl_error.ToString()));
 }
 
 }  // namespace
@@ -68,7 +79,9 @@ absl::StatusOr<TransferGetResult> TransferClient::Get(const v1::GetRequest& requ
                                                       uint64_t capacity, absl::Duration timeout) {
   if (dst == nullptr) return absl::InvalidArgumentError("Get into a null buffer");
   if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
+  const absl::Time deadline = absl::Now() + timeout;
   absl::Status nccl_error;
+  std::shared_ptr<NcclChannel> dropped;  // closed (an RPC) after the retry, not before it
   if (std::shared_ptr<NcclChannel> channel = HealthyChannel()) {
     v1::NcclGetRequest nccl;
     nccl.set_lease_id(request.lease_id());
@@ -89,9 +102,12 @@ absl::StatusOr<TransferGetResult> TransferClient::Get(const v1::GetRequest& requ
     }
     if (channel->healthy()) return d.status();
     DropChannel(channel);
+    dropped = std::move(channel);
     nccl_error = d.status();
   }
-  absl::StatusOr<TransferGetResult> result = GrpcGet(request, dst, capacity, timeout);
+  absl::StatusOr<absl::Duration> left = TimeLeft(deadline, nccl_error);
+  if (!left.ok()) return left.status();
+  absl::StatusOr<TransferGetResult> result = GrpcGet(request, dst, capacity, *left);
   if (result.ok()) result->nccl_error = nccl_error;
   return result;
 }
@@ -102,7 +118,9 @@ absl::StatusOr<TransferPutResult> TransferClient::Put(std::string_view ns,
                                                       absl::Duration timeout) {
   if (absl::Status s = CheckPutSource(src, token_ids.size()); !s.ok()) return s;
   if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
+  const absl::Time deadline = absl::Now() + timeout;
   absl::Status nccl_error;
+  std::shared_ptr<NcclChannel> dropped;  // closed (an RPC) after the retry, not before it
   if (std::shared_ptr<NcclChannel> channel = HealthyChannel()) {
     const uint64_t token_bytes = uint64_t{src.num_kv_heads} * src.head_dim * sizeof(uint16_t);
     absl::StatusOr<v1::PutResponse> r =
@@ -115,9 +133,12 @@ absl::StatusOr<TransferPutResult> TransferClient::Put(std::string_view ns,
     }
     if (channel->healthy()) return r.status();
     DropChannel(channel);
+    dropped = std::move(channel);
     nccl_error = r.status();
   }
-  absl::StatusOr<TransferPutResult> result = GrpcPut(ns, token_ids, src, timeout);
+  absl::StatusOr<absl::Duration> left = TimeLeft(deadline, nccl_error);
+  if (!left.ok()) return left.status();
+  absl::StatusOr<TransferPutResult> result = GrpcPut(ns, token_ids, src, *left);
   if (result.ok()) result->nccl_error = nccl_error;
   return result;
 }

@@ -27,6 +27,7 @@ class FakeKvPool final : public v1::KvPool::Service {
   grpc::Status Put(grpc::ServerContext*, grpc::ServerReader<v1::PutRequest>* reader,
                    v1::PutResponse* response) override {
     v1::PutRequest msg;
+    absl::SleepFor(delay_);
     absl::MutexLock lock(&mu_);
     ++puts_;
     while (reader->Read(&msg)) {
@@ -41,12 +42,14 @@ class FakeKvPool final : public v1::KvPool::Service {
   }
   grpc::Status Get(grpc::ServerContext*, const v1::GetRequest*,
                    grpc::ServerWriter<v1::GetResponse>* writer) override {
+    absl::SleepFor(delay_);
     absl::MutexLock lock(&mu_);
     ++gets_;
     for (const v1::GetResponse& m : get_script_) writer->Write(m);
     return grpc::Status::OK;
   }
 
+  absl::Duration delay_;  // before each call is served; set before any call
   absl::Mutex mu_;
   int puts_ ABSL_GUARDED_BY(mu_) = 0;
   int gets_ ABSL_GUARDED_BY(mu_) = 0;
@@ -77,6 +80,7 @@ class FakeNcclChannel final : public NcclChannel {
   absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest, void* dst, uint64_t capacity,
                                             absl::Duration) override {
     ++log_->gets;
+    absl::SleepFor(delay_);
     if (!error_.ok()) {
       healthy_ = !breaks_;
       return error_;
@@ -89,6 +93,7 @@ class FakeNcclChannel final : public NcclChannel {
                                       uint32_t num_layers, const void*, const void*,
                                       uint64_t token_bytes, absl::Duration) override {
     ++log_->puts;
+    absl::SleepFor(delay_);
     log_->put_num_layers = num_layers;
     log_->put_token_bytes = token_bytes;
     if (!error_.ok()) {
@@ -103,6 +108,7 @@ class FakeNcclChannel final : public NcclChannel {
   bool healthy_ = true;
   absl::Status error_;  // returned by every transfer when not OK
   bool breaks_ = false;  // whether a failure breaks the channel
+  absl::Duration delay_;  // before each transfer returns
   std::string payload_;
   v1::NcclGetDescriptor descriptor_;
 
@@ -256,6 +262,34 @@ TEST_F(TransferClientTest, NcclFailureThatBreaksTheChannelFallsBackToGrpcAndDrop
   ASSERT_TRUE(client.Get(v1::GetRequest(), buffer.data(), buffer.size(), absl::Seconds(10)).ok());
   EXPECT_EQ(log.gets, 1);
   EXPECT_EQ(GrpcGets(), 2);
+}
+
+// The call's timeout covers the NCCL attempt and the gRPC retry together: the retry gets what
+// the attempt left (here too little for the slow gRPC fake), and none when it used it all.
+TEST_F(TransferClientTest, TheGrpcRetryGetsWhatTheNcclAttemptLeftOfTheTimeout) {
+  fake_.delay_ = absl::Milliseconds(400);
+  constexpr absl::Duration kTimeout = absl::Milliseconds(300);
+  std::string buffer(ExpectedBuffer().size(), '\0');
+  const std::vector<int32_t> ids(3, 1);
+  const std::vector<uint16_t> k(kLayers * ids.size() * kHeads * kDim, 0x3c00);
+  const PutSource src{kLayers, kHeads, kDim, k.data(), k.data()};
+  for (const absl::Duration nccl_time : {absl::Milliseconds(150), absl::Milliseconds(350)}) {
+    for (const bool get : {true, false}) {
+      ChannelLog log;
+      std::unique_ptr<FakeNcclChannel> channel = Channel(&log);
+      channel->error_ = absl::UnavailableError("NCCL transfer timed out; channel aborted");
+      channel->breaks_ = true;
+      channel->delay_ = nccl_time;
+      TransferClient client(kv_.get(), HostBufferCopy(), std::move(channel));
+      const absl::Time start = absl::Now();
+      const absl::Status s =
+          get ? client.Get(v1::GetRequest(), buffer.data(), buffer.size(), kTimeout).status()
+              : client.Put("ns", ids, src, kTimeout).status();
+      EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+      EXPECT_LT(absl::Now() - start, std::max(kTimeout, nccl_time) + absl::Milliseconds(120))
+          << (get ? "Get" : "Put") << " after " << nccl_time << " of NCCL";
+    }
+  }
 }
 
 TEST_F(TransferClientTest, NcclErrorThatLeavesTheChannelHealthyIsReturnedWithoutRetry) {
