@@ -75,24 +75,52 @@ AttendSocketServer::AttendSocketServer(KvStore* store, ComputeBackend* backend, 
 
 AttendSocketServer::~AttendSocketServer() { Shutdown(); }
 
+void AttendSocketServer::StopAccepting() {
+  {
+    absl::MutexLock l(&mu_);
+    accepting_ = false;
+  }
+  std::call_once(close_listeners_, [this] {
+    // Wakes each acceptor's accept(2), which then returns an error.
+    for (int i = 0; i < 2; ++i) {
+      if (listen_fds_[i] < 0) continue;
+      shutdown(listen_fds_[i], SHUT_RDWR);
+      if (acceptors_[i].joinable()) acceptors_[i].join();
+      close(listen_fds_[i]);
+    }
+    if (listen_fds_[1] >= 0) unlink(options_.unix_path.c_str());
+  });
+}
+
+bool AttendSocketServer::AllSessionsDone() const {
+  for (const Session& s : sessions_) {
+    if (!s.done.load(std::memory_order_acquire)) return false;
+  }
+  return true;
+}
+
+void AttendSocketServer::AwaitSessions(absl::Time deadline) {
+  StopAccepting();
+  absl::MutexLock l(&mu_);
+  mu_.AwaitWithDeadline(absl::Condition(this, &AttendSocketServer::AllSessionsDone), deadline);
+}
+
 void AttendSocketServer::Shutdown() {
   {
     absl::MutexLock l(&mu_);
     if (stopping_) return;
     stopping_ = true;
+    accepting_ = false;
     for (Session& s : sessions_) s.conn->Shutdown();
   }
-  // Wakes each acceptor's accept(2), which then returns an error.
-  for (int i = 0; i < 2; ++i) {
-    if (listen_fds_[i] < 0) continue;
-    shutdown(listen_fds_[i], SHUT_RDWR);
-    if (acceptors_[i].joinable()) acceptors_[i].join();
-    close(listen_fds_[i]);
+  StopAccepting();
+  // Joined without mu_, which each session takes as it ends.
+  std::list<Session> ending;
+  {
+    absl::MutexLock l(&mu_);
+    ending.swap(sessions_);
   }
-  if (listen_fds_[1] >= 0) unlink(options_.unix_path.c_str());
-  absl::MutexLock l(&mu_);
-  for (Session& s : sessions_) s.thread.join();
-  sessions_.clear();
+  for (Session& s : ending) s.thread.join();
 }
 
 void AttendSocketServer::Accept(int listen_fd) {
@@ -103,7 +131,7 @@ void AttendSocketServer::Accept(int listen_fd) {
       absl::SleepFor(absl::Milliseconds(10));
     }
     absl::MutexLock l(&mu_);
-    if (stopping_) {
+    if (!accepting_) {
       if (fd >= 0) close(fd);
       return;
     }
@@ -113,7 +141,8 @@ void AttendSocketServer::Accept(int listen_fd) {
     if (fd < 0) continue;  // as above, or the peer gave up before the accept
     auto conn = std::make_unique<FrameConnection>(fd);
     if (sessions_.size() >= static_cast<size_t>(options_.max_connections)) {
-      Refuse(*conn, "every session slot is taken (--attend_socket_max_connections)");
+      Refuse(*conn, absl::ResourceExhaustedError(
+                        "every session slot is taken (--attend_socket_max_connections)"));
       continue;
     }
     Session& s = sessions_.emplace_back();
@@ -123,16 +152,18 @@ void AttendSocketServer::Accept(int listen_fd) {
     } catch (const std::system_error& e) {  // out of threads or memory: the server stays up
       conn = std::move(s.conn);
       sessions_.pop_back();
-      Refuse(*conn, absl::StrCat("no thread for a session (", e.what(), ")"));
+      Refuse(*conn,
+             absl::UnavailableError(absl::StrCat("no thread for a session (", e.what(), ")")));
     }
   }
 }
 
-void AttendSocketServer::Refuse(FrameConnection& conn, absl::string_view why) {
-  // Best effort: a full socket buffer just drops the status.
-  conn.WriteStatus(absl::UnavailableError(absl::StrCat("AttendSocket: ", why)), absl::Now())
+void AttendSocketServer::Refuse(FrameConnection& conn, const absl::Status& why) {
+  // Counted first, as in Serve. Best effort: a full socket buffer just drops the status.
+  metrics_.session.Finished(static_cast<grpc::StatusCode>(why.code()), absl::ZeroDuration());
+  conn.WriteStatus(absl::Status(why.code(), absl::StrCat("AttendSocket: ", why.message())),
+                   absl::Now())
       .IgnoreError();
-  metrics_.session.Finished(grpc::StatusCode::UNAVAILABLE, absl::ZeroDuration());
 }
 
 absl::StatusOr<std::unique_ptr<AttendSocketServer::PinnedRegion>> AttendSocketServer::Attach(
@@ -261,6 +292,7 @@ void AttendSocketServer::Serve(Session* session) {
   // The peer sees the close now; the descriptor itself is closed when the session is reaped, so
   // that Shutdown never acts on a number the kernel has handed out again.
   conn.Shutdown();
+  absl::MutexLock l(&mu_);
   session->done.store(true, std::memory_order_release);
 }
 

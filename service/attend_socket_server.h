@@ -14,12 +14,13 @@
 #include <cstdint>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvpool/v1/attend_socket.h"
@@ -39,7 +40,7 @@ struct AttendSocketOptions {
   // memory): RESOURCE_EXHAUSTED beyond either.
   uint64_t max_region_bytes = uint64_t{64} << 20;
   uint64_t total_region_bytes = uint64_t{1} << 30;
-  // Sessions served at once; a connection beyond them gets UNAVAILABLE and is closed.
+  // Sessions served at once; a connection beyond them gets RESOURCE_EXHAUSTED and is closed.
   int max_connections = 256;
   // How long a session's thread polls for the next request without sleeping (0: block at once).
   absl::Duration spin = absl::Microseconds(500);
@@ -70,6 +71,11 @@ class AttendSocketServer {
   // Bytes of the regions attached now, over all sessions (pinned host memory).
   uint64_t region_bytes() const { return regions_bytes_.load(std::memory_order_relaxed); }
 
+  // The first steps of a graceful shutdown: StopAccepting closes the listeners (a new connection
+  // is refused by the kernel; open sessions go on), then AwaitSessions waits until every session
+  // has ended or `deadline` has passed. Idempotent; thread-safe.
+  void StopAccepting();
+  void AwaitSessions(absl::Time deadline);
   // Stops accepting, ends every session (a step in progress finishes first; its response is not
   // sent) and joins their threads. Idempotent; thread-safe.
   void Shutdown();
@@ -86,7 +92,7 @@ class AttendSocketServer {
   struct Session {
     std::unique_ptr<attend_socket::FrameConnection> conn;
     std::thread thread;
-    std::atomic<bool> done{false};
+    std::atomic<bool> done{false};  // set under mu_ (AwaitSessions waits on it)
   };
 
   // A session's region: mapped, pinned by the backend, counted in regions_bytes_.
@@ -99,10 +105,11 @@ class AttendSocketServer {
   // Answers an attach frame whose payload is `payload`: the region, or why not.
   absl::StatusOr<std::unique_ptr<PinnedRegion>> Attach(attend_socket::FrameConnection& conn,
                                                        const std::string& payload);
-  // Tells a connection it gets no session (UNAVAILABLE: `why`) and counts it.
-  void Refuse(attend_socket::FrameConnection& conn, absl::string_view why);
+  // Tells a connection it gets no session (`why`) and counts it.
+  void Refuse(attend_socket::FrameConnection& conn, const absl::Status& why);
   // Joins the threads of finished sessions and drops them.
   void ReapLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool AllSessionsDone() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   KvStore* const store_;
   ComputeBackend* const backend_;
@@ -112,7 +119,9 @@ class AttendSocketServer {
   int port_ = 0;
   std::thread acceptors_[2];
   std::atomic<uint64_t> regions_bytes_{0};  // attached regions' bytes, all sessions
+  std::once_flag close_listeners_;
   absl::Mutex mu_;
+  bool accepting_ ABSL_GUARDED_BY(mu_) = true;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<int> spinning_{0};  // sessions polling without sleeping now
   std::list<Session> sessions_ ABSL_GUARDED_BY(mu_);

@@ -144,13 +144,20 @@ void Server::Shutdown(absl::Duration grace) {
   absl::MutexLock l(&shutdown_mu_);
   if (shut_down_) return;
   shut_down_ = true;
+  // gRPC calls and AttendSocket sessions drain together until one deadline: no new ones are
+  // taken, those open may finish, and what is left then is cancelled.
+  const absl::Time deadline = absl::Now() + grace;
+  if (attend_socket_ != nullptr) attend_socket_->StopAccepting();
   if (grpc_server_ != nullptr) {
     grpc_server_->GetHealthCheckService()->SetServingStatus(false);
-    grpc_server_->Shutdown(std::chrono::system_clock::now() + absl::ToChronoNanoseconds(grace));
+    grpc_server_->Shutdown(absl::ToChronoTime(deadline));
     grpc_server_->Wait();
   }
   if (attend_server_ != nullptr) attend_server_->Shutdown();
-  if (attend_socket_ != nullptr) attend_socket_->Shutdown();
+  if (attend_socket_ != nullptr) {
+    attend_socket_->AwaitSessions(deadline);
+    attend_socket_->Shutdown();
+  }
   if (!stop_sweeper_.HasBeenNotified()) stop_sweeper_.Notify();
   if (sweeper_.joinable()) sweeper_.join();
   exposer_.reset();

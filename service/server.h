@@ -2,8 +2,9 @@
 // server (KvPool service, KvPoolTransport (the NCCL data plane) on a CUDA backend built with
 // NCCL, grpc.health.v1, server reflection), the AttendSocket listener, the /metrics exposer and
 // a sweeper thread (expired leases, idle Put streams).
-// Shutdown is graceful: health turns NOT_SERVING, in-flight RPCs drain until the deadline, then
-// the rest are cancelled.
+// Shutdown is graceful: health turns NOT_SERVING, no new RPC or AttendSocket connection is taken,
+// in-flight RPCs and open AttendSocket sessions drain until the deadline, then the rest are
+// cancelled.
 #ifndef KVPOOL_SERVICE_SERVER_H_
 #define KVPOOL_SERVICE_SERVER_H_
 
@@ -83,8 +84,9 @@ class Server {
   // its receive limit and no send limit.
   std::shared_ptr<grpc::Channel> InProcessChannel();
 
-  // Health NOT_SERVING, then waits up to `grace` for in-flight RPCs before cancelling them, then
-  // stops the sweeper and the exposer. Idempotent; thread-safe.
+  // Health NOT_SERVING and no new calls or AttendSocket connections, then waits up to `grace` for
+  // in-flight RPCs and open AttendSocket sessions before cancelling them, then stops the sweeper
+  // and the exposer. Idempotent; thread-safe.
   void Shutdown(absl::Duration grace);
 
   // What the sweeper thread does every lease_sweep_interval: drops expired leases, cancels the

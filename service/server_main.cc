@@ -88,7 +88,8 @@ ABSL_FLAG(uint64_t, nccl_staging_total_bytes, uint64_t{8} << 30,
 ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
 ABSL_FLAG(int64_t, put_idle_timeout_ms, 60000,
           "a Put stream with no message for longer is cancelled and its blocks freed (0 = never)");
-ABSL_FLAG(int64_t, shutdown_grace_ms, 10000, "time in-flight RPCs get to finish on shutdown");
+ABSL_FLAG(int64_t, shutdown_grace_ms, 10000,
+          "time in-flight RPCs and open AttendSocket sessions get to finish on shutdown");
 ABSL_FLAG(int64_t, lease_sweep_ms, 1000,
           "period of the sweep of expired leases and idle Put streams (0 = off)");
 

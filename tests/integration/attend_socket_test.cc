@@ -288,9 +288,10 @@ TEST(AttendSocket, ConnectionsBeyondTheLimitAreRefused) {
   ASSERT_TRUE(second.ok());  // the connection is accepted, then refused with a status
   absl::StatusOr<v1::AttendResponse> refused =
       (*second)->Step(AttendRequestFor(s.f, s.f.leases[0], 2));
-  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
   EXPECT_NE(refused.status().message().find("max_connections"), absl::string_view::npos)
       << refused.status();
+  EXPECT_EQ(MetricCount(s, "AttendSocket", "RESOURCE_EXHAUSTED"), 1);
   EXPECT_TRUE((*first)->Step(AttendRequestFor(s.f, s.f.leases[0], 3)).ok());
   EXPECT_TRUE((*first)->Finish().ok());
   // Once the first session's thread has seen its close, its slot is free again.
@@ -334,6 +335,49 @@ TEST(AttendSocket, StepPastTheSessionDeadlineIsNotSent) {
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->context_tokens(0), static_cast<uint32_t>(kAttendPromptTokens));
   }
+}
+
+// A graceful shutdown takes no new connection, lets an open session go on stepping, and returns
+// as soon as the last session ends, well within its grace.
+TEST(AttendSocket, ShutdownDrainsOpenSessions) {
+  SocketFixture s = StartSocket(/*sequences=*/1);
+  ASSERT_NE(s.f.server, nullptr);
+  auto open = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(open.ok());
+  ASSERT_TRUE((*open)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+  std::thread shutdown([&] { s.f.server->server->Shutdown(absl::Seconds(20)); });
+  // Once the listener is closed a new session cannot start.
+  absl::Status refused;
+  for (int i = 0; i < 1000 && refused.ok(); ++i) {
+    auto late = s.socket_client->OpenAttendStream();
+    refused =
+        late.ok() ? (*late)->Step(AttendRequestFor(s.f, s.f.leases[0], 2)).status() : late.status();
+    if (refused.ok()) absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
+  for (int step = 0; step < 5; ++step) {
+    absl::StatusOr<v1::AttendResponse> r =
+        (*open)->Step(AttendRequestFor(s.f, s.f.leases[0], 10 + step));
+    ASSERT_TRUE(r.ok()) << "step " << step << " while draining: " << r.status();
+  }
+  EXPECT_TRUE((*open)->Finish().ok());
+  const absl::Time stepped_last = absl::Now();
+  shutdown.join();
+  EXPECT_LT(absl::Now() - stepped_last, absl::Seconds(5));
+}
+
+// A session still open when the grace ends is cut then.
+TEST(AttendSocket, ShutdownCutsSessionsOpenPastTheGrace) {
+  SocketFixture s = StartSocket(/*sequences=*/1);
+  ASSERT_NE(s.f.server, nullptr);
+  auto open = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(open.ok());
+  ASSERT_TRUE((*open)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+  const absl::Time start = absl::Now();
+  s.f.server->server->Shutdown(absl::Milliseconds(300));
+  EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
+  EXPECT_LT(absl::Now() - start, absl::Seconds(10));
+  EXPECT_FALSE((*open)->Step(AttendRequestFor(s.f, s.f.leases[0], 2)).ok());
 }
 
 TEST(AttendSocket, ShutdownEndsOpenSessionsWithoutHanging) {
