@@ -16,7 +16,15 @@ RpcMetrics::Method RpcMetrics::ForMethod(const std::string& name) {
 }
 
 void RpcMetrics::Method::Finished(grpc::StatusCode code, absl::Duration elapsed) {
-  duration_->WithLabels({name_, StatusCodeName(code)}).Observe(absl::ToDoubleSeconds(elapsed));
+  const int i = code >= 0 && code < kCodes ? static_cast<int>(code) : grpc::StatusCode::UNKNOWN;
+  std::atomic<metrics::Histogram*>& slot = (*by_code_)[i];
+  metrics::Histogram* series = slot.load(std::memory_order_acquire);
+  if (series == nullptr) {
+    // Racing first calls resolve the same series.
+    series = &duration_->WithLabels({name_, StatusCodeName(static_cast<grpc::StatusCode>(i))});
+    slot.store(series, std::memory_order_release);
+  }
+  series->Observe(absl::ToDoubleSeconds(elapsed));
 }
 
 const char* StatusCodeName(grpc::StatusCode code) {

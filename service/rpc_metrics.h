@@ -3,7 +3,10 @@
 #ifndef KVPOOL_SERVICE_RPC_METRICS_H_
 #define KVPOOL_SERVICE_RPC_METRICS_H_
 
+#include <array>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 
@@ -23,18 +26,26 @@ class RpcMetrics {
    public:
     void Received(uint64_t bytes) { received_->Increment(static_cast<double>(bytes)); }
     void Sent(uint64_t bytes) { sent_->Increment(static_cast<double>(bytes)); }
-    // Records one finished call of this method.
+    // Records one finished call of this method. Lock-free once the code's series exists (a
+    // decode step's hot path): each code's series is resolved on its first use and kept.
     void Finished(grpc::StatusCode code, absl::Duration elapsed);
 
    private:
     friend class RpcMetrics;
+    static constexpr int kCodes = 17;  // grpc::StatusCode OK .. UNAUTHENTICATED
     Method(std::string name, metrics::Counter* received, metrics::Counter* sent,
            metrics::HistogramFamily* duration)
-        : name_(std::move(name)), received_(received), sent_(sent), duration_(duration) {}
+        : name_(std::move(name)),
+          received_(received),
+          sent_(sent),
+          duration_(duration),
+          by_code_(std::make_unique<std::array<std::atomic<metrics::Histogram*>, kCodes>>()) {}
     std::string name_;
     metrics::Counter* received_;
     metrics::Counter* sent_;
     metrics::HistogramFamily* duration_;
+    // The series of each code, null until its first call (any other code counts as UNKNOWN).
+    std::unique_ptr<std::array<std::atomic<metrics::Histogram*>, kCodes>> by_code_;
   };
   Method ForMethod(const std::string& name);
 
