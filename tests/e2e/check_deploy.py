@@ -40,6 +40,9 @@ DEPLOY = ROOT / "deploy"
 CHART = DEPLOY / "helm" / "kvpool"
 K8S = DEPLOY / "k8s"
 DASHBOARD = DEPLOY / "grafana" / "kvpool-dashboard.json"
+# The labels that tell kvpool deployments apart (the ServiceMonitor sets kubernetes_namespace);
+# every dashboard query selects both through variables of the same names.
+DEPLOYMENT_LABELS = ("kubernetes_namespace", "job")
 RULES = DEPLOY / "prometheus" / "kvpool-rules.yaml"
 RULES_TEST = DEPLOY / "prometheus" / "kvpool-rules_test.yaml"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
@@ -321,7 +324,7 @@ def check_dashboard(report, recorded):
     if not dashboard.get("uid"):
         report.error(where, "no uid")
     variables = {v["name"]: v for v in dashboard.get("templating", {}).get("list", [])}
-    for name in ("datasource", "namespace", "pod"):
+    for name in ("datasource", "kubernetes_namespace", "job", "namespace", "pod"):
         if name not in variables:
             report.error(where, f"no ${name} variable")
     if variables.get("datasource", {}).get("type") != "datasource":
@@ -348,6 +351,10 @@ def check_dashboard(report, recorded):
             used |= {base_metric(s) for s in series}
             for s in sorted(series - allowed):
                 report.error(where, f"panel {pid}: {s} is not a contract metric")
+            # Releases of one name in two Kubernetes namespaces share a job: both pick one.
+            for selector in re.findall(r"kvpool_\w+\{[^}]*\}|kvpool_\w+(?![\w{(])", expr):
+                if any(f'{label}=~"${label}"' not in selector for label in DEPLOYMENT_LABELS):
+                    report.error(where, f"panel {pid}: {selector} does not select the deployment")
     for metric in sorted(CONTRACT_METRICS - used):
         report.error(where, f"no panel shows {metric}")
     return exprs
