@@ -12,6 +12,7 @@
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 #include "grpcpp/support/channel_arguments.h"
+#include "kvpool/v1/kvpool.grpc.pb.h"
 #include "service/store/clock.h"
 #include "service/store_metrics.h"
 #include "service/transport/nccl_transfers.h"
@@ -96,7 +97,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
       region_bytes.Set(static_cast<double>(attend_socket->region_bytes()));
     });
   }
-  s->grpc_server_->GetHealthCheckService()->SetServingStatus(true);
+  // Each service's own name answers health checks too (a probe may name one); Shutdown turns
+  // them all NOT_SERVING with the server's.
+  grpc::HealthCheckServiceInterface* health = s->grpc_server_->GetHealthCheckService();
+  health->SetServingStatus(v1::KvPool::service_full_name(), true);
+  if (s->transport_service_ != nullptr) {
+    health->SetServingStatus(v1::KvPoolTransport::service_full_name(), true);
+  }
+  health->SetServingStatus(true);
 
   if (!options.metrics_address.empty()) {
     absl::StatusOr<std::unique_ptr<metrics::MetricsExposer>> exposer =

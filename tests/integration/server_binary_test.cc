@@ -119,15 +119,18 @@ class ServerProcess {
   int attend_socket_port_ = 0;
 };
 
-// grpc.health.v1.Health/Check for the whole server, through the generic stub (an empty
-// HealthCheckRequest; a response of {status: SERVING} is the bytes 08 01).
-bool HealthServing(const std::shared_ptr<grpc::Channel>& channel) {
+// grpc.health.v1.Health/Check for `service` ("": the whole server), through the generic stub (a
+// HealthCheckRequest is field 1, the name; a response of {status: SERVING} is the bytes 08 01).
+bool HealthServing(const std::shared_ptr<grpc::Channel>& channel, const std::string& service = "") {
   grpc::GenericStub stub(channel);
   grpc::ClientContext ctx;
   ctx.set_wait_for_ready(true);
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
   grpc::CompletionQueue cq;
-  grpc::ByteBuffer request(nullptr, 0);
+  const std::string encoded =
+      service.empty() ? "" : std::string(1, '\x0a') + static_cast<char>(service.size()) + service;
+  grpc::Slice slice(encoded);
+  grpc::ByteBuffer request(&slice, 1);
   auto call = stub.PrepareUnaryCall(&ctx, "/grpc.health.v1.Health/Check", request, &cq);
   call->StartCall();
   grpc::ByteBuffer response;
@@ -173,6 +176,7 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server.port()),
                                      grpc::InsecureChannelCredentials());
   ASSERT_TRUE(HealthServing(channel));
+  EXPECT_TRUE(HealthServing(channel, "kvpool.v1.KvPool"));  // a probe may name the service
   auto stub = v1::KvPool::NewStub(channel);
 
   const NamespaceConfig c = DefaultNamespaceConfig(0);
