@@ -11,20 +11,42 @@ RpcMetrics::RpcMetrics(metrics::Registry* registry)
       sent_(registry->AddCounter("kvpool_rpc_sent_bytes_total",
                                  "Response payload bytes sent, by method.", {"method"})) {}
 
-RpcMetrics::Method RpcMetrics::ForMethod(const std::string& name) {
-  return Method(name, &received_.WithLabels({name}), &sent_.WithLabels({name}), &duration_);
+namespace {
+
+// The series kept in `slot`, made by `make()` (a family's WithLabels) on first use; racing first
+// uses resolve the same series. The labels are built only then.
+template <typename T, typename Make>
+T& Resolve(std::atomic<T*>& slot, Make make) {
+  T* series = slot.load(std::memory_order_acquire);
+  if (series == nullptr) {
+    series = &make();
+    slot.store(series, std::memory_order_release);
+  }
+  return *series;
+}
+
+}  // namespace
+
+RpcMetrics::Method RpcMetrics::ForMethod(const std::string& name) { return Method(name, this); }
+
+void RpcMetrics::Method::Received(uint64_t bytes) {
+  Resolve(series_->received, [&]() -> metrics::Counter& {
+    return families_->received_.WithLabels({name_});
+  }).Increment(static_cast<double>(bytes));
+}
+
+void RpcMetrics::Method::Sent(uint64_t bytes) {
+  Resolve(series_->sent, [&]() -> metrics::Counter& {
+    return families_->sent_.WithLabels({name_});
+  }).Increment(static_cast<double>(bytes));
 }
 
 void RpcMetrics::Method::Finished(grpc::StatusCode code, absl::Duration elapsed) {
   const int i = code >= 0 && code < kCodes ? static_cast<int>(code) : grpc::StatusCode::UNKNOWN;
-  std::atomic<metrics::Histogram*>& slot = (*by_code_)[i];
-  metrics::Histogram* series = slot.load(std::memory_order_acquire);
-  if (series == nullptr) {
-    // Racing first calls resolve the same series.
-    series = &duration_->WithLabels({name_, StatusCodeName(static_cast<grpc::StatusCode>(i))});
-    slot.store(series, std::memory_order_release);
-  }
-  series->Observe(absl::ToDoubleSeconds(elapsed));
+  Resolve(series_->duration[i], [&]() -> metrics::Histogram& {
+    return families_->duration_.WithLabels(
+        {name_, StatusCodeName(static_cast<grpc::StatusCode>(i))});
+  }).Observe(absl::ToDoubleSeconds(elapsed));
 }
 
 const char* StatusCodeName(grpc::StatusCode code) {

@@ -21,31 +21,29 @@ class RpcMetrics {
   // Registers the three families in `registry`, which must outlive this object.
   explicit RpcMetrics(metrics::Registry* registry);
 
-  // The series of one method, resolved once. Thread-safe.
+  // The series of one method. Each is created on its first use (a method that never counts
+  // bytes exports no byte series) and kept: updates after that take no lock (a decode step's
+  // hot path). Thread-safe.
   class Method {
    public:
-    void Received(uint64_t bytes) { received_->Increment(static_cast<double>(bytes)); }
-    void Sent(uint64_t bytes) { sent_->Increment(static_cast<double>(bytes)); }
-    // Records one finished call of this method. Lock-free once the code's series exists (a
-    // decode step's hot path): each code's series is resolved on its first use and kept.
+    void Received(uint64_t bytes);
+    void Sent(uint64_t bytes);
+    // Records one finished call of this method (a code outside gRPC's counts as UNKNOWN).
     void Finished(grpc::StatusCode code, absl::Duration elapsed);
 
    private:
     friend class RpcMetrics;
     static constexpr int kCodes = 17;  // grpc::StatusCode OK .. UNAUTHENTICATED
-    Method(std::string name, metrics::Counter* received, metrics::Counter* sent,
-           metrics::HistogramFamily* duration)
-        : name_(std::move(name)),
-          received_(received),
-          sent_(sent),
-          duration_(duration),
-          by_code_(std::make_unique<std::array<std::atomic<metrics::Histogram*>, kCodes>>()) {}
+    struct Series {
+      std::atomic<metrics::Counter*> received{nullptr};
+      std::atomic<metrics::Counter*> sent{nullptr};
+      std::array<std::atomic<metrics::Histogram*>, kCodes> duration{};  // by code
+    };
+    Method(std::string name, RpcMetrics* families)
+        : name_(std::move(name)), families_(families), series_(std::make_unique<Series>()) {}
     std::string name_;
-    metrics::Counter* received_;
-    metrics::Counter* sent_;
-    metrics::HistogramFamily* duration_;
-    // The series of each code, null until its first call (any other code counts as UNKNOWN).
-    std::unique_ptr<std::array<std::atomic<metrics::Histogram*>, kCodes>> by_code_;
+    RpcMetrics* families_;
+    std::unique_ptr<Series> series_;
   };
   Method ForMethod(const std::string& name);
 

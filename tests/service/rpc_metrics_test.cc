@@ -47,5 +47,23 @@ TEST(RpcMetrics, CountsEveryFinishedCallUnderItsCode) {
   EXPECT_EQ(Count(registry, "Other", "RESOURCE_EXHAUSTED"), 0);
 }
 
+// Byte series exist for the methods that count bytes only.
+TEST(RpcMetrics, ExportsByteSeriesOfMethodsThatCountBytes) {
+  metrics::Registry registry;
+  RpcMetrics rpc(&registry);
+  RpcMetrics::Method session = rpc.ForMethod("Session");
+  RpcMetrics::Method step = rpc.ForMethod("Session.step");
+  session.Received(100);
+  session.Received(20);
+  session.Sent(7);
+  step.Finished(grpc::StatusCode::OK, absl::Microseconds(50));
+  const std::string text = registry.Serialize();
+  EXPECT_NE(text.find("kvpool_rpc_received_bytes_total{method=\"Session\"} 120\n"),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("kvpool_rpc_sent_bytes_total{method=\"Session\"} 7\n"), std::string::npos);
+  EXPECT_EQ(text.find("bytes_total{method=\"Session.step\"}"), std::string::npos) << text;
+}
+
 }  // namespace
 }  // namespace kvpool
