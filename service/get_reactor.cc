@@ -93,11 +93,16 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
                          "fewer KV heads per Get"));
       }
     }
-    chunk_bytes_ = request_.max_chunk_bytes() == 0
-                       ? options_->get_chunk_bytes
-                       : std::min(request_.max_chunk_bytes(), options_->get_chunk_bytes);
+    // Within the server's message limit, whatever --get_chunk_bytes says: the check above left
+    // room for at least one block.
+    chunk_bytes_ = static_cast<uint32_t>(
+        std::min<uint64_t>(request_.max_chunk_bytes() == 0
+                               ? options_->get_chunk_bytes
+                               : std::min(request_.max_chunk_bytes(), options_->get_chunk_bytes),
+                           options_->max_message_bytes - kMessageOverheadBytes));
     block_ = 0;
-    return absl::OkStatus();
+    // The checks passed: the lease is renewed even when no layer holds a token to read.
+    return store_->RenewLease(request_.lease_id());
   }
 
   // Bytes of K (and of V) of one block of `layer`, in this Get's format and heads.

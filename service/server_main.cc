@@ -85,7 +85,9 @@ ABSL_FLAG(uint64_t, nccl_staging_bytes, uint64_t{256} << 20,
 ABSL_FLAG(uint64_t, nccl_staging_total_bytes, uint64_t{8} << 30,
           "device memory all NCCL staging buffers may take together, outside the pool (a "
           "transfer past it gets RESOURCE_EXHAUSTED)");
-ABSL_FLAG(uint32_t, get_chunk_bytes, 4u << 20, "K+V payload bytes per Get message");
+ABSL_FLAG(uint32_t, get_chunk_bytes, (4u << 20) - 1024,
+          "K+V payload bytes per Get message (a message, with its other fields, fits a client's "
+          "default 4 MiB receive limit)");
 ABSL_FLAG(int64_t, put_idle_timeout_ms, 60000,
           "a Put stream with no message for longer is cancelled and its blocks freed (0 = never)");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 10000,

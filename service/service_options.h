@@ -17,8 +17,10 @@ struct ServiceOptions {
   // Get streams open at once: one more gets RESOURCE_EXHAUSTED (each keeps a message of up to
   // get_chunk_bytes built while its client reads).
   uint64_t max_get_streams = 256;
-  // Upper bound on K+V payload bytes of one GetResponse (a single block may exceed it).
-  uint32_t get_chunk_bytes = 4u << 20;
+  // Upper bound on K+V payload bytes of one GetResponse (a single block may exceed it; so is the
+  // message limit below). The default leaves 1 KiB for the message's other fields under gRPC's
+  // default 4 MiB receive limit.
+  uint32_t get_chunk_bytes = (4u << 20) - 1024;
   // The largest gRPC message (the Server sets it from ServerOptions::max_message_bytes): a Get
   // whose single block would not fit one is refused before anything is read.
   uint64_t max_message_bytes = uint64_t{64} << 20;

@@ -370,12 +370,20 @@ absl::StatusOr<KvStore::LeaseView> StoreImpl::DescribeLease(uint64_t lease_id) {
   ExpireLocked();
   absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(lease_id);
   if (!lease.ok()) return lease.status();
-  RenewLeaseLocked(**lease);
   LeaseView view;
   view.info = namespaces_[(*lease)->namespace_index]->info;
   view.num_blocks = static_cast<uint32_t>((*lease)->blocks.size());
   view.layer_tokens = (*lease)->layer_written;
   return view;
+}
+
+absl::Status StoreImpl::RenewLease(uint64_t lease_id) {
+  absl::MutexLock l(&mu_);
+  ExpireLocked();
+  absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(lease_id);
+  if (!lease.ok()) return lease.status();
+  RenewLeaseLocked(**lease);
+  return absl::OkStatus();
 }
 
 StoreStats StoreImpl::Stats() const {

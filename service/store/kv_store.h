@@ -152,7 +152,13 @@ class KvStore {
     uint32_t num_blocks = 0;             // matched + tail blocks
     std::vector<uint32_t> layer_tokens;  // tokens written per layer (appends in flight excluded)
   };
+  // A lease's state, for a call to check its request against. Does not renew the lease: a call
+  // refused for bad input leaves its expiry alone (the reads, appends and attends that pass
+  // their checks renew it).
   virtual absl::StatusOr<LeaseView> DescribeLease(uint64_t lease_id) = 0;
+  // Renews a lease (ttl from now), for a call whose checks passed but that reads nothing (a Get
+  // of layers holding no tokens). NOT_FOUND when it is unknown or expired.
+  virtual absl::Status RenewLease(uint64_t lease_id) = 0;
 
   // ---- Get ------------------------------------------------------------------------------------
   // Blocks [block_begin, +num_blocks) of a lease, one layer, KV heads [head_begin, head_end).

@@ -82,6 +82,7 @@ class StoreImpl final : public KvStore {
   absl::Status Release(uint64_t lease_id) override;
   size_t ExpireLeases() override;
   absl::StatusOr<LeaseView> DescribeLease(uint64_t lease_id) override;
+  absl::Status RenewLease(uint64_t lease_id) override;
   absl::Status ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                         uint32_t num_blocks, uint32_t head_begin, uint32_t head_end, uint16_t* k,
                         uint16_t* v) override;

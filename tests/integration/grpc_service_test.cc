@@ -337,6 +337,77 @@ TEST(GrpcService, LeasesExpireOnTheInjectedClock) {
   EXPECT_EQ(GetStats(t->stub.get()).active_leases(), 0u);
 }
 
+// A Get, Append or Attend refused for bad input leaves the lease's expiry alone.
+TEST(GrpcService, RefusedCallsDoNotRenewTheirLease) {
+  const NamespaceConfig c = SmallNamespace("small", 1 << 20);
+  auto t = TestServer::Start({c});
+  ASSERT_NE(t, nullptr);
+  const Sequence s = MakeSequence(c, 32, 1, 5);
+  v1::PutResponse put;
+  ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, PerToken(c), 32, &put).ok());
+  for (const char* refused : {"Get", "Append", "Attend"}) {
+    const uint64_t lease = MatchOk(t->stub.get(), "small", s, 1000).lease_id();
+    t->clock.Advance(absl::Milliseconds(999));
+    grpc::ClientContext ctx;
+    grpc::Status status;
+    if (std::string(refused) == "Get") {
+      v1::GetRequest bad;
+      bad.set_lease_id(lease);
+      bad.set_layer_begin(c.num_layers);  // out of range
+      std::vector<v1::GetResponse> msgs;
+      status = ReadAll(t->stub.get(), bad, &msgs);
+    } else if (std::string(refused) == "Append") {
+      v1::AppendRequest bad;
+      bad.set_lease_id(lease);
+      bad.set_num_tokens(1);
+      bad.set_k("short");
+      bad.set_v("short");
+      v1::AppendResponse r;
+      status = t->stub->Append(&ctx, bad, &r);
+    } else {
+      v1::AttendRequest bad;
+      bad.set_num_q_heads(2 * c.num_kv_heads);
+      bad.add_items()->set_lease_id(lease);
+      bad.mutable_items(0)->set_q("short");
+      v1::AttendResponse r;
+      status = t->stub->Attend(&ctx, bad, &r);
+    }
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
+        << refused << ": " << status.error_message();
+    t->clock.Advance(absl::Milliseconds(2));
+    v1::GetRequest get;
+    get.set_lease_id(lease);
+    std::vector<v1::GetResponse> msgs;
+    EXPECT_EQ(ReadAll(t->stub.get(), get, &msgs).error_code(), grpc::StatusCode::NOT_FOUND)
+        << "the refused " << refused << " renewed the lease";
+  }
+}
+
+// A Get is split into messages the server's own message limit lets out, whatever
+// --get_chunk_bytes says.
+TEST(GrpcService, GetMessagesFitTheMessageLimit) {
+  const NamespaceConfig c = SmallNamespace("small", 4 << 20);
+  auto t = TestServer::Start({c}, [](ServerOptions* o) {
+    o->max_message_bytes = 64 << 10;
+    o->service.get_chunk_bytes = 64 << 10;
+  });
+  ASSERT_NE(t, nullptr);
+  const Sequence s = MakeSequence(c, 256, 1, 6);
+  v1::PutResponse put;
+  ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, PerToken(c), 64, &put).ok());
+  v1::GetRequest get;
+  get.set_lease_id(MatchOk(t->stub.get(), "small", s, 0).lease_id());
+  std::vector<v1::GetResponse> msgs;
+  const grpc::Status status = ReadAll(t->stub.get(), get, &msgs);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  size_t blocks = 0;
+  for (const v1::GetResponse& m : msgs) {
+    EXPECT_LE(m.ByteSizeLong(), size_t{64} << 10);
+    blocks += m.num_blocks();
+  }
+  EXPECT_EQ(blocks, 256u / c.block_tokens * c.num_layers);
+}
+
 TEST(GrpcService, CreatedNamespaceIsListedWithDefaultsFilledIn) {
   auto t = TestServer::Start({SmallNamespace("small", 1 << 20)});
   ASSERT_NE(t, nullptr);

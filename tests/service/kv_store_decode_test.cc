@@ -277,13 +277,18 @@ TEST_F(StoreTest, LeasesExpireWithTheClock) {
   const std::vector<int32_t> ids = TokenIds(8, 3);
   ASSERT_TRUE(Put(ids, MakeSequenceKv(config_, 8, 26)).ok());
   auto lease = store_->Match("main", ids, absl::Seconds(10));
-  ASSERT_TRUE(lease.ok());
+  auto described = store_->Match("main", ids, absl::Seconds(10));
+  ASSERT_TRUE(lease.ok() && described.ok());
   EXPECT_EQ(lease->expires, clock_.Now() + absl::Seconds(10));
   EXPECT_EQ(store_->Stats().namespaces[0].blocks_evictable, 0u);
   clock_.Advance(absl::Seconds(6));
-  ASSERT_TRUE(store_->DescribeLease(lease->lease_id).ok());  // renews
+  ASSERT_TRUE(store_->RenewLease(lease->lease_id).ok());
+  ASSERT_TRUE(store_->DescribeLease(described->lease_id).ok());  // does not renew
   clock_.Advance(absl::Seconds(6));
-  EXPECT_EQ(store_->ExpireLeases(), 0u);
+  EXPECT_EQ(store_->ExpireLeases(), 1u);
+  EXPECT_EQ(store_->DescribeLease(described->lease_id).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(store_->RenewLease(described->lease_id).code(), absl::StatusCode::kNotFound);
   clock_.Advance(absl::Seconds(5));
   EXPECT_EQ(store_->ExpireLeases(), 1u);
   EXPECT_EQ(store_->Release(lease->lease_id).code(), absl::StatusCode::kNotFound);
