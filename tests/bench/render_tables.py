@@ -85,20 +85,23 @@ FLUSH_NAMES = {"read": "a read of 256 MiB", "write": "zeroing 256 MiB"}
 
 def attention():
     # The newest merged file: by its "date" (attention_peer.py merge), then by name (files from
-    # before the date was written).
+    # before the date was written). A suite directory holds it as attention.json.
     dated = [(json.loads(p.read_text()).get("date", ""), p.name, p)
-             for p in RESULTS.glob("attention_2*.json")]
+             for p in [*RESULTS.glob("attention_2*.json"), *RESULTS.glob("attention.json")]]
     if not dated:
         return
     *_, path = max(dated)
     d = json.loads(path.read_text())
     k = d["kvpool"]
+    # Files from before attention_bench timed an empty launch have no floor.
+    floor = (f", an empty launch timed the same way {1e3 * k['launch_floor_ms']:.1f} µs"
+             if "launch_floor_ms" in k else "")
     print(f"Decode attention, {k.get('q_heads', 32)} q heads / {k['kv_heads']} KV heads, "
           f"head_dim {k['head_dim']}, "
           f"block_tokens {k['block_tokens']}, median of {k['iters']} runs, each after an L2 flush by "
           f"{FLUSH_NAMES[k.get('l2_flush', 'write')]}; anchor PyTorch "
           f"{d['peer'].get('torch', '?')} SDPA flash fp16 ({d['peer'].get('gqa', '')}) in the same "
-          f"file; streaming read {k['stream_read_tbps']:.2f} TB/s ({path.name}, commit "
+          f"file; streaming read {k['stream_read_tbps']:.2f} TB/s{floor} ({path.name}, commit "
           f"{k['commit']}, {k['device']}):\n")
     rows = {}
     for c in d["cases"]:
