@@ -259,16 +259,17 @@ void RunShape(const Geometry& g, const Shape& shape, int iters, double stream_tb
 }
 
 bool WriteJson(const std::string& path, const std::string& device, const Geometry& g,
-               double stream_tbps, int iters, const std::vector<Result>& results) {
+               double stream_tbps, double launch_floor_ms, int iters,
+               const std::vector<Result>& results) {
   std::string json = absl::StrFormat(
       "{\n  \"benchmark\": \"attention_bench\",\n  \"device\": \"%s\",\n"
       "  \"commit\": \"%s\",\n  \"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, "
       "\"block_tokens\": %d, \"block_order\": \"%s\",\n  \"iters\": %d,\n  \"splits\": %d,\n"
-      "  \"l2_flush\": \"%s\",\n  \"stream_read_tbps\": %.4f,\n"
+      "  \"l2_flush\": \"%s\",\n  \"stream_read_tbps\": %.4f,\n  \"launch_floor_ms\": %.5f,\n"
       "  \"cases\": [\n",
       device, absl::GetFlag(FLAGS_commit), g.q_heads, g.kv_heads, g.head_dim,
       absl::GetFlag(FLAGS_block_tokens), absl::GetFlag(FLAGS_block_order), iters,
-      absl::GetFlag(FLAGS_splits), absl::GetFlag(FLAGS_l2_flush), stream_tbps);
+      absl::GetFlag(FLAGS_splits), absl::GetFlag(FLAGS_l2_flush), stream_tbps, launch_floor_ms);
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     absl::StrAppendFormat(&json,
@@ -326,8 +327,9 @@ int Main() {
   const std::string flush_mode = absl::GetFlag(FLAGS_l2_flush);
   bench::L2Flush flush(flush_mode);
   const double stream_tbps = bench::StreamingReadTbps(iters, flush);
-  std::printf("device %s, streaming read %.3f TB/s (L2 flush: %s)\n", prop.name, stream_tbps,
-              flush_mode.c_str());
+  const double launch_floor_ms = bench::LaunchFloorMs(iters, flush);
+  std::printf("device %s, streaming read %.3f TB/s, an empty launch %.1f µs (L2 flush: %s)\n",
+              prop.name, stream_tbps, 1e3 * launch_floor_ms, flush_mode.c_str());
   std::vector<Result> results;
   std::printf("%d q heads, %d KV heads, head_dim %d\n", g.q_heads, g.kv_heads, g.head_dim);
   for (const Shape& shape : shapes) RunShape(g, shape, iters, stream_tbps, flush, &results);
@@ -340,7 +342,9 @@ int Main() {
                 r.err_max, r.plan.num_splits, r.plan.ctas_per_sm);
   }
   const std::string out = absl::GetFlag(FLAGS_out);
-  if (!out.empty() && !WriteJson(out, prop.name, g, stream_tbps, iters, results)) return 1;
+  if (!out.empty() && !WriteJson(out, prop.name, g, stream_tbps, launch_floor_ms, iters, results)) {
+    return 1;
+  }
   return 0;
 }
 

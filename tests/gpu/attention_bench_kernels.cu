@@ -100,6 +100,15 @@ cudaError_t FillSyntheticKv(uint16_t* k, uint16_t* v, int first_token, int num_t
   return cudaGetLastError();
 }
 
+__global__ void EmptyKernel() {}
+
+double LaunchFloorMs(int iters, L2Flush& flush) {
+  return testing::MedianMs(iters, flush, [] {
+    EmptyKernel<<<256, 128>>>();
+    KVPOOL_CUDA_CHECK(cudaGetLastError());
+  });
+}
+
 double StreamingReadTbps(int iters, L2Flush& flush) {
   const size_t bytes = size_t{2} << 30;
   testing::DeviceBuffer data(bytes), sink(kStreamCtas * sizeof(uint32_t));

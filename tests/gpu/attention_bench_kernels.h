@@ -42,6 +42,10 @@ class L2Flush {
 // benchmarks time their cases (the median of `iters` runs, each after `flush`).
 double StreamingReadTbps(int iters, L2Flush& flush);
 
+// The floor of any one launch timed this way: an empty kernel of 256 CTAs of 128 threads (the
+// split kernel's grid at 1 x 32K), the median of `iters` runs after `flush`, in ms.
+double LaunchFloorMs(int iters, L2Flush& flush);
+
 }  // namespace kvpool::bench
 
 #endif  // KVPOOL_TESTS_GPU_ATTENTION_BENCH_KERNELS_H_
