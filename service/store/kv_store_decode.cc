@@ -259,6 +259,7 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
   for (AppendPlan& plan : plans) {
     Lease& lease = *plan.lease;
     plan.begin = lease.layer_tokens[layer];
+    plan.replaced_ids.assign(plan.token_ids.empty() ? 0 : plan.num_tokens, -1);
     for (uint32_t i = 0; i < plan.num_tokens; ++i) {
       const uint32_t pos = lease.layer_tokens[layer]++;
       slots->push_back(static_cast<int64_t>(lease.blocks[pos / bt].id) * bt + pos % bt);
@@ -268,7 +269,7 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
           lease_token_ids_ += pos + 1 - lease.token_ids.size();
           lease.token_ids.resize(pos + 1, -1);
         }
-        lease.token_ids[pos] = plan.token_ids[i];
+        plan.replaced_ids[i] = std::exchange(lease.token_ids[pos], plan.token_ids[i]);
       }
     }
   }
@@ -303,12 +304,13 @@ void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan
     lease.layer_tokens[layer] = plan->begin;
     // The token ids the plan named (ReserveAppendsLocked kept them), at positions no layer holds
     // now: a later append there may be another token, and must not be published under these
-    // ids. Ids the lease had from elsewhere (its Match) stay.
+    // ids. The ids the lease had there before (its Match's, or none) come back.
     if (plan->token_ids.empty()) continue;
     const uint32_t held = *std::max_element(lease.layer_tokens.begin(), lease.layer_tokens.end());
     const size_t end = std::min<size_t>(plan->begin + plan->num_tokens, lease.token_ids.size());
     for (size_t pos = std::max(held, plan->begin); pos < end; ++pos) {
-      if (plan->token_ids[pos - plan->begin] >= 0) lease.token_ids[pos] = -1;
+      const size_t i = pos - plan->begin;
+      if (plan->token_ids[i] >= 0) lease.token_ids[pos] = plan->replaced_ids[i];
     }
   }
 }

@@ -181,5 +181,21 @@ TEST_F(AppendOrderTest, AFailedUnnamedAppendKeepsTheIdsOfTheMatch) {
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
+// The ids the lease got at Match come back when an append that named the same ids fails: the
+// retried tokens publish under them (before, the failure forgot them).
+TEST_F(AppendOrderTest, AFailedNamedAppendGivesBackTheIdsOfTheMatch) {
+  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false, /*match_all_ids=*/true));
+  gate_->Arm(GatedBackend::Mode::kFail);
+  EXPECT_EQ(AppendTokens(0, 8, 4).code(), absl::StatusCode::kInternal);
+  const size_t pt = PerToken();
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    ASSERT_TRUE(store_
+                    ->Append(lease_, layer, {}, 4, kv_.k[layer].data() + 8 * pt,
+                             kv_.v[layer].data() + 8 * pt)
+                    .ok());
+  }
+  EXPECT_EQ(CachedTokens(), 12u);
+}
+
 }  // namespace
 }  // namespace kvpool::testing
