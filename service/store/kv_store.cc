@@ -168,6 +168,19 @@ NamespaceState* StoreImpl::FindNamespaceLocked(std::string_view name) const {
   return nullptr;
 }
 
+absl::StatusOr<StoreImpl::Chained> StoreImpl::ChainIn(std::string_view name,
+                                                      absl::Span<const int32_t> token_ids) const {
+  Chained c;
+  {
+    absl::MutexLock l(&mu_);
+    absl::StatusOr<NamespaceState*> resolved = ResolveLocked(name);
+    if (!resolved.ok()) return resolved.status();
+    c.ns = *resolved;
+  }
+  c.chain = HashChain(c.ns->index.root(), token_ids, c.ns->block_tokens());
+  return c;
+}
+
 absl::StatusOr<NamespaceState*> StoreImpl::ResolveLocked(std::string_view name) const {
   NamespaceState* ns = FindNamespaceLocked(name);
   if (ns == nullptr) {
@@ -262,24 +275,24 @@ absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
   if (ttl < absl::ZeroDuration()) return absl::InvalidArgumentError("negative lease ttl");
   if (ttl == absl::ZeroDuration()) ttl = options_.default_lease_ttl;
   ttl = std::min(ttl, options_.max_lease_ttl);
+  absl::StatusOr<Chained> chained = ChainIn(ns_name, token_ids);
+  if (!chained.ok()) return chained.status();
+  NamespaceState& ns = *chained->ns;
+  const std::vector<BlockHash>& chain = chained->chain;
+  const int bt = ns.block_tokens();
+  auto lease = std::make_shared<Lease>();
+  lease->token_ids.assign(token_ids.begin(), token_ids.end());  // copied outside mu_ too
+
   absl::MutexLock l(&mu_);
   ExpireLocked();
-  absl::StatusOr<NamespaceState*> resolved = ResolveLocked(ns_name);
-  if (!resolved.ok()) return resolved.status();
   if (absl::Status s = CheckLeaseTokenIdsLocked(token_ids.size()); !s.ok()) return s;
-  NamespaceState& ns = **resolved;
-  const int bt = ns.block_tokens();
-  const std::vector<BlockHash> chain = HashChain(ns.index.root(), token_ids, bt);
   const size_t matched = ns.index.LongestPrefix(chain);
-
-  auto lease = std::make_shared<Lease>();
   lease->namespace_index = ns.ordinal;
   lease->ttl = ttl;
   lease->matched_tokens = static_cast<uint32_t>(matched * bt);
   lease->layer_tokens.assign(ns.num_layers(), lease->matched_tokens);
   lease->layer_written = lease->layer_tokens;
   lease->written_ahead.resize(ns.num_layers());
-  lease->token_ids.assign(token_ids.begin(), token_ids.end());
   for (size_t b = 0; b < matched; ++b) {
     Lease::Block block;
     block.id = *ns.index.Find(chain[b]);

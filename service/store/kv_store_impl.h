@@ -128,6 +128,15 @@ class StoreImpl final : public KvStore {
   // The namespace `name` ("" = the first one); NOT_FOUND when there is none.
   absl::StatusOr<NamespaceState*> ResolveLocked(std::string_view name) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The namespace `name` names and the hash chain of `token_ids` in it. The chain is hashed
+  // outside mu_ (a long sequence's takes milliseconds, which every other call would wait for):
+  // namespaces are never removed, and their config and root hash never change.
+  struct Chained {
+    NamespaceState* ns = nullptr;
+    std::vector<BlockHash> chain;
+  };
+  absl::StatusOr<Chained> ChainIn(std::string_view name, absl::Span<const int32_t> token_ids) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // INVALID_ARGUMENT for a token id list the store cannot hash (empty when !allow_empty, or with
   // a negative id); RESOURCE_EXHAUSTED over max_sequence_tokens.
   absl::Status CheckTokenIds(absl::Span<const int32_t> token_ids, bool allow_empty) const;

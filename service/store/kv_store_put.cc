@@ -240,12 +240,13 @@ absl::StatusOr<KvStore::PutResult> PutSessionImpl::Commit() {
 absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
     std::string_view ns_name, absl::Span<const int32_t> token_ids) {
   if (absl::Status s = CheckTokenIds(token_ids, /*allow_empty=*/false); !s.ok()) return s;
+  absl::StatusOr<Chained> chained = ChainIn(ns_name, token_ids);
+  if (!chained.ok()) return chained.status();
+  NamespaceState& ns = *chained->ns;
+  std::vector<BlockHash>& chain = chained->chain;
+  std::vector<int32_t> ids(token_ids.begin(), token_ids.end());  // copied outside mu_ too
   absl::MutexLock l(&mu_);
   ExpireLocked();
-  absl::StatusOr<NamespaceState*> resolved = ResolveLocked(ns_name);
-  if (!resolved.ok()) return resolved.status();
-  NamespaceState& ns = **resolved;
-  std::vector<BlockHash> chain = HashChain(ns.index.root(), token_ids, ns.block_tokens());
   const size_t cached = ns.index.LongestPrefix(chain);
   // Pin the cached prefix first so that eviction for our blocks cannot take it.
   for (size_t b = 0; b < cached; ++b) ns.index.Pin(chain[b]);
@@ -259,9 +260,8 @@ absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
   for (size_t b = 0; b < cached; ++b) ns.index.Touch(chain[b]);
   ns.prefix_query_tokens += token_ids.size();
   ns.prefix_hit_tokens += cached * ns.block_tokens();
-  return std::unique_ptr<PutSession>(new PutSessionImpl(
-      this, &ns, std::vector<int32_t>(token_ids.begin(), token_ids.end()), std::move(chain),
-      cached, *std::move(blocks)));
+  return std::unique_ptr<PutSession>(
+      new PutSessionImpl(this, &ns, std::move(ids), std::move(chain), cached, *std::move(blocks)));
 }
 
 absl::StatusOr<NamespaceInfo> StoreImpl::CheckPut(std::string_view ns_name,
