@@ -14,7 +14,9 @@ class Clock {
   virtual absl::Time Now() const = 0;
 };
 
-// absl::Now().
+// Wall time at the first call, advanced by the steady (monotonic) clock since: a step of the
+// system clock (NTP, a VM resumed) moves no lease's expiry, and expiry times still read as wall
+// time (a lease's expires_unix_ms).
 Clock* SystemClock();
 
 // A clock that moves only when told. Thread-safe.
