@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -305,13 +306,21 @@ TEST(GrpcService, EvictionNeverTakesPinnedBlocksAndKeepsCachedPrefixesReadable) 
   EXPECT_EQ(MatchOk(t->stub.get(), "tiny", others.back()).cached_tokens(), 48u);
 }
 
+// A server with namespace `c` that holds all of `s`.
+void StartHolding(const NamespaceConfig& c, const Sequence& s, std::unique_ptr<TestServer>* t) {
+  *t = TestServer::Start({c});
+  ASSERT_NE(*t, nullptr);
+  v1::PutResponse put;
+  ASSERT_TRUE(
+      PutSequence((*t)->stub.get(), c.name, s, PerToken(c), static_cast<int>(s.tokens.size()), &put)
+          .ok());
+}
+
 TEST(GrpcService, LeasesExpireOnTheInjectedClock) {
   const NamespaceConfig c = SmallNamespace("small", 1 << 20);
-  auto t = TestServer::Start({c});
-  ASSERT_NE(t, nullptr);
+  std::unique_ptr<TestServer> t;
   const Sequence s = MakeSequence(c, 32, 1, 5);
-  v1::PutResponse put;
-  ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, PerToken(c), 32, &put).ok());
+  ASSERT_NO_FATAL_FAILURE(StartHolding(c, s, &t));
   const v1::MatchResponse short_lease = MatchOk(t->stub.get(), "small", s, 1000);
   const v1::MatchResponse default_lease = MatchOk(t->stub.get(), "small", s, 0);
   EXPECT_EQ(GetStats(t->stub.get()).active_leases(), 2u);
@@ -340,11 +349,9 @@ TEST(GrpcService, LeasesExpireOnTheInjectedClock) {
 // A Get, Append or Attend refused for bad input leaves the lease's expiry alone.
 TEST(GrpcService, RefusedCallsDoNotRenewTheirLease) {
   const NamespaceConfig c = SmallNamespace("small", 1 << 20);
-  auto t = TestServer::Start({c});
-  ASSERT_NE(t, nullptr);
+  std::unique_ptr<TestServer> t;
   const Sequence s = MakeSequence(c, 32, 1, 5);
-  v1::PutResponse put;
-  ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, PerToken(c), 32, &put).ok());
+  ASSERT_NO_FATAL_FAILURE(StartHolding(c, s, &t));
   for (const char* refused : {"Get", "Append", "Attend"}) {
     const uint64_t lease = MatchOk(t->stub.get(), "small", s, 1000).lease_id();
     t->clock.Advance(absl::Milliseconds(999));

@@ -82,6 +82,15 @@ class AppendOrderTest : public StoreTest {
         .status();
   }
 
+  // The same, without token ids.
+  absl::Status AppendUnnamed(uint32_t layer, int first, int n) {
+    const size_t pt = PerToken();
+    return store_
+        ->Append(lease_, layer, {}, n, kv_.k[layer].data() + first * pt,
+                 kv_.v[layer].data() + first * pt)
+        .status();
+  }
+
   // Tokens another lease finds cached for the whole sequence.
   uint32_t CachedTokens() {
     auto probe = store_->Match("main", ids_, absl::ZeroDuration());
@@ -154,13 +163,7 @@ TEST_F(AppendOrderTest, AFailedAppendForgetsTheIdsItNamed) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false));
   gate_->Arm(GatedBackend::Mode::kFail);
   EXPECT_EQ(AppendTokens(0, 8, 4).code(), absl::StatusCode::kInternal);
-  const size_t pt = PerToken();
-  for (uint32_t layer = 0; layer < 2; ++layer) {
-    ASSERT_TRUE(store_
-                    ->Append(lease_, layer, {}, 4, kv_.k[layer].data() + 8 * pt,
-                             kv_.v[layer].data() + 8 * pt)
-                    .ok());
-  }
+  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(AppendUnnamed(layer, 8, 4).ok());
   EXPECT_EQ(WrittenTokens(0), 12u);
   EXPECT_EQ(WrittenTokens(1), 12u);
   EXPECT_EQ(CachedTokens(), 8u) << "tokens 8-11 published under the failed append's ids";
@@ -170,14 +173,9 @@ TEST_F(AppendOrderTest, AFailedAppendForgetsTheIdsItNamed) {
 // publish under them (before, the failure forgot every id at the positions it had reserved).
 TEST_F(AppendOrderTest, AFailedUnnamedAppendKeepsTheIdsOfTheMatch) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false, /*match_all_ids=*/true));
-  const size_t pt = PerToken();
-  auto append_unnamed = [&](uint32_t layer) {
-    return store_->Append(lease_, layer, {}, 4, kv_.k[layer].data() + 8 * pt,
-                          kv_.v[layer].data() + 8 * pt);
-  };
   gate_->Arm(GatedBackend::Mode::kFail);
-  EXPECT_EQ(append_unnamed(0).status().code(), absl::StatusCode::kInternal);
-  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(append_unnamed(layer).ok());
+  EXPECT_EQ(AppendUnnamed(0, 8, 4).code(), absl::StatusCode::kInternal);
+  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(AppendUnnamed(layer, 8, 4).ok());
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
@@ -187,13 +185,7 @@ TEST_F(AppendOrderTest, AFailedNamedAppendGivesBackTheIdsOfTheMatch) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false, /*match_all_ids=*/true));
   gate_->Arm(GatedBackend::Mode::kFail);
   EXPECT_EQ(AppendTokens(0, 8, 4).code(), absl::StatusCode::kInternal);
-  const size_t pt = PerToken();
-  for (uint32_t layer = 0; layer < 2; ++layer) {
-    ASSERT_TRUE(store_
-                    ->Append(lease_, layer, {}, 4, kv_.k[layer].data() + 8 * pt,
-                             kv_.v[layer].data() + 8 * pt)
-                    .ok());
-  }
+  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(AppendUnnamed(layer, 8, 4).ok());
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
