@@ -55,6 +55,11 @@ float RotationGain(const PageLayout& layout) {
 }  // namespace
 
 uint16_t MaxInputHalfBits(const PageLayout& layout) {
+  if (!layout.rotated() && layout.dtype != KvDtype::kFp16) {
+    // Decoded values pass their row's range by up to the fp16 scale's rounding, 2^-11 of the
+    // range, at most 2^-10 of the largest magnitude: kept free below 65504.
+    return HalfBitsAtMost(65504.0f / (1.0f + 1.0f / 1024.0f));
+  }
   return HalfBitsAtMost(65504.0f / RotationGain(layout));
 }
 

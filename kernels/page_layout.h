@@ -109,7 +109,9 @@ inline constexpr uint16_t kHalfMaxFiniteBits = 0x7BFF;
 // The largest magnitude (fp16 bits, sign cleared) of a K or V value `layout` quantizes: its
 // rotation (orthonormal, by blocks of rot_block) sums up to sqrt(rot_block) times that into one
 // rotated value, which the page's fp16 meta (zero, scale) must hold: 65504 / sqrt(rot_block)
-// rounded down, kHalfMaxFiniteBits unrotated. Larger values would store an infinite zero.
+// rounded down (larger values would store an infinite zero). Unrotated quantized values decode
+// up to 2^-10 of their magnitude past it (the fp16 scale's rounding), which must stay finite in
+// an fp16 read: 65440. FP16 pages unrotated: kHalfMaxFiniteBits.
 uint16_t MaxInputHalfBits(const PageLayout& layout);
 // The largest magnitude (fp16 bits, sign cleared) of a query value PagedDecodeAttention takes at
 // `sm_scale`: the CUDA kernels carry q' sm_scale log2(e) in fp16 operands, q' the rotated query

@@ -11,6 +11,7 @@
 #include "kernels/fp16.h"
 #include "kernels/hadamard.h"
 #include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/kernels/kernel_test_util.h"
 
@@ -141,6 +142,49 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<1>(info.param)) + "_g" +
              std::to_string(std::get<2>(info.param));
     });
+
+// Rows at the layout's input bound (MaxInputHalfBits), alone in their row or against its
+// negative, read back finite through Dequantize in every quantized format, rotated or not (an
+// unrotated 65504 once decoded to 65520 through the scale's rounding: infinite in fp16).
+TEST(QuantizeCpu, RowsAtTheInputBoundReadBackFinite) {
+  for (const KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3}) {
+    for (const int rot : {0, 16, 128}) {
+      const PageLayout l = MakeLayout(dtype, rot, 128, /*num_kv_heads=*/1);
+      const uint16_t bound = MaxInputHalfBits(l);
+      const size_t row = l.head_dim;
+      std::vector<uint16_t> k(4 * row, 0), v(4 * row, 0);  // tokens: +b / -b / +b,-b / -b,+b
+      for (std::vector<uint16_t>* x : {&k, &v}) {
+        (*x)[0] = bound;
+        (*x)[row] = bound | 0x8000;
+        (*x)[2 * row] = bound;
+        (*x)[2 * row + 7] = bound | 0x8000;
+        (*x)[3 * row] = bound | 0x8000;
+        (*x)[3 * row + 7] = bound;
+      }
+      Appender a(l, 1);
+      ASSERT_EQ(a.Append(k, v, {0, 1, 2, 3}, {}), KernelStatus::kOk);
+      const int32_t id = 0;
+      std::vector<uint16_t> k_out(l.block_tokens * row), v_out(l.block_tokens * row);
+      DequantizeParams dp;
+      dp.layout = l;
+      dp.pages = a.pages.data();
+      dp.block_ids = &id;
+      dp.num_out_blocks = 1;
+      dp.head_begin = 0;
+      dp.head_end = 1;
+      dp.k_out = k_out.data();
+      dp.v_out = v_out.data();
+      dp.num_blocks = 1;
+      ASSERT_EQ(cpu::Dequantize(dp), KernelStatus::kOk);
+      for (size_t i = 0; i < 4 * row; ++i) {
+        ASSERT_LT(k_out[i] & 0x7FFF, 0x7C00)
+            << testing::DtypeName(dtype) << " rot " << rot << " K " << i;
+        ASSERT_LT(v_out[i] & 0x7FFF, 0x7C00)
+            << testing::DtypeName(dtype) << " rot " << rot << " V " << i;
+      }
+    }
+  }
+}
 
 // Rotated rows far from zero with a spread of under one fp16 step of their minimum per code step
 // round their fp16 zero by up to more than a code step, so that q of their minimum falls below
