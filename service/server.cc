@@ -49,7 +49,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
                                                      s->rpc_metrics_.get(), options.attend);
   if (s->backend_->name() == "cuda" && options.nccl_device >= 0) {
     absl::StatusOr<std::unique_ptr<PeerTransportFactory>> factory =
-        NewNcclTransportFactory(options.nccl_device);
+        NewNcclTransportFactory(options.nccl_device, SystemClock());
     if (factory.ok()) {
       s->transport_factory_ = *std::move(factory);
       s->transport_service_ = std::make_unique<KvPoolTransportService>(

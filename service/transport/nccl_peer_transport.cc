@@ -17,7 +17,6 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
-#include "absl/time/clock.h"
 #endif
 
 namespace kvpool {
@@ -40,9 +39,14 @@ absl::Status CudaError(cudaError_t e, const char* what) {
 
 class NcclPeerTransport final : public PeerTransport {
  public:
-  NcclPeerTransport(int device, ncclComm_t comm, cudaStream_t stream, cudaEvent_t done,
-                    absl::Time join_deadline)
-      : device_(device), stream_(stream), done_(done), join_deadline_(join_deadline), comm_(comm) {}
+  NcclPeerTransport(int device, Clock* clock, ncclComm_t comm, cudaStream_t stream,
+                    cudaEvent_t done, absl::Time join_deadline)
+      : device_(device),
+        clock_(clock),
+        stream_(stream),
+        done_(done),
+        join_deadline_(join_deadline),
+        comm_(comm) {}
 
   ~NcclPeerTransport() override {
     absl::MutexLock l(&op_mu_);
@@ -154,7 +158,7 @@ class NcclPeerTransport final : public PeerTransport {
       AbortLocked();
       return NcclError(state, phase);
     }
-    if (absl::Now() > deadline) {
+    if (clock_->Now() > deadline) {
       AbortLocked();
       return absl::DeadlineExceededError(
           absl::StrFormat("NCCL peer not done %s by the deadline; channel aborted", phase));
@@ -169,6 +173,7 @@ class NcclPeerTransport final : public PeerTransport {
   }
 
   const int device_;
+  Clock* const clock_;         // the deadlines'
   const cudaStream_t stream_;  // this transport's own stream
   const cudaEvent_t done_;     // recorded after each operation's enqueue
   const absl::Time join_deadline_;
@@ -180,7 +185,7 @@ class NcclPeerTransport final : public PeerTransport {
 
 class NcclTransportFactory final : public PeerTransportFactory {
  public:
-  explicit NcclTransportFactory(int device) : device_(device) {}
+  NcclTransportFactory(int device, Clock* clock) : device_(device), clock_(clock) {}
 
   absl::StatusOr<OpenedTransport> Open(absl::Time join_deadline) override {
     if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
@@ -212,29 +217,33 @@ class NcclTransportFactory final : public PeerTransportFactory {
     }
     OpenedTransport opened;
     opened.transport =
-        std::make_unique<NcclPeerTransport>(device_, comm, stream, done, join_deadline);
+        std::make_unique<NcclPeerTransport>(device_, clock_, comm, stream, done, join_deadline);
     opened.join_id.assign(id.internal, sizeof(id.internal));
     return opened;
   }
 
  private:
   const int device_;
+  Clock* const clock_;
 };
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int device) {
+absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int device,
+                                                                              Clock* clock) {
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess || device < 0 || device >= count) {
     return absl::FailedPreconditionError(
         absl::StrFormat("NCCL transport: CUDA device %d not present", device));
   }
-  return std::unique_ptr<PeerTransportFactory>(std::make_unique<NcclTransportFactory>(device));
+  return std::unique_ptr<PeerTransportFactory>(
+      std::make_unique<NcclTransportFactory>(device, clock));
 }
 
 #else
 
-absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int /*device*/) {
+absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int /*device*/,
+                                                                              Clock* /*clock*/) {
   return absl::UnimplementedError("this server was built without NCCL (KVPOOL_ENABLE_NCCL)");
 }
 

@@ -20,6 +20,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "service/store/clock.h"
 
 namespace kvpool {
 
@@ -68,9 +69,10 @@ class PeerTransportFactory {
 };
 
 // NCCL channels on CUDA device `device`, whose buffers are that device's memory (the CUDA
-// backend's arenas). Deadlines are on the system clock. UNIMPLEMENTED when the server was built
-// without NCCL (KVPOOL_ENABLE_NCCL off).
-absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int device);
+// backend's arenas). Deadlines are on `clock` (not owned; the transport service's, which
+// computes them). UNIMPLEMENTED when the server was built without NCCL (KVPOOL_ENABLE_NCCL off).
+absl::StatusOr<std::unique_ptr<PeerTransportFactory>> NewNcclTransportFactory(int device,
+                                                                              Clock* clock);
 
 }  // namespace kvpool
 

@@ -234,6 +234,13 @@ class KillSwitchFactory final : public PeerTransportFactory {
   KillSwitch* const switch_;
 };
 
+// The system clock an hour behind: the service's deadlines are on it, and the transports must
+// keep to the same clock (the wall clock would find every deadline an hour past).
+class HourBehindClock final : public Clock {
+ public:
+  absl::Time Now() const override { return SystemClock()->Now() - absl::Hours(1); }
+};
+
 class NcclTransferTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -257,12 +264,12 @@ class NcclTransferTest : public ::testing::Test {
     rpc_metrics_ = std::make_unique<RpcMetrics>(&registry_);
     service_ = std::make_unique<KvPoolService>(store_.get(), rpc_metrics_.get(), ServiceOptions{});
     absl::StatusOr<std::unique_ptr<PeerTransportFactory>> nccl =
-        NewNcclTransportFactory(kServerDevice);
+        NewNcclTransportFactory(kServerDevice, &clock_);
     ASSERT_TRUE(nccl.ok()) << nccl.status();
     factory_ = std::make_unique<KillSwitchFactory>(*std::move(nccl), &kill_switch_);
-    transport_ = std::make_unique<KvPoolTransportService>(store_.get(), backend_.get(),
-                                                          factory_.get(), SystemClock(),
-                                                          rpc_metrics_.get(), TransportOptions{});
+    transport_ =
+        std::make_unique<KvPoolTransportService>(store_.get(), backend_.get(), factory_.get(),
+                                                 &clock_, rpc_metrics_.get(), TransportOptions{});
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     builder.SetMaxReceiveMessageSize(64 << 20);
@@ -349,6 +356,7 @@ class NcclTransferTest : public ::testing::Test {
   metrics::Registry registry_;
   std::unique_ptr<RpcMetrics> rpc_metrics_;
   std::unique_ptr<KvPoolService> service_;
+  HourBehindClock clock_;
   KillSwitch kill_switch_;
   std::unique_ptr<PeerTransportFactory> factory_;
   std::unique_ptr<KvPoolTransportService> transport_;
