@@ -77,7 +77,7 @@ class ChannelManager {
     std::shared_ptr<Channel> channel_;  // null once moved from
     bool failed_ = false;
   };
-  // NOT_FOUND for an unknown (closed, expired or failed) channel; ABORTED while another
+  // UNAVAILABLE for an unknown (closed, expired or failed) channel; ABORTED while another
   // transfer uses it.
   absl::StatusOr<Use> Acquire(uint64_t channel_id);
 

@@ -1,6 +1,7 @@
 #include "service/transport/nccl_transfers.h"
 
 #include <algorithm>
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -60,18 +61,29 @@ class NcclTransfers::Staging {
 
 namespace {
 
-// Clears a TransferCancel hook when the transfer leaves the data phase.
+// The data phase of a transfer on `use`: a cancel aborts its transport. Leaving the phase clears
+// the hook; if a cancel aborted the transport, the channel is failed then (removed, not kept as
+// an idle channel whose transport is dead), whatever the transfer's own status.
 class CancelScope {
  public:
-  CancelScope(TransferCancel* cancel, PeerTransport* transport) : cancel_(cancel) {
-    if (cancel_ != nullptr) cancel_->Set([transport] { transport->Abort(); });
+  CancelScope(TransferCancel* cancel, ChannelManager::Use* use) : cancel_(cancel), use_(use) {
+    if (cancel_ != nullptr) {
+      cancel_->Set([this] {
+        aborted_.store(true);
+        use_->transport().Abort();
+      });
+    }
   }
   ~CancelScope() {
-    if (cancel_ != nullptr) cancel_->Clear();
+    if (cancel_ == nullptr) return;
+    cancel_->Clear();  // a running hook has finished once this returns
+    if (aborted_.load()) use_->Fail();
   }
 
  private:
   TransferCancel* const cancel_;
+  ChannelManager::Use* const use_;
+  std::atomic<bool> aborted_{false};
 };
 
 // Consecutive layers [begin, end) moved in one round.
@@ -356,26 +368,29 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
   if (absl::Status s = gather(0); !s.ok()) return s;
   if (absl::Status s = emit(first); !s.ok()) return s;
 
-  // From here the worker waits for data: any failure breaks the channel.
+  // From here the worker waits for data: any failure breaks the channel. A cancel after the data
+  // moved (while done is emitted) leaves the channel as it is.
   const absl::Time deadline = Deadline(request.timeout_ms());
-  CancelScope scope(cancel, &use->transport());
-  PeerTransport* transport = &use->transport();
-  auto send = [&](size_t i) { return transport->Send(segments[i % 2], deadline); };
-  absl::Status s;
-  if (rounds.size() == 1) {
-    s = send(0);
-  } else {  // round i is gathered while round i - 1 is sent
-    RoundWorker sender(rounds.size(), send);
-    for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
-      if (i >= 2) s = sender.WaitDone(i - 2);  // buffer i % 2 is free again
-      if (s.ok() && i > 0) s = gather(i);
-      if (s.ok()) sender.Release(i);
+  {
+    CancelScope scope(cancel, &*use);
+    PeerTransport* transport = &use->transport();
+    auto send = [&](size_t i) { return transport->Send(segments[i % 2], deadline); };
+    absl::Status s;
+    if (rounds.size() == 1) {
+      s = send(0);
+    } else {  // round i is gathered while round i - 1 is sent
+      RoundWorker sender(rounds.size(), send);
+      for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
+        if (i >= 2) s = sender.WaitDone(i - 2);  // buffer i % 2 is free again
+        if (s.ok() && i > 0) s = gather(i);
+        if (s.ok()) sender.Release(i);
+      }
+      if (s.ok()) s = sender.WaitDone(rounds.size() - 1);
     }
-    if (s.ok()) s = sender.WaitDone(rounds.size() - 1);
-  }
-  if (!s.ok()) {
-    use->Fail();
-    return s;
+    if (!s.ok()) {
+      use->Fail();
+      return s;
+    }
   }
   v1::NcclGetResponse last;
   last.mutable_done()->set_bytes(offset);
@@ -427,7 +442,7 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
   absl::Status content;  // the first error of the store on the received data
   if (num_tokens > 0) {
     const absl::Time deadline = Deadline(request.timeout_ms());
-    CancelScope scope(cancel, &use->transport());
+    CancelScope scope(cancel, &*use);
     PeerTransport* transport = &use->transport();
     std::vector<RecvSegment> segments[2];
     // Receives round i into buffer i % 2.
