@@ -3,9 +3,12 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -16,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "client/kvpool_client.h"
 #include "grpcpp/client_context.h"
+#include "grpcpp/support/sync_stream.h"
 
 namespace kvpool::client {
 namespace {
@@ -30,6 +34,37 @@ absl::Status FromGrpc(const grpc::Status& s) {
 struct Segment {
   void* data;
   uint64_t bytes;
+};
+
+// The rest of a transfer's stream, read on a thread of its own while the data moves: a server
+// that ends the call with an error mid-transfer is seen at once (NCCL does not tell this end when
+// the server aborts its communicator, and the transfer would wait for its deadline).
+template <typename Response>
+class StreamTail {
+ public:
+  explicit StreamTail(grpc::ClientReader<Response>* reader)
+      : thread_([this, reader] {
+          Response msg;
+          while (reader->Read(&msg)) last_ = msg;
+          status_ = reader->Finish();
+          ended_.store(true, std::memory_order_release);
+        }) {}
+  ~StreamTail() { Wait(); }
+
+  // Whether the server has ended the call with an error.
+  bool Failed() const { return ended_.load(std::memory_order_acquire) && !status_.ok(); }
+  // Waits for the call's end: its status; last() is then its last message (default if none).
+  const grpc::Status& Wait() {
+    if (thread_.joinable()) thread_.join();
+    return status_;
+  }
+  const Response& last() const { return last_; }
+
+ private:
+  Response last_;
+  grpc::Status status_;
+  std::atomic<bool> ended_{false};
+  std::thread thread_;  // last, so that it starts after the members it writes
 };
 
 class NcclChannelImpl final : public NcclChannel {
@@ -105,11 +140,11 @@ class NcclChannelImpl final : public NcclChannel {
       segments.push_back({base + s.k_offset(), s.bytes()});
       segments.push_back({base + s.v_offset(), s.bytes()});
     }
-    const absl::Status moved = RunLocked(segments, /*send=*/false, deadline);
+    StreamTail<v1::NcclGetResponse> tail(reader.get());
+    const absl::Status moved =
+        RunLocked(segments, /*send=*/false, deadline, [&] { return tail.Failed(); });
     if (!moved.ok()) ctx.TryCancel();
-    while (reader->Read(&msg)) {
-    }
-    if (absl::Status s = FromGrpc(reader->Finish()); !s.ok()) {
+    if (absl::Status s = FromGrpc(tail.Wait()); !s.ok()) {
       if (moved.ok()) AbortLocked();  // the server failed after its sends: out of step
       return s;
     }
@@ -147,19 +182,22 @@ class NcclChannelImpl final : public NcclChannel {
       segments.push_back(
           {const_cast<uint8_t*>(static_cast<const uint8_t*>(v)) + at, plan.layer_bytes()});
     }
-    const absl::Status moved = RunLocked(segments, /*send=*/true, deadline);
+    StreamTail<v1::NcclPutResponse> tail(reader.get());
+    const absl::Status moved =
+        RunLocked(segments, /*send=*/true, deadline, [&] { return tail.Failed(); });
     if (!moved.ok()) ctx.TryCancel();
-    const bool got_result = reader->Read(&msg) && msg.has_result();
-    if (absl::Status s = FromGrpc(reader->Finish()); !s.ok()) return s;
+    if (absl::Status s = FromGrpc(tail.Wait()); !s.ok()) return s;
     if (!moved.ok()) return moved;
-    if (!got_result) return absl::InternalError("NcclPut ended without a result");
-    return msg.result();
+    if (!tail.last().has_result()) return absl::InternalError("NcclPut ended without a result");
+    return tail.last().result();
   }
 
  private:
   // ncclSend (send) or ncclRecv of every segment to/from the server in one group, then polls
-  // until done; any failure aborts the communicator.
-  absl::Status RunLocked(const std::vector<Segment>& segments, bool send, absl::Time deadline)
+  // until done; any failure, or `server_failed()` turning true (the server ended the call with an
+  // error), aborts the communicator.
+  absl::Status RunLocked(const std::vector<Segment>& segments, bool send, absl::Time deadline,
+                         const std::function<bool()>& server_failed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (segments.empty()) return absl::OkStatus();
     cudaSetDevice(device_);
@@ -186,7 +224,7 @@ class NcclChannelImpl final : public NcclChannel {
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
       if (q != cudaErrorNotReady || (state != ncclSuccess && state != ncclInProgress) ||
-          absl::Now() > deadline) {
+          absl::Now() > deadline || server_failed()) {
         AbortLocked();
         return absl::UnavailableError("NCCL transfer failed or timed out; channel aborted");
       }

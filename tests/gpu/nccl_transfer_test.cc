@@ -18,6 +18,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
@@ -74,7 +75,8 @@ std::vector<std::string> SegmentDigests(const char* format, const v1::NcclGetDes
 // Modes (KVPOOL_NCCL_WORKER): "roundtrip" puts the test sequence over NCCL, matches it and gets
 // it back kFp16Gets times in FP16 and once RAW, writing "lease <id>" and the digests to
 // KVPOOL_NCCL_OUT; "get" gets lease KVPOOL_NCCL_LEASE once in FP16 and writes the digests; "die"
-// starts the same Get and is expected to be killed by the test before it ends.
+// starts the same Get and is expected to be killed by the test before it ends; "get_fails" makes
+// the same Get, expects it to fail, and writes its status code and how long it took in ms.
 TEST(NcclWorker, Main) {
   const std::string mode = Env("KVPOOL_NCCL_WORKER");
   if (mode.empty()) GTEST_SKIP() << "runs only as the worker process of the NCCL tests";
@@ -119,6 +121,14 @@ TEST(NcclWorker, Main) {
   v1::NcclGetRequest request;
   request.set_lease_id(lease);
   request.set_format(v1::GET_FORMAT_FP16);
+  if (mode == "get_fails") {
+    const absl::Time start = absl::Now();
+    absl::StatusOr<v1::NcclGetDescriptor> d =
+        (*channel)->Get(request, buffer, capacity, absl::Seconds(120));
+    out << static_cast<int>(d.status().code()) << " "
+        << absl::ToInt64Milliseconds(absl::Now() - start) << "\n";
+    return;
+  }
   const int fp16_gets = mode == "roundtrip" ? kFp16Gets : 1;
   std::vector<std::string> first;
   for (int i = 0; i < fp16_gets; ++i) {
@@ -180,6 +190,7 @@ TEST(NcclWorker, Main) {
 struct KillSwitch {
   absl::Mutex mu;
   bool armed ABSL_GUARDED_BY(mu) = false;
+  bool fail ABSL_GUARDED_BY(mu) = false;  // the armed send fails after its first half
   absl::Notification paused, resume, finished;
   absl::Status outcome;  // written before `finished`
   absl::Time resumed_at;  // written before `finished`
@@ -192,13 +203,18 @@ class KillSwitchTransport final : public PeerTransport {
 
   absl::Status Send(absl::Span<const SendSegment> segments, absl::Time deadline) override {
     bool armed = false;
+    bool fail = false;
     {
       absl::MutexLock l(&switch_->mu);
       armed = std::exchange(switch_->armed, false) && segments.size() >= 2;
+      fail = switch_->fail;
     }
     if (!armed) return inner_->Send(segments, deadline);
     const size_t half = segments.size() / 2;
     absl::Status s = inner_->Send(segments.subspan(0, half), deadline);
+    if (fail) {
+      return s.ok() ? absl::InternalError("injected: the server fails mid-transfer") : s;
+    }
     switch_->paused.Notify();
     switch_->resume.WaitForNotificationWithTimeout(absl::Minutes(2));
     switch_->resumed_at = absl::Now();
@@ -425,6 +441,30 @@ TEST_F(NcclTransferTest, WorkerKilledMidGetNeitherHangsNorCrashesTheServer) {
   EXPECT_EQ(transport_->channels().size(), 0u);
   EXPECT_LE(transport_->transfers().staging_buffers(), TransportOptions{}.max_idle_staging);
   EXPECT_EQ(store_->Stats().active_leases, 1u);
+  EXPECT_TRUE(store_->Release(lease).ok());
+}
+
+// The server fails a Get after half its sends (and aborts its communicator): the worker, whose
+// receives would otherwise wait for the rest until its 120 s deadline, sees the call's error and
+// returns it at once.
+TEST_F(NcclTransferTest, ServerFailingMidGetEndsTheWorkersGetAtOnce) {
+  const uint64_t lease = HostPut(kNs);
+  ASSERT_NE(lease, 0u);
+  {
+    absl::MutexLock l(&kill_switch_.mu);
+    kill_switch_.armed = true;
+    kill_switch_.fail = true;
+  }
+  const std::vector<std::string> lines = RunWorker("get_fails", lease, 0);
+  ASSERT_EQ(lines.size(), 1u);
+  int code = 0;
+  int64_t ms = 0;
+  const std::vector<std::string> fields = absl::StrSplit(lines[0], ' ');
+  ASSERT_EQ(fields.size(), 2u) << lines[0];
+  ASSERT_TRUE(absl::SimpleAtoi(fields[0], &code) && absl::SimpleAtoi(fields[1], &ms)) << lines[0];
+  EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kInternal)) << "the server's status";
+  EXPECT_LT(ms, 10000) << "the worker waited for its deadline";
+  EXPECT_EQ(transport_->channels().size(), 0u);
   EXPECT_TRUE(store_->Release(lease).ok());
 }
 
