@@ -62,8 +62,9 @@ void EncodeIntGroup(const PageLayout& l, const float* x, int levels, int token, 
   for (int c = c0; c < c0 + l.group_size; ++c) {
     uint8_t code = 0;
     if (s > 0.0f) {
-      // Clamping before rounding equals clamping after it, and keeps NaN from the int cast.
-      const float q = std::min(std::max(std::fmaf(x[c], r, b), kCodeOffset), top);
+      // Clamping before rounding equals clamping after it; fmax/fmin (not std::max/min) also
+      // turn NaN into a code, keeping it from the int cast.
+      const float q = std::fmin(std::fmax(std::fmaf(x[c], r, b), kCodeOffset), top);
       code = static_cast<uint8_t>(std::nearbyint(q) - kCodeOffset);
     }
     PutCode(l.dtype, row, c, code);
