@@ -259,7 +259,6 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
   for (AppendPlan& plan : plans) {
     Lease& lease = *plan.lease;
     plan.begin = lease.layer_tokens[layer];
-    plan.replaced_ids.assign(plan.token_ids.empty() ? 0 : plan.num_tokens, -1);
     for (uint32_t i = 0; i < plan.num_tokens; ++i) {
       const uint32_t pos = lease.layer_tokens[layer]++;
       slots->push_back(static_cast<int64_t>(lease.blocks[pos / bt].id) * bt + pos % bt);
@@ -269,7 +268,8 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
           lease_token_ids_ += pos + 1 - lease.token_ids.size();
           lease.token_ids.resize(pos + 1, -1);
         }
-        plan.replaced_ids[i] = std::exchange(lease.token_ids[pos], plan.token_ids[i]);
+        lease.ids_before_appends.try_emplace(pos, lease.token_ids[pos]);
+        lease.token_ids[pos] = plan.token_ids[i];
       }
     }
   }
@@ -280,6 +280,9 @@ void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
                                       absl::Span<const AppendPlan> plans) {
   for (const AppendPlan& plan : plans) {
     Lease& lease = *plan.lease;
+    for (uint32_t i = 0; i < plan.token_ids.size(); ++i) {
+      if (plan.token_ids[i] >= 0) lease.ids_before_appends.erase(plan.begin + i);
+    }
     uint32_t& written = lease.layer_written[layer];
     std::vector<std::pair<uint32_t, uint32_t>>& ahead = lease.written_ahead[layer];
     ahead.emplace_back(plan.begin, plan.begin + plan.num_tokens);
@@ -304,13 +307,16 @@ void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan
     lease.layer_tokens[layer] = plan->begin;
     // The token ids the plan named (ReserveAppendsLocked kept them), at positions no layer holds
     // now: a later append there may be another token, and must not be published under these
-    // ids. The ids the lease had there before (its Match's, or none) come back.
+    // ids, nor under those of another failed append there. The ids the lease had before any
+    // append named them (its Match's, or none) come back.
     if (plan->token_ids.empty()) continue;
     const uint32_t held = *std::max_element(lease.layer_tokens.begin(), lease.layer_tokens.end());
     const size_t end = std::min<size_t>(plan->begin + plan->num_tokens, lease.token_ids.size());
     for (size_t pos = std::max(held, plan->begin); pos < end; ++pos) {
-      const size_t i = pos - plan->begin;
-      if (plan->token_ids[i] >= 0) lease.token_ids[pos] = plan->replaced_ids[i];
+      if (plan->token_ids[pos - plan->begin] < 0) continue;
+      auto before = lease.ids_before_appends.find(static_cast<uint32_t>(pos));
+      lease.token_ids[pos] = before != lease.ids_before_appends.end() ? before->second : -1;
+      if (before != lease.ids_before_appends.end()) lease.ids_before_appends.erase(before);
     }
   }
 }

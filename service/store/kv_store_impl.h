@@ -18,7 +18,6 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
-#include "absl/container/inlined_vector.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
@@ -188,9 +187,6 @@ class StoreImpl final : public KvStore {
     uint32_t num_tokens = 0;
     absl::Span<const int32_t> token_ids;  // empty or num_tokens long; -1 = unknown
     uint32_t begin = 0;                   // first position, set by ReserveAppendsLocked
-    // With token_ids: the lease's ids at the planned positions before the plan named them (-1
-    // where it had none), set by ReserveAppendsLocked for AbandonAppendsLocked to put back.
-    absl::InlinedVector<int32_t, 1> replaced_ids;
   };
   // Reserves tail slots for every plan in order (a lease may appear more than once), allocating
   // tail blocks; fills the slot mapping and positions of all planned tokens, concatenated, and

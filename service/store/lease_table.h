@@ -60,6 +60,10 @@ struct Lease {
   std::vector<std::vector<std::pair<uint32_t, uint32_t>>> written_ahead;
   // Token ids from position 0 as far as known; -1 = not given.
   std::vector<int32_t> token_ids;
+  // For each position an append in flight named: its id before the first such append (the
+  // Match's, or -1), which a failed append puts back when no layer holds the position. Dropped
+  // once an append there completes (the position is then held for good).
+  absl::flat_hash_map<uint32_t, int32_t> ids_before_appends;
   // Calls using the lease's blocks outside the store lock right now. A lease dropped (released
   // or expired) while users > 0 is unpinned by its last user.
   int users = 0;
