@@ -323,10 +323,10 @@ TEST(AttendSocket, StepPastTheSessionDeadlineIsNotSent) {
   for (const absl::Duration client_spin : {absl::Microseconds(500), absl::ZeroDuration()}) {
     SocketFixture s = StartSocket(/*sequences=*/1, {}, client_spin);
     ASSERT_NE(s.f.server, nullptr);
-    auto session = s.socket_client->OpenAttendStream({.deadline = absl::Milliseconds(200)});
+    auto session = s.socket_client->OpenAttendStream({.deadline = absl::Seconds(1)});
     ASSERT_TRUE(session.ok()) << session.status();
     ASSERT_TRUE((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
-    absl::SleepFor(absl::Milliseconds(300));
+    absl::SleepFor(absl::Milliseconds(1200));
     EXPECT_EQ((*session)->Step(AppendingRequest(s.f, s.f.leases[0], 0)).status().code(),
               absl::StatusCode::kDeadlineExceeded);
     v1::AttendRequest check = AttendRequestFor(s.f, s.f.leases[0], 2);
