@@ -67,6 +67,10 @@ struct DequantizeParams {
   // are written as zeros, whatever their pages hold (a lease's last block past its written
   // tokens keeps what the block held for an earlier sequence). >= 0.
   int64_t valid_tokens = INT64_MAX;
+  // Null, or (layout.sink_tokens > 0) the sink page of out block 0 when that block is a
+  // sequence's first, in the memory `pages` is in: its rows [0, sink_tokens) then come from
+  // there, the exact fp16 tokens, instead of their quantized rows (16-byte aligned).
+  const uint8_t* first_sink_page = nullptr;
 };
 
 // Decode attention of one new query per sequence over its paged, quantized KV.

@@ -1,7 +1,7 @@
 // CPU reference of Dequantize. Per (block, token, K|V, head): x' = DecodeRow (code * s + z in
 // float, kernels/cpu/page_codec.h), then, if layout.rotated(), the inverse BlockHadamard in
-// double, cast to float, then FloatToHalf. FP16 pages are copied bit for bit. Rows from
-// valid_tokens on are zeros.
+// double, cast to float, then FloatToHalf. FP16 pages, and the sink rows of a first_sink_page,
+// are copied bit for bit. Rows from valid_tokens on are zeros.
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -22,7 +22,8 @@ KernelStatus Validate(const DequantizeParams& p) {
     return KernelStatus::kInvalidArgument;
   }
   if (p.num_out_blocks == 0) return KernelStatus::kOk;
-  if (p.pages == nullptr || p.block_ids == nullptr || p.k_out == nullptr || p.v_out == nullptr) {
+  if (p.pages == nullptr || p.block_ids == nullptr || p.k_out == nullptr || p.v_out == nullptr ||
+      (p.first_sink_page != nullptr && l.sink_tokens == 0)) {
     return KernelStatus::kInvalidArgument;
   }
   for (int i = 0; i < p.num_out_blocks; ++i) {
@@ -54,6 +55,10 @@ KernelStatus Dequantize(const DequantizeParams& p) {
                           (out_token * out_heads + (h - p.head_begin)) * l.head_dim;
           if (static_cast<int64_t>(out_token) >= p.valid_tokens) {
             std::memset(dst, 0, l.head_dim * 2);
+            continue;
+          }
+          if (i == 0 && p.first_sink_page != nullptr && tok < l.sink_tokens) {
+            std::memcpy(dst, p.first_sink_page + l.sink_offset(kv, h, tok), l.head_dim * 2);
             continue;
           }
           if (!l.quantized()) {

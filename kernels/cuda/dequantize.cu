@@ -20,6 +20,9 @@ struct DequantizeArgs {
   const int32_t* block_ids;  // [num_out_blocks]; ids outside [0, num_blocks) read as zeros
   uint16_t* k_out;           // [num_out_blocks * block_tokens][heads_out][head_dim] fp16
   uint16_t* v_out;           // same shape
+  const uint8_t* first_sink_page;  // DequantizeParams::first_sink_page
+  uint32_t sink_items;             // items of out block 0's sink rows, read from it (0: none)
+  int sink_tokens;
   uint32_t num_items;        // num_out_blocks * block_tokens * heads_out
   uint32_t valid_items;      // items of rows below valid_tokens; the rest are written as zeros
   int heads_out;             // head_end - head_begin
@@ -98,8 +101,18 @@ __global__ void __launch_bounds__(kThreads) DequantizeKernel(const DequantizeArg
   if (active) {
     const size_t dst = static_cast<size_t>(item) * kHeadDim + chunk * 8;
     const bool real = item < a.valid_items;
-    *reinterpret_cast<uint4*>(a.k_out + dst) = real ? PackHalf8(kx) : make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(a.v_out + dst) = real ? PackHalf8(vx) : make_uint4(0, 0, 0, 0);
+    uint4 k8 = real ? PackHalf8(kx) : make_uint4(0, 0, 0, 0);
+    uint4 v8 = real ? PackHalf8(vx) : make_uint4(0, 0, 0, 0);
+    if (real && item < a.sink_items) {  // a sink row of a sequence's first block: exact fp16
+      const size_t head_rows = static_cast<size_t>(a.num_kv_heads) * a.sink_tokens;
+      const uint8_t* k_row = a.first_sink_page +
+                             (static_cast<size_t>(head) * a.sink_tokens + t) * kHeadDim * 2 +
+                             chunk * 16;
+      k8 = *reinterpret_cast<const uint4*>(k_row);
+      v8 = *reinterpret_cast<const uint4*>(k_row + head_rows * kHeadDim * 2);
+    }
+    *reinterpret_cast<uint4*>(a.k_out + dst) = k8;
+    *reinterpret_cast<uint4*>(a.v_out + dst) = v8;
   }
 }
 
@@ -114,7 +127,8 @@ KernelStatus LaunchDequantize(const DequantizeArgs& a, cudaStream_t stream) {
 }  // namespace
 
 // Requires (else kInvalidArgument): a valid layout, 0 <= head_begin < head_end <= num_kv_heads,
-// valid_tokens >= 0, non-null 16-byte aligned pages and outputs. Block ids live on the device and
+// valid_tokens >= 0, non-null 16-byte aligned pages and outputs (and first_sink_page, when set,
+// 16-byte aligned, with sink_tokens > 0). Block ids live on the device and
 // cannot be checked here: ids outside the arena produce zeros, and callers validate them (the CUDA
 // backend does). kUnsupported: sizes outside DispatchLayout's, group_size not a multiple of 8, or
 // more than 2^32 - 2^16 lanes of work.
@@ -127,7 +141,8 @@ KernelStatus Dequantize(const DequantizeParams& p, void* stream) {
   }
   if (p.num_out_blocks == 0) return KernelStatus::kOk;
   if (p.pages == nullptr || p.block_ids == nullptr || p.k_out == nullptr || p.v_out == nullptr ||
-      !Aligned16(p.pages) || !Aligned16(p.k_out) || !Aligned16(p.v_out)) {
+      !Aligned16(p.pages) || !Aligned16(p.k_out) || !Aligned16(p.v_out) ||
+      (p.first_sink_page != nullptr && (l.sink_tokens == 0 || !Aligned16(p.first_sink_page)))) {
     return KernelStatus::kInvalidArgument;
   }
   if ((l.quantized() && l.group_size % 8 != 0) || !FitsPageGeometry(l)) {
@@ -144,6 +159,10 @@ KernelStatus Dequantize(const DequantizeParams& p, void* stream) {
   a.block_ids = p.block_ids;
   a.k_out = p.k_out;
   a.v_out = p.v_out;
+  a.first_sink_page = p.first_sink_page;
+  a.sink_items =
+      p.first_sink_page != nullptr ? static_cast<uint32_t>(l.sink_tokens * heads_out) : 0;
+  a.sink_tokens = l.sink_tokens;
   a.num_items = static_cast<uint32_t>(items);
   a.valid_items = static_cast<uint32_t>(
       std::min<int64_t>(p.valid_tokens, int64_t{p.num_out_blocks} * l.block_tokens) * heads_out);

@@ -90,6 +90,7 @@ absl::StatusOr<StoreImpl::ReadPlan> StoreImpl::BeginRead(LeaseUse& use, uint64_t
   ReadPlan plan;
   const NamespaceState& ns = *namespaces_[(*lease)->namespace_index];
   plan.pool = ns.pool.get();
+  plan.from_first_block = block_begin == 0;
   const uint64_t first_row = uint64_t{block_begin} * ns.block_tokens();
   for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
     absl::StatusOr<std::vector<int32_t>> checked =
@@ -106,12 +107,18 @@ absl::StatusOr<StoreImpl::ReadPlan> StoreImpl::BeginRead(LeaseUse& use, uint64_t
 
 namespace {
 
-// The fp16 read of `layer` of `ids` into k and v, rows from `valid_rows` on zeros.
+// The fp16 read of `layer` of `ids` into k and v, rows from `valid_rows` on zeros; a read from a
+// sequence's first block (`from_first_block`) takes its sink tokens exact from its sink page.
 DequantizeParams Fp16Read(const BlockPool& pool, uint32_t layer, const std::vector<int32_t>& ids,
-                          uint32_t valid_rows, uint32_t head_begin, uint32_t head_end, uint16_t* k,
-                          uint16_t* v) {
+                          bool from_first_block, uint32_t valid_rows, uint32_t head_begin,
+                          uint32_t head_end, uint16_t* k, uint16_t* v) {
   DequantizeParams p;
   p.layout = pool.layout(layer);
+  if (from_first_block && p.layout.sink_tokens > 0 && !ids.empty() &&
+      ids[0] < pool.num_sink_blocks()) {
+    p.first_sink_page = pool.sink_base(static_cast<int>(layer)) +
+                        static_cast<size_t>(ids[0]) * p.layout.sink_page_bytes();
+  }
   p.pages = pool.layer_base(layer);
   p.block_ids = ids.data();
   p.num_out_blocks = static_cast<int>(ids.size());
@@ -144,8 +151,8 @@ absl::Status StoreImpl::ReadFp16(uint64_t lease_id, uint32_t layer, uint32_t blo
   return PinnedRead(
       lease_id, layer, layer + 1, block_begin, num_blocks, head_begin, head_end,
       [&](const ReadPlan& plan) {
-        return backend()->Dequantize(
-            Fp16Read(*plan.pool, layer, plan.ids, plan.valid_rows[0], head_begin, head_end, k, v));
+        return backend()->Dequantize(Fp16Read(*plan.pool, layer, plan.ids, plan.from_first_block,
+                                              plan.valid_rows[0], head_begin, head_end, k, v));
       });
 }
 
@@ -164,6 +171,7 @@ absl::Status StoreImpl::ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin,
                       for (uint32_t layer = layer_begin; layer < layer_end;
                            ++layer, at += 2 * half) {
                         layers.push_back(Fp16Read(*plan.pool, layer, plan.ids,
+                                                  plan.from_first_block,
                                                   plan.valid_rows[layer - layer_begin], head_begin,
                                                   head_end, at, at + half));
                       }

@@ -167,6 +167,7 @@ class StoreImpl final : public KvStore {
     const BlockPool* pool = nullptr;
     std::vector<int32_t> ids;
     std::vector<uint32_t> valid_rows;
+    bool from_first_block = false;  // ids[0] is the sequence's first block
   };
   // Pins lease `lease_id` in `use`, validates the read for every layer of
   // [layer_begin, layer_end) (CheckReadLocked) and returns its plan.

@@ -297,6 +297,28 @@ void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats, int64_t gpu_
   };
   compare(static_cast<int64_t>(ids.size()) * l.block_tokens - l.block_tokens / 2 - 1);
   compare(INT64_MAX);
+  // Out block 0 read as a sequence's first block: its sink rows are its sink page's bytes, on
+  // both sides (the GPU's sink arena equals the CPU's, checked above).
+  if (l.sink_tokens > 0 && (gpu_sink_blocks < 0 || ids[0] < gpu_sink_blocks)) {
+    const size_t page = static_cast<size_t>(ids[0]) * l.sink_page_bytes();
+    dq.first_sink_page = cpu_sinks.data() + page;
+    gq.first_sink_page = sinks.as<uint8_t>() + page;
+    compare(INT64_MAX);
+    for (int t = 0; t < l.sink_tokens; ++t) {
+      for (int kv = 0; kv < 2; ++kv) {
+        for (int h = head_begin; h < l.num_kv_heads; ++h) {
+          const size_t at = (static_cast<size_t>(t) * heads + (h - head_begin)) * l.head_dim;
+          const uint8_t* want = cpu_sinks.data() + page + l.sink_offset(kv, h, t);
+          for (const std::vector<uint16_t>* out :
+               {kv == 0 ? &cpu_k : &cpu_v, kv == 0 ? &gpu_k : &gpu_v}) {
+            ASSERT_EQ(std::memcmp(out->data() + at, want, l.head_dim * 2), 0)
+                << "sink row " << t << " kv " << kv << " head " << h;
+          }
+        }
+      }
+    }
+    dq.first_sink_page = gq.first_sink_page = nullptr;
+  }
 
   // Round trip of the GPU's own pages: the relative L2 error of the written K rows is that of
   // the CPU round trip (codes differ only at rare ties).

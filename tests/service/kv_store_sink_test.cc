@@ -2,6 +2,7 @@
 // holds nearly as many blocks as one without), and the store taking a block with a sink page for
 // every new sequence's first block, evicting for one when none is free, refusing when every one
 // is pinned, over Put, Append and a decode step that starts two sequences at once.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -284,6 +285,34 @@ TEST_F(WideSinkStoreTest, ADecodeStepGivesTheSinkBlockToTheLeaseThatStarts) {
         store_->ReadFp16(lease, 0, block, 1, 0, config_.num_kv_heads, k.data(), v.data()).ok());
     // INT4's error, not another token's.
     EXPECT_LT(RelError(k.data(), kv.data() + i * PerToken(), PerToken()), 0.2) << "item " << i;
+  }
+}
+
+// An fp16 read that starts at a sequence's first block returns its sink tokens exact (from the
+// block's sink page, as Attend uses them) and the other tokens dequantized; one that starts later
+// is not changed.
+TEST_F(SinkStoreTest, AReadFromTheFirstBlockReturnsTheSinkTokensExact) {
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 11);
+  ASSERT_TRUE(Put(a_, kv).ok());
+  auto lease = store_->Match("main", a_, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const size_t pt = PerToken();
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    std::vector<uint16_t> k(8 * pt), v(8 * pt), k1(4 * pt), v1(4 * pt);
+    ASSERT_TRUE(
+        store_->ReadFp16(lease->lease_id, layer, 0, 2, 0, config_.num_kv_heads, k.data(), v.data())
+            .ok());
+    const size_t sink = static_cast<size_t>(config_.sink_tokens) * pt;
+    EXPECT_TRUE(std::equal(k.begin(), k.begin() + sink, kv.k[layer].begin())) << layer;
+    EXPECT_TRUE(std::equal(v.begin(), v.begin() + sink, kv.v[layer].begin())) << layer;
+    EXPECT_FALSE(std::equal(k.begin() + sink, k.end(), kv.k[layer].begin() + sink)) << layer;
+    EXPECT_LT(RelError(k.data() + sink, kv.k[layer].data() + sink, 8 * pt - sink), 0.2);
+    // Block 1 alone reads as the same rows of the two-block read.
+    ASSERT_TRUE(
+        store_
+            ->ReadFp16(lease->lease_id, layer, 1, 1, 0, config_.num_kv_heads, k1.data(), v1.data())
+            .ok());
+    EXPECT_TRUE(std::equal(k1.begin(), k1.end(), k.begin() + 4 * pt)) << layer;
   }
 }
 

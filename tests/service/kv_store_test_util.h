@@ -175,7 +175,8 @@ class StoreTest : public ::testing::Test {
     return pages;
   }
 
-  // The reference pages of `layer` read back as fp16 K (first) and V.
+  // The reference pages of `layer` read back as fp16 K (first) and V, as the store reads a
+  // sequence from its first block: its sink tokens exact.
   std::pair<std::vector<uint16_t>, std::vector<uint16_t>> ReferenceFp16(const SequenceKv& kv,
                                                                        int layer, int tokens) {
     const PageLayout layout = LayerLayout(config_, layer);
@@ -195,6 +196,9 @@ class StoreTest : public ::testing::Test {
     d.v_out = v.data();
     d.num_blocks = blocks;
     EXPECT_EQ(cpu::Dequantize(d), KernelStatus::kOk);
+    const size_t sink = static_cast<size_t>(std::min(layout.sink_tokens, tokens)) * PerToken();
+    std::copy(kv.k[layer].begin(), kv.k[layer].begin() + sink, k.begin());
+    std::copy(kv.v[layer].begin(), kv.v[layer].begin() + sink, v.begin());
     return {k, v};
   }
 
