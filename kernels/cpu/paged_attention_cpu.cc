@@ -67,31 +67,35 @@ void Normalize(double* scores, int n, Partial* state) {
   }
 }
 
-// Reusable buffers of one call, sized once for its largest sequence.
+// The scores one call keeps at a time, [heads][max_len] doubles: 32 MiB.
+constexpr int64_t kScoreBudget = int64_t{1} << 22;
+
+// Reusable buffers of one call, sized once for its largest sequence and `heads` query heads at a
+// time.
 struct Scratch {
-  Scratch(const PageLayout& l, int ratio, int max_len, int num_groups)
-      : q(static_cast<size_t>(ratio) * l.head_dim),
-        q_rot(static_cast<size_t>(ratio) * l.head_dim),
-        q_sum(static_cast<size_t>(ratio) * num_groups),
-        scores(static_cast<size_t>(ratio) * max_len),
-        acc_sink(static_cast<size_t>(ratio) * l.head_dim),
-        acc_paged(static_cast<size_t>(ratio) * l.head_dim),
+  Scratch(const PageLayout& l, int heads, int max_len, int num_groups)
+      : q(static_cast<size_t>(heads) * l.head_dim),
+        q_rot(static_cast<size_t>(heads) * l.head_dim),
+        q_sum(static_cast<size_t>(heads) * num_groups),
+        scores(static_cast<size_t>(heads) * max_len),
+        acc_sink(static_cast<size_t>(heads) * l.head_dim),
+        acc_paged(static_cast<size_t>(heads) * l.head_dim),
         codes(l.head_dim),
         row(l.head_dim),
         meta(num_groups),
-        sink(ratio),
-        paged(ratio) {}
-  std::vector<double> q;          // [ratio][head_dim] original space
-  std::vector<double> q_rot;      // [ratio][head_dim] rotated space
-  std::vector<double> q_sum;      // [ratio][num_groups] sum of q' over each group
-  std::vector<double> scores;     // [ratio][max_len]
-  std::vector<double> acc_sink;   // [ratio][head_dim]
-  std::vector<double> acc_paged;  // [ratio][head_dim]
+        sink(heads),
+        paged(heads) {}
+  std::vector<double> q;          // [heads][head_dim] original space
+  std::vector<double> q_rot;      // [heads][head_dim] rotated space
+  std::vector<double> q_sum;      // [heads][num_groups] sum of q' over each group
+  std::vector<double> scores;     // [heads][max_len]
+  std::vector<double> acc_sink;   // [heads][head_dim]
+  std::vector<double> acc_paged;  // [heads][head_dim]
   std::vector<float> codes;       // [head_dim] one page row's code values
   std::vector<double> row;        // [head_dim] one token's K or V
   std::vector<GroupMeta> meta;    // [num_groups] one page row's {scale, zero}
-  std::vector<Partial> sink;      // [ratio] sink segment states
-  std::vector<Partial> paged;     // [ratio] paged segment states
+  std::vector<Partial> sink;      // [heads] sink segment states
+  std::vector<Partial> paged;     // [heads] paged segment states
 };
 
 // Code values and {scale, zero} of page row `token`; FP16 rows read as one group {1, 0}.
@@ -118,7 +122,11 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p) {
   std::optional<BlockHadamard> rotation;
   if (l.rotated()) rotation.emplace(dim, l.rot_block, l.sign_seed);
   const int max_len = *std::max_element(p.seq_lens, p.seq_lens + p.num_seqs);
-  Scratch w(l, ratio, max_len, num_groups);
+  // A group's query heads are scored `heads` at a time, so that the scores kept for a pass over
+  // the pages ([heads][max_len]) stay within kScoreBudget whatever the ratio and lengths.
+  const int heads =
+      static_cast<int>(std::clamp<int64_t>(kScoreBudget / std::max(1, max_len), 1, ratio));
+  Scratch w(l, heads, max_len, num_groups);
 
   for (int s = 0; s < p.num_seqs; ++s) {
     const int len = p.seq_lens[s];
@@ -126,113 +134,117 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p) {
     const int n_paged = len - n_sink;
     const int32_t* table = p.block_tables + static_cast<size_t>(s) * p.max_blocks_per_seq;
     for (int g = 0; g < l.num_kv_heads; ++g) {
-      // Queries of the group, original and rotated, and the per-group sums of q'.
-      for (int r = 0; r < ratio; ++r) {
-        const uint16_t* q_src =
-            p.q + (static_cast<size_t>(s) * p.num_q_heads + g * ratio + r) * dim;
-        double* q = &w.q[static_cast<size_t>(r) * dim];
-        double* q_rot = &w.q_rot[static_cast<size_t>(r) * dim];
-        for (int c = 0; c < dim; ++c) q[c] = q_rot[c] = HalfToFloat(q_src[c]);
-        if (rotation) rotation->Forward(q_rot);
-        for (int j = 0; j < num_groups; ++j) {
-          double sum = 0.0;
-          for (int c = j * group_size; c < (j + 1) * group_size; ++c) sum += q_rot[c];
-          w.q_sum[static_cast<size_t>(r) * num_groups + j] = sum;
-        }
-      }
-      std::fill(w.acc_sink.begin(), w.acc_sink.end(), 0.0);
-      std::fill(w.acc_paged.begin(), w.acc_paged.end(), 0.0);
-      std::vector<Partial>& sink = w.sink;
-      std::vector<Partial>& paged = w.paged;
-
-      // Sink segment: fp16 K/V of the first block's sink page, original space.
-      const uint8_t* sink_page =
-          n_sink > 0 ? p.sink_pages + static_cast<size_t>(table[0]) * l.sink_page_bytes() : nullptr;
-      auto load_sink_row = [&](int kv, int t) {
-        const uint8_t* src = sink_page + l.sink_offset(kv, g, t);
-        for (int c = 0; c < dim; ++c) {
-          uint16_t h;
-          std::memcpy(&h, src + 2 * c, sizeof(h));
-          w.row[c] = HalfToFloat(h);
-        }
-      };
-      for (int t = 0; t < n_sink; ++t) {
-        load_sink_row(0, t);
-        for (int r = 0; r < ratio; ++r) {
-          const double* q = &w.q[static_cast<size_t>(r) * dim];
-          double dot = 0.0;
-          for (int c = 0; c < dim; ++c) dot += q[c] * w.row[c];
-          w.scores[static_cast<size_t>(r) * max_len + t] = sm_scale * dot;
-        }
-      }
-      for (int r = 0; r < ratio; ++r) {
-        sink[r] = Partial{kNegInf, 0.0, &w.acc_sink[static_cast<size_t>(r) * dim]};
-        Normalize(&w.scores[static_cast<size_t>(r) * max_len], n_sink, &sink[r]);
-      }
-      for (int t = 0; t < n_sink; ++t) {
-        load_sink_row(1, t);
-        for (int r = 0; r < ratio; ++r) {
-          const double pt = w.scores[static_cast<size_t>(r) * max_len + t];
-          for (int c = 0; c < dim; ++c) sink[r].acc[c] += pt * w.row[c];
-        }
-      }
-
-      // Paged segment: scores on the codes in the rotated space.
-      for (int i = 0; i < n_paged; ++i) {
-        const int t = n_sink + i;
-        LoadRow(l, HeadPage(l, p.pages, table[t / l.block_tokens], 0, g), t % l.block_tokens, &w);
-        for (int r = 0; r < ratio; ++r) {
-          const double* q_rot = &w.q_rot[static_cast<size_t>(r) * dim];
-          const double* q_sum = &w.q_sum[static_cast<size_t>(r) * num_groups];
-          double score = 0.0;
+      for (int r0 = 0; r0 < ratio; r0 += heads) {
+        const int nr = std::min(heads, ratio - r0);  // query heads g * ratio + r0 + [0, nr)
+        // Queries of the group, original and rotated, and the per-group sums of q'.
+        for (int r = 0; r < nr; ++r) {
+          const uint16_t* q_src =
+              p.q + (static_cast<size_t>(s) * p.num_q_heads + g * ratio + r0 + r) * dim;
+          double* q = &w.q[static_cast<size_t>(r) * dim];
+          double* q_rot = &w.q_rot[static_cast<size_t>(r) * dim];
+          for (int c = 0; c < dim; ++c) q[c] = q_rot[c] = HalfToFloat(q_src[c]);
+          if (rotation) rotation->Forward(q_rot);
           for (int j = 0; j < num_groups; ++j) {
-            double dot = 0.0;
-            for (int c = j * group_size; c < (j + 1) * group_size; ++c)
-              dot += q_rot[c] * w.codes[c];
-            score += static_cast<double>(w.meta[j].scale) * dot +
-                     static_cast<double>(w.meta[j].zero) * q_sum[j];
-          }
-          w.scores[static_cast<size_t>(r) * max_len + i] = sm_scale * score;
-        }
-      }
-      for (int r = 0; r < ratio; ++r) {
-        paged[r] = Partial{kNegInf, 0.0, &w.acc_paged[static_cast<size_t>(r) * dim]};
-        Normalize(&w.scores[static_cast<size_t>(r) * max_len], n_paged, &paged[r]);
-      }
-      for (int i = 0; i < n_paged; ++i) {
-        const int t = n_sink + i;
-        LoadRow(l, HeadPage(l, p.pages, table[t / l.block_tokens], 1, g), t % l.block_tokens, &w);
-        for (int j = 0; j < num_groups; ++j) {
-          const double scale = w.meta[j].scale;
-          const double zero = w.meta[j].zero;
-          for (int c = j * group_size; c < (j + 1) * group_size; ++c) {
-            w.row[c] = scale * w.codes[c] + zero;
+            double sum = 0.0;
+            for (int c = j * group_size; c < (j + 1) * group_size; ++c) sum += q_rot[c];
+            w.q_sum[static_cast<size_t>(r) * num_groups + j] = sum;
           }
         }
-        for (int r = 0; r < ratio; ++r) {
-          const double pt = w.scores[static_cast<size_t>(r) * max_len + i];
-          for (int c = 0; c < dim; ++c) paged[r].acc[c] += pt * w.row[c];
-        }
-      }
+        std::fill(w.acc_sink.begin(), w.acc_sink.end(), 0.0);
+        std::fill(w.acc_paged.begin(), w.acc_paged.end(), 0.0);
+        std::vector<Partial>& sink = w.sink;
+        std::vector<Partial>& paged = w.paged;
 
-      // Un-rotate the paged accumulators once and merge the two segments.
-      for (int r = 0; r < ratio; ++r) {
-        if (rotation && n_paged > 0) rotation->Inverse(paged[r].acc);
-        const double m = std::max(sink[r].max, paged[r].max);
-        const double w_sink = std::exp(sink[r].max - m);
-        const double w_paged = std::exp(paged[r].max - m);
-        const double sum = sink[r].sum * w_sink + paged[r].sum * w_paged;
-        const size_t out_row = static_cast<size_t>(s) * p.num_q_heads + g * ratio + r;
-        for (int c = 0; c < dim; ++c) {
-          const float o =
-              static_cast<float>((sink[r].acc[c] * w_sink + paged[r].acc[c] * w_paged) / sum);
-          if (p.out != nullptr) {
-            p.out[out_row * dim + c] = o;
-          } else {
-            p.out_fp16[out_row * dim + c] = FloatToHalf(o);
+        // Sink segment: fp16 K/V of the first block's sink page, original space.
+        const uint8_t* sink_page =
+            n_sink > 0 ? p.sink_pages + static_cast<size_t>(table[0]) * l.sink_page_bytes()
+                       : nullptr;
+        auto load_sink_row = [&](int kv, int t) {
+          const uint8_t* src = sink_page + l.sink_offset(kv, g, t);
+          for (int c = 0; c < dim; ++c) {
+            uint16_t h;
+            std::memcpy(&h, src + 2 * c, sizeof(h));
+            w.row[c] = HalfToFloat(h);
+          }
+        };
+        for (int t = 0; t < n_sink; ++t) {
+          load_sink_row(0, t);
+          for (int r = 0; r < nr; ++r) {
+            const double* q = &w.q[static_cast<size_t>(r) * dim];
+            double dot = 0.0;
+            for (int c = 0; c < dim; ++c) dot += q[c] * w.row[c];
+            w.scores[static_cast<size_t>(r) * max_len + t] = sm_scale * dot;
           }
         }
-        if (p.lse != nullptr) p.lse[out_row] = static_cast<float>(m + std::log(sum));
+        for (int r = 0; r < nr; ++r) {
+          sink[r] = Partial{kNegInf, 0.0, &w.acc_sink[static_cast<size_t>(r) * dim]};
+          Normalize(&w.scores[static_cast<size_t>(r) * max_len], n_sink, &sink[r]);
+        }
+        for (int t = 0; t < n_sink; ++t) {
+          load_sink_row(1, t);
+          for (int r = 0; r < nr; ++r) {
+            const double pt = w.scores[static_cast<size_t>(r) * max_len + t];
+            for (int c = 0; c < dim; ++c) sink[r].acc[c] += pt * w.row[c];
+          }
+        }
+
+        // Paged segment: scores on the codes in the rotated space.
+        for (int i = 0; i < n_paged; ++i) {
+          const int t = n_sink + i;
+          LoadRow(l, HeadPage(l, p.pages, table[t / l.block_tokens], 0, g), t % l.block_tokens, &w);
+          for (int r = 0; r < nr; ++r) {
+            const double* q_rot = &w.q_rot[static_cast<size_t>(r) * dim];
+            const double* q_sum = &w.q_sum[static_cast<size_t>(r) * num_groups];
+            double score = 0.0;
+            for (int j = 0; j < num_groups; ++j) {
+              double dot = 0.0;
+              for (int c = j * group_size; c < (j + 1) * group_size; ++c)
+                dot += q_rot[c] * w.codes[c];
+              score += static_cast<double>(w.meta[j].scale) * dot +
+                       static_cast<double>(w.meta[j].zero) * q_sum[j];
+            }
+            w.scores[static_cast<size_t>(r) * max_len + i] = sm_scale * score;
+          }
+        }
+        for (int r = 0; r < nr; ++r) {
+          paged[r] = Partial{kNegInf, 0.0, &w.acc_paged[static_cast<size_t>(r) * dim]};
+          Normalize(&w.scores[static_cast<size_t>(r) * max_len], n_paged, &paged[r]);
+        }
+        for (int i = 0; i < n_paged; ++i) {
+          const int t = n_sink + i;
+          LoadRow(l, HeadPage(l, p.pages, table[t / l.block_tokens], 1, g), t % l.block_tokens, &w);
+          for (int j = 0; j < num_groups; ++j) {
+            const double scale = w.meta[j].scale;
+            const double zero = w.meta[j].zero;
+            for (int c = j * group_size; c < (j + 1) * group_size; ++c) {
+              w.row[c] = scale * w.codes[c] + zero;
+            }
+          }
+          for (int r = 0; r < nr; ++r) {
+            const double pt = w.scores[static_cast<size_t>(r) * max_len + i];
+            for (int c = 0; c < dim; ++c) paged[r].acc[c] += pt * w.row[c];
+          }
+        }
+
+        // Un-rotate the paged accumulators once and merge the two segments.
+        for (int r = 0; r < nr; ++r) {
+          if (rotation && n_paged > 0) rotation->Inverse(paged[r].acc);
+          const double m = std::max(sink[r].max, paged[r].max);
+          const double w_sink = std::exp(sink[r].max - m);
+          const double w_paged = std::exp(paged[r].max - m);
+          const double sum = sink[r].sum * w_sink + paged[r].sum * w_paged;
+          const size_t out_row = static_cast<size_t>(s) * p.num_q_heads + g * ratio + r0 + r;
+          for (int c = 0; c < dim; ++c) {
+            const float o =
+                static_cast<float>((sink[r].acc[c] * w_sink + paged[r].acc[c] * w_paged) / sum);
+            if (p.out != nullptr) {
+              p.out[out_row * dim + c] = o;
+            } else {
+              p.out_fp16[out_row * dim + c] = FloatToHalf(o);
+            }
+          }
+          if (p.lse != nullptr) p.lse[out_row] = static_cast<float>(m + std::log(sum));
+        }
       }
     }
   }

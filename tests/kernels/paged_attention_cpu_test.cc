@@ -189,6 +189,26 @@ TEST(PagedAttentionCpu, Fp16OutputIsTheRoundedFp32Output) {
   EXPECT_EQ(lse16, lse);
 }
 
+// Many query heads over a long sequence are scored in passes of fewer heads (64 x 70,000 scores
+// pass the kernel's budget): each head's output and lse are those of a call of that head alone.
+TEST(PagedAttentionCpu, HeadsScoredInPassesMatchHeadsScoredAlone) {
+  const PageLayout l = MakeLayout(KvDtype::kInt4, 16, 32, /*num_kv_heads=*/1, /*head_dim=*/32);
+  constexpr int kHeads = 64;
+  const Batch b = MakeBatch(l, kHeads, {70000}, 13);
+  std::vector<float> out(b.q.size()), lse(kHeads);
+  ASSERT_EQ(cpu::PagedDecodeAttention(b.HostParams(out.data(), lse.data())), KernelStatus::kOk);
+  std::vector<float> alone(l.head_dim);
+  float alone_lse = 0;
+  for (int h = 0; h < kHeads; ++h) {
+    PagedDecodeAttentionParams p = b.HostParams(alone.data(), &alone_lse);
+    p.num_q_heads = 1;
+    p.q = b.q.data() + static_cast<size_t>(h) * l.head_dim;
+    ASSERT_EQ(cpu::PagedDecodeAttention(p), KernelStatus::kOk);
+    ASSERT_TRUE(std::equal(alone.begin(), alone.end(), out.begin() + h * l.head_dim)) << h;
+    ASSERT_EQ(alone_lse, lse[h]) << h;
+  }
+}
+
 TEST(PagedAttentionCpu, RejectsInvalidInputsWithoutWriting) {
   const PageLayout l = MakeLayout(KvDtype::kInt4, 128, 128, 2, 128, 16, 2);
   const Batch good = MakeBatch(l, 4, {20, 5}, 3);
