@@ -185,7 +185,9 @@ size_t RendezvousShard(absl::Span<const std::string> targets, std::string_view n
 // another shard). The Python client's shard_for places sequences alike.
 class ShardedKvPoolClient {
  public:
-  // INVALID_ARGUMENT when `targets` is empty or has duplicates.
+  // INVALID_ARGUMENT when `targets` is empty or has duplicates, or when the options' AttendSocket
+  // would send some shard's sessions to another shard's server: an attend_unix_socket with more
+  // than one target, or an attend_socket_port with two targets on one host.
   static absl::StatusOr<std::unique_ptr<ShardedKvPoolClient>> Create(
       std::vector<std::string> targets, const ClientOptions& options = {});
 

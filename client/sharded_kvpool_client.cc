@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_format.h"
+#include "client/attend_socket_session.h"
 #include "client/kvpool_client.h"
 
 namespace kvpool::client {
@@ -49,11 +50,27 @@ size_t RendezvousShard(absl::Span<const std::string> targets, std::string_view n
 absl::StatusOr<std::unique_ptr<ShardedKvPoolClient>> ShardedKvPoolClient::Create(
     std::vector<std::string> targets, const ClientOptions& options) {
   if (targets.empty()) return absl::InvalidArgumentError("no shard targets");
-  std::set<std::string> seen;
+  // Every shard's AttendSocket sessions must reach that shard's server.
+  if (targets.size() > 1 && !options.attend_unix_socket.empty()) {
+    return absl::InvalidArgumentError(
+        "attend_unix_socket names one server's socket: create each shard's KvPoolClient with its "
+        "own");
+  }
+  std::set<std::string> seen, sockets;
   std::vector<std::unique_ptr<KvPoolClient>> shards;
   for (const std::string& t : targets) {
     if (!seen.insert(t).second) {
       return absl::InvalidArgumentError(absl::StrFormat("duplicate shard target %s", t));
+    }
+    if (options.attend_socket_port != 0) {
+      absl::StatusOr<std::string> socket = AttendSocketAddress(t, options.attend_socket_port);
+      if (!socket.ok()) return socket.status();
+      if (!sockets.insert(*socket).second) {
+        return absl::InvalidArgumentError(absl::StrFormat(
+            "two shards would share the AttendSocket %s (one attend_socket_port for servers on "
+            "one host): create each shard's KvPoolClient with its own",
+            *socket));
+      }
     }
     shards.push_back(KvPoolClient::Create(t, options));
   }

@@ -498,6 +498,20 @@ TEST(ShardedKvPoolClient, RejectsNoTargetsAndDuplicateTargets) {
             absl::StatusCode::kInvalidArgument);
 }
 
+// AttendSocket options that would send one shard's sessions to another shard's server.
+TEST(ShardedKvPoolClient, RejectsAttendSocketsTheShardsWouldShare) {
+  ClientOptions unix_socket;
+  unix_socket.attend_unix_socket = "/run/kvpool/kvpool-0.sock";
+  EXPECT_EQ(ShardedKvPoolClient::Create({"a:1", "b:1"}, unix_socket).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ShardedKvPoolClient::Create({"a:1"}, unix_socket).ok());
+  ClientOptions port;
+  port.attend_socket_port = 50052;
+  EXPECT_EQ(ShardedKvPoolClient::Create({"a:50051", "a:50061"}, port).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ShardedKvPoolClient::Create({"a:50051", "b:50051"}, port).ok());
+}
+
 TEST(ShardedKvPoolClient, PlacesASequenceByItsFirstBlockOnly) {
   absl::StatusOr<std::unique_ptr<ShardedKvPoolClient>> c =
       ShardedKvPoolClient::Create({"a:1", "b:1", "c:1"});

@@ -257,6 +257,18 @@ def test_in_place_steps_match_unary_attend(server, attend_unix_socket, client):
             client.release(lease)
 
 
+def test_failed_in_place_session_raises_its_error_again(server, attend_unix_socket):
+    """An in-place step on an unknown lease ends the session with NOT_FOUND; the next step raises
+    that error again (not a new FAILED_PRECONDITION, which a caller might retry)."""
+    with Client(server, timeout=30, attend_unix_socket=attend_unix_socket,
+                attend_region_bytes=1 << 20) as c, c.attend_in_place() as s:
+        lay = s.layout(1, 2 * HEADS, DIM, num_kv_heads=HEADS)
+        for _ in range(2):
+            with pytest.raises(AttendSocketError) as e:
+                s.step(0, [424242], 2 * HEADS, DIM, lay)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 def test_region_step_too_large_for_the_region_raises_invalid_argument(server,
                                                                      attend_unix_socket, client):
     ids, _, _, _ = put_sequence(client, 32, seed=47)

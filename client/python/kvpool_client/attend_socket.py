@@ -213,6 +213,7 @@ class AttendSocketSession:
         region_step_layout (whose q_bytes and kv_bytes req carries as region_q_bytes and
         region_kv_bytes), and so is the output when this returns (the response's `out` is
         empty)."""
+        self._check_open()  # a failed session raises its error again (it has no region now)
         if self._region is None:
             raise AttendSocketError(grpc.StatusCode.FAILED_PRECONDITION,
                                     "request_in_place needs a session with a region")
