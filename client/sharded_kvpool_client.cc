@@ -62,10 +62,10 @@ absl::StatusOr<std::unique_ptr<ShardedKvPoolClient>> ShardedKvPoolClient::Create
     if (!seen.insert(t).second) {
       return absl::InvalidArgumentError(absl::StrFormat("duplicate shard target %s", t));
     }
-    if (options.attend_socket_port != 0) {
+    // A target the port cannot be joined to fails when its session opens, as a lone target does.
+    if (options.attend_socket_port != 0 && targets.size() > 1) {
       absl::StatusOr<std::string> socket = AttendSocketAddress(t, options.attend_socket_port);
-      if (!socket.ok()) return socket.status();
-      if (!sockets.insert(*socket).second) {
+      if (socket.ok() && !sockets.insert(*socket).second) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "two shards would share the AttendSocket %s (one attend_socket_port for servers on "
             "one host): create each shard's KvPoolClient with its own",
