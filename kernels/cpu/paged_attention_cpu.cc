@@ -67,7 +67,7 @@ void Normalize(double* scores, int n, Partial* state) {
   }
 }
 
-// The scores one call keeps at a time, [heads][max_len] doubles: 32 MiB.
+// The doubles one call keeps per pass of query heads (scores, queries, accumulators): 32 MiB.
 constexpr int64_t kScoreBudget = int64_t{1} << 22;
 
 // Reusable buffers of one call, sized once for its largest sequence and `heads` query heads at a
@@ -122,10 +122,11 @@ KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p) {
   std::optional<BlockHadamard> rotation;
   if (l.rotated()) rotation.emplace(dim, l.rot_block, l.sign_seed);
   const int max_len = *std::max_element(p.seq_lens, p.seq_lens + p.num_seqs);
-  // A group's query heads are scored `heads` at a time, so that the scores kept for a pass over
-  // the pages ([heads][max_len]) stay within kScoreBudget whatever the ratio and lengths.
-  const int heads =
-      static_cast<int>(std::clamp<int64_t>(kScoreBudget / std::max(1, max_len), 1, ratio));
+  // A group's query heads are scored `heads` at a time, so that what a pass keeps per head (its
+  // scores over max_len tokens, four head_dim rows and its group sums) stays within kScoreBudget
+  // doubles whatever the ratio and lengths.
+  const int64_t per_head = int64_t{max_len} + 4 * int64_t{dim} + num_groups;
+  const int heads = static_cast<int>(std::clamp<int64_t>(kScoreBudget / per_head, 1, ratio));
   Scratch w(l, heads, max_len, num_groups);
 
   for (int s = 0; s < p.num_seqs; ++s) {

@@ -510,6 +510,9 @@ TEST(ShardedKvPoolClient, RejectsAttendSocketsTheShardsWouldShare) {
   EXPECT_EQ(ShardedKvPoolClient::Create({"a:50051", "a:50061"}, port).status().code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(ShardedKvPoolClient::Create({"a:50051", "b:50051"}, port).ok());
+  // Targets the port cannot be joined to are left to fail when a session opens, as before.
+  EXPECT_TRUE(ShardedKvPoolClient::Create({"unix:/p"}, port).ok());
+  EXPECT_TRUE(ShardedKvPoolClient::Create({"unix:/a", "unix:/b"}, port).ok());
 }
 
 TEST(ShardedKvPoolClient, PlacesASequenceByItsFirstBlockOnly) {
