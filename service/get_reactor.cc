@@ -101,7 +101,11 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
                                : std::min(request_.max_chunk_bytes(), options_->get_chunk_bytes),
                            options_->max_message_bytes - kMessageOverheadBytes));
     block_ = 0;
-    // The checks passed: the lease is renewed even when no layer holds a token to read.
+    // The checks passed. Each read renews the lease; a Get that reads nothing (no layer holds a
+    // token) renews it here.
+    for (uint32_t l = layer_; l < layer_end_; ++l) {
+      if (LayerTokens(l) > 0) return absl::OkStatus();
+    }
     return store_->RenewLease(request_.lease_id());
   }
 

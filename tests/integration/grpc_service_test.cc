@@ -390,6 +390,24 @@ TEST(GrpcService, RefusedCallsDoNotRenewTheirLease) {
   }
 }
 
+// A Get of a lease that holds no tokens reads nothing, and still renews the lease.
+TEST(GrpcService, AGetThatReadsNothingRenewsItsLease) {
+  const NamespaceConfig c = SmallNamespace("small", 1 << 20);
+  auto t = TestServer::Start({c});
+  ASSERT_NE(t, nullptr);
+  const uint64_t lease =
+      MatchOk(t->stub.get(), "small", MakeSequence(c, 32, 1, 5), 1000).lease_id();
+  v1::GetRequest get;
+  get.set_lease_id(lease);
+  for (int i = 0; i < 3; ++i) {
+    t->clock.Advance(absl::Milliseconds(999));
+    std::vector<v1::GetResponse> msgs;
+    const grpc::Status status = ReadAll(t->stub.get(), get, &msgs);
+    ASSERT_TRUE(status.ok()) << i << ": " << status.error_message();
+    EXPECT_TRUE(msgs.empty());
+  }
+}
+
 // A Get is split into messages the server's own message limit lets out, whatever
 // --get_chunk_bytes says.
 TEST(GrpcService, GetMessagesFitTheMessageLimit) {
