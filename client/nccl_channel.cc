@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <functional>
@@ -75,7 +76,12 @@ class NcclChannelImpl final : public NcclChannel {
   ~NcclChannelImpl() override {
     absl::MutexLock l(&mu_);
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+    absl::Time close_by = absl::Now() + absl::Seconds(5);
+    {
+      absl::MutexLock c(&close_mu_);
+      close_by = std::min(close_by, close_deadline_);
+    }
+    ctx.set_deadline(absl::ToChronoTime(close_by));
     v1::CloseChannelRequest req;
     req.set_channel_id(id_);
     v1::CloseChannelResponse resp;
@@ -116,6 +122,10 @@ class NcclChannelImpl final : public NcclChannel {
     return comm_ != nullptr;
   }
   uint64_t channel_id() const override { return id_; }
+  void SetCloseDeadline(absl::Time deadline) override {
+    absl::MutexLock c(&close_mu_);
+    close_deadline_ = deadline;
+  }
 
   absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,
                                             uint64_t capacity, absl::Duration timeout) override {
@@ -277,6 +287,9 @@ class NcclChannelImpl final : public NcclChannel {
   cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   cudaEvent_t done_ ABSL_GUARDED_BY(mu_) = nullptr;
   ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
+  // Apart from mu_, which a transfer holds while another thread sets this.
+  absl::Mutex close_mu_;
+  absl::Time close_deadline_ ABSL_GUARDED_BY(close_mu_) = absl::InfiniteFuture();
 };
 
 }  // namespace

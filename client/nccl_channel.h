@@ -34,6 +34,10 @@ class NcclChannel {
   // it no longer has the channel (UNAVAILABLE).
   virtual bool healthy() const = 0;
   virtual uint64_t channel_id() const = 0;
+  // Bounds the CloseChannel RPC that destroying the channel sends (5 s from then by default): a
+  // caller that drops a failed channel inside a timed call passes that call's deadline, so that
+  // the close cannot outlast it. Thread-safe; the channel may still be in use elsewhere.
+  virtual void SetCloseDeadline(absl::Time deadline) = 0;
 
   // NcclGet into device memory `dst` of `capacity` bytes; the descriptor says where each
   // layer's K and V landed.

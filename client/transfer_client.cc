@@ -81,7 +81,8 @@ absl::StatusOr<TransferGetResult> TransferClient::Get(const v1::GetRequest& requ
   if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
   const absl::Time deadline = absl::Now() + timeout;
   absl::Status nccl_error;
-  std::shared_ptr<NcclChannel> dropped;  // closed (an RPC) after the retry, not before it
+  // Closed (an RPC, within the call's deadline) after the retry, not before it.
+  std::shared_ptr<NcclChannel> dropped;
   if (std::shared_ptr<NcclChannel> channel = HealthyChannel()) {
     v1::NcclGetRequest nccl;
     nccl.set_lease_id(request.lease_id());
@@ -102,6 +103,7 @@ absl::StatusOr<TransferGetResult> TransferClient::Get(const v1::GetRequest& requ
     }
     if (channel->healthy()) return d.status();
     DropChannel(channel);
+    channel->SetCloseDeadline(deadline);
     dropped = std::move(channel);
     nccl_error = d.status();
   }
@@ -120,7 +122,8 @@ absl::StatusOr<TransferPutResult> TransferClient::Put(std::string_view ns,
   if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
   const absl::Time deadline = absl::Now() + timeout;
   absl::Status nccl_error;
-  std::shared_ptr<NcclChannel> dropped;  // closed (an RPC) after the retry, not before it
+  // Closed (an RPC, within the call's deadline) after the retry, not before it.
+  std::shared_ptr<NcclChannel> dropped;
   if (std::shared_ptr<NcclChannel> channel = HealthyChannel()) {
     const uint64_t token_bytes = uint64_t{src.num_kv_heads} * src.head_dim * sizeof(uint16_t);
     absl::StatusOr<v1::PutResponse> r =
@@ -133,6 +136,7 @@ absl::StatusOr<TransferPutResult> TransferClient::Put(std::string_view ns,
     }
     if (channel->healthy()) return r.status();
     DropChannel(channel);
+    channel->SetCloseDeadline(deadline);
     dropped = std::move(channel);
     nccl_error = r.status();
   }

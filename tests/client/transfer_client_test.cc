@@ -65,6 +65,7 @@ struct ChannelLog {
   uint32_t put_num_layers = 0;
   uint64_t put_token_bytes = 0;
   bool destroyed = false;
+  absl::Time close_deadline = absl::InfiniteFuture();  // what SetCloseDeadline was given
 };
 
 // An NcclChannel that answers from a script: on success Get writes `payload` into the buffer
@@ -76,6 +77,7 @@ class FakeNcclChannel final : public NcclChannel {
 
   bool healthy() const override { return healthy_; }
   uint64_t channel_id() const override { return 1; }
+  void SetCloseDeadline(absl::Time deadline) override { log_->close_deadline = deadline; }
 
   absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest, void* dst, uint64_t capacity,
                                             absl::Duration) override {
@@ -291,6 +293,33 @@ TEST_F(TransferClientTest, TheGrpcRetryGetsWhatTheNcclAttemptLeftOfTheTimeout) {
       EXPECT_LT(absl::Now() - start, std::max(kTimeout, nccl_time) + kSlack)
           << (get ? "Get" : "Put") << " after " << nccl_time << " of NCCL";
     }
+  }
+}
+
+// The dropped channel's close (an RPC its destructor sends, after the retry) is bounded by the
+// call's deadline, not by the channel's own 5 s: a server that no longer answers would otherwise
+// hold the call that long past its timeout.
+TEST_F(TransferClientTest, ADroppedChannelIsClosedWithinTheCallsDeadline) {
+  constexpr absl::Duration kTimeout = absl::Seconds(3);
+  std::string buffer(ExpectedBuffer().size(), '\0');
+  const std::vector<int32_t> ids(3, 1);
+  const std::vector<uint16_t> k(kLayers * ids.size() * kHeads * kDim, 0x3c00);
+  const PutSource src{kLayers, kHeads, kDim, k.data(), k.data()};
+  for (const bool get : {true, false}) {
+    ChannelLog log;
+    std::unique_ptr<FakeNcclChannel> channel = Channel(&log);
+    channel->error_ = absl::UnavailableError("NCCL transfer failed; channel aborted");
+    channel->breaks_ = true;
+    TransferClient client(kv_.get(), HostBufferCopy(), std::move(channel));
+    const absl::Time before = absl::Now();
+    const absl::Status s =
+        get ? client.Get(v1::GetRequest(), buffer.data(), buffer.size(), kTimeout).status()
+            : client.Put("ns", ids, src, kTimeout).status();
+    const absl::Time after = absl::Now();
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_TRUE(log.destroyed);
+    EXPECT_GE(log.close_deadline, before + kTimeout) << (get ? "Get" : "Put");
+    EXPECT_LE(log.close_deadline, after + kTimeout) << (get ? "Get" : "Put");
   }
 }
 
