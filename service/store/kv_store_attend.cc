@@ -40,15 +40,73 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     return absl::InvalidArgumentError("sm_scale must be finite and not negative");
   }
   LeaseUse use(this);
+  // The namespace (the first item's; every other item's is checked under the lock below) and its
+  // layout never change once made: the inputs are checked against them before the store lock is
+  // taken, so that screening a large batch does not hold up every other call.
   NamespaceState* ns = nullptr;
+  {
+    absl::MutexLock l(&mu_);
+    absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(items[0].lease_id);
+    if (!lease.ok()) return lease.status();
+    ns = namespaces_[(*lease)->namespace_index].get();
+  }
+  const NamespaceConfig& config = ns->info.config;
+  if (layer >= static_cast<uint32_t>(config.num_layers)) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
+  }
+  if (num_q_heads == 0 || num_q_heads % config.num_kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrFormat("num_q_heads %d is not a positive multiple of the %d KV heads", num_q_heads,
+                        config.num_kv_heads));
+  }
+  if (absl::Status s = backend()->CheckAttentionShape(items.size(), num_q_heads); !s.ok()) {
+    return s;
+  }
+  const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
+  const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+  const uint16_t bound = MaxInputHalfBits(ns->pool->layout(layer));
+  const uint16_t q_bound = MaxQueryHalfBits(ns->pool->layout(layer), ScoreScale(sm_scale, config));
+  // The new tokens' K and V, copied before they are checked: the check then covers what the
+  // kernel reads even when the caller's buffers change meanwhile (shared memory).
+  std::vector<uint16_t> new_k, new_v;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const AttendItem& item = items[i];
+    if (item.q == nullptr)
+      return absl::InvalidArgumentError(absl::StrFormat("item %d: empty q", i));
+    if (absl::Status s = CheckHalfRange(item.q, q_elems, q_bound, "q"); !s.ok()) return s;
+    if ((item.new_k == nullptr) != (item.new_v == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("item %d: new_k and new_v must come together", i));
+    }
+    if (item.new_k == nullptr) continue;
+    if (item.new_token_id < -1) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "item %d: new token id %d: ids are not negative (-1 = unknown)", i, item.new_token_id));
+    }
+    if (new_k.empty()) {  // sized once: growth item by item page-faulted at every decode step
+      new_k.reserve(items.size() * kv_elems);
+      new_v.reserve(items.size() * kv_elems);
+    }
+    new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
+    new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
+    if (absl::Status s =
+            CheckHalfRange(new_k.data() + new_k.size() - kv_elems, kv_elems, bound, "new_k");
+        !s.ok()) {
+      return s;
+    }
+    if (absl::Status s =
+            CheckHalfRange(new_v.data() + new_v.size() - kv_elems, kv_elems, bound, "new_v");
+        !s.ok()) {
+      return s;
+    }
+  }
+
   std::vector<AppendPlan> plans;
   std::vector<int64_t> slots;
   std::vector<int32_t> positions;
   std::vector<int32_t> seq_lens(items.size());
   std::unique_ptr<int32_t[]> block_tables;  // [items][max_blocks], written row by row
-  // The new tokens' K and V, copied before they are checked: the check then covers what the
-  // kernel reads even when the caller's buffers change meanwhile (shared memory).
-  std::vector<uint16_t> new_k, new_v;
   int max_blocks = 0;
   {
     absl::MutexLock l(&mu_);
@@ -59,35 +117,12 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       if (!lease.ok()) return lease.status();
       leases.push_back(*std::move(lease));
     }
-    ns = namespaces_[leases[0]->namespace_index].get();
-    const NamespaceConfig& config = ns->info.config;
-    if (layer >= static_cast<uint32_t>(config.num_layers)) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
-    }
-    if (num_q_heads == 0 || num_q_heads % config.num_kv_heads != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrFormat("num_q_heads %d is not a positive multiple of the %d KV heads",
-                          num_q_heads, config.num_kv_heads));
-    }
-    if (absl::Status s = backend()->CheckAttentionShape(items.size(), num_q_heads); !s.ok()) {
-      return s;
-    }
-    const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
-    const size_t kv_elems = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
-    const uint16_t bound = MaxInputHalfBits(ns->pool->layout(layer));
-    const uint16_t q_bound =
-        MaxQueryHalfBits(ns->pool->layout(layer), ScoreScale(sm_scale, config));
     for (size_t i = 0; i < items.size(); ++i) {
       const AttendItem& item = items[i];
       if (leases[i]->namespace_index != ns->ordinal) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "item %d: lease %d is not in namespace %s", i, item.lease_id, config.name));
       }
-      if (item.q == nullptr) {
-        return absl::InvalidArgumentError(absl::StrFormat("item %d: empty q", i));
-      }
-      if (absl::Status s = CheckHalfRange(item.q, q_elems, q_bound, "q"); !s.ok()) return s;
       const Lease& lease = *leases[i];
       if (lease.layer_written[layer] != lease.layer_tokens[layer]) {
         return absl::FailedPreconditionError(absl::StrFormat(
@@ -95,35 +130,10 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
             "written); a layer of a lease takes one append or decode step at a time",
             i, item.lease_id, layer, lease.layer_tokens[layer], lease.layer_written[layer]));
       }
-      if ((item.new_k == nullptr) != (item.new_v == nullptr)) {
-        return absl::InvalidArgumentError(
-            absl::StrFormat("item %d: new_k and new_v must come together", i));
-      }
       if (item.new_k != nullptr) {
-        if (item.new_token_id < -1) {
-          return absl::InvalidArgumentError(
-              absl::StrFormat("item %d: new token id %d: ids are not negative (-1 = unknown)", i,
-                              item.new_token_id));
-        }
-        if (new_k.empty()) {  // sized once: growth item by item page-faulted at every decode step
-          new_k.reserve(items.size() * kv_elems);
-          new_v.reserve(items.size() * kv_elems);
-        }
-        new_k.insert(new_k.end(), item.new_k, item.new_k + kv_elems);
-        new_v.insert(new_v.end(), item.new_v, item.new_v + kv_elems);
-        if (absl::Status s =
-                CheckHalfRange(new_k.data() + new_k.size() - kv_elems, kv_elems, bound, "new_k");
-            !s.ok()) {
-          return s;
-        }
-        if (absl::Status s =
-                CheckHalfRange(new_v.data() + new_v.size() - kv_elems, kv_elems, bound, "new_v");
-            !s.ok()) {
-          return s;
-        }
         plans.push_back(
             AppendPlan{leases[i].get(), 1, absl::Span<const int32_t>(&item.new_token_id, 1)});
-      } else if (leases[i]->layer_tokens[layer] == 0) {
+      } else if (lease.layer_tokens[layer] == 0) {
         return absl::InvalidArgumentError(absl::StrFormat(
             "item %d: lease %d holds no tokens at layer %d", i, item.lease_id, layer));
       }
@@ -156,7 +166,6 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     }
   }
 
-  const NamespaceConfig& config = ns->info.config;
   const BlockPool& pool = *ns->pool;
   QuantizeAppendParams p = pool.AppendParams(layer);
   p.k = new_k.data();
@@ -166,7 +175,6 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   p.num_tokens = static_cast<int>(plans.size());
   // q goes to the backend in place when the items' rows are already back to back (an AttendSocket
   // region), else gathered.
-  const size_t q_elems = static_cast<size_t>(num_q_heads) * config.head_dim;
   bool q_contiguous = true;
   for (size_t i = 1; i < items.size() && q_contiguous; ++i) {
     q_contiguous = items[i].q == items[0].q + i * q_elems;

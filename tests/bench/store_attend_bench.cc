@@ -9,16 +9,23 @@
 // an AttendSocket region step, and another thread rewrites that buffer before every call, as the
 // client of a region does: the store then reads data that another core has just written.
 // Prints the mean wall time per call over --iters calls after 100 warm-up calls, and the minor
-// page faults per call (fresh memory touched).
+// page faults per call (fresh memory touched). With --probe another thread calls ListNamespaces
+// (a call that only takes the store lock) back to back during the timed calls and prints its
+// latency percentiles, and its time beyond its median per Attend call: how long the Attend calls
+// keep other store calls waiting.
 //   store_attend_bench [--batch=32] [--context=4096] [--iters=5000] [--append] [--region]
+//                      [--probe]
 #include <sys/resource.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/flags/flag.h"
@@ -38,6 +45,8 @@ ABSL_FLAG(int, iters, 5000, "timed calls");
 ABSL_FLAG(bool, append, false, "append a new token per item in every call");
 ABSL_FLAG(bool, region, false,
           "q and new K/V back to back in one buffer that another thread rewrites before each call");
+ABSL_FLAG(bool, probe, false,
+          "time a ListNamespaces loop on another thread during the timed calls");
 
 namespace kvpool {
 namespace {
@@ -149,7 +158,24 @@ int Main(int argc, char** argv) {
     getrusage(RUSAGE_THREAD, &u);
     return u.ru_minflt;
   };
+  // --probe: ListNamespaces latencies, in µs, while the timed calls run.
+  std::atomic<bool> timing{false}, stop{false};
+  std::vector<double> probe_us;
+  std::thread probe;
+  if (absl::GetFlag(FLAGS_probe)) {
+    probe = std::thread([&] {
+      while (!stop.load(std::memory_order_relaxed)) {
+        const auto start = std::chrono::steady_clock::now();
+        (*store)->ListNamespaces();
+        const auto end = std::chrono::steady_clock::now();
+        if (timing.load(std::memory_order_relaxed)) {
+          probe_us.push_back(std::chrono::duration<double, std::micro>(end - start).count());
+        }
+      }
+    });
+  }
   for (int i = 0; i < kWarmup + iters; ++i) {
+    timing.store(i >= kWarmup, std::memory_order_relaxed);
     if (i % kCallsPerLease == 0) {  // fresh leases: appends would grow the contexts
       for (int b = 0; b < batch; ++b) {
         absl::StatusOr<KvStore::MatchResult> m =
@@ -174,12 +200,26 @@ int Main(int argc, char** argv) {
     }
     if (i >= kWarmup) seconds += std::chrono::duration<double>(end - start).count();
   }
+  stop.store(true);
+  if (probe.joinable()) probe.join();
   std::printf(
       "store Attend, batch %d x %d context tokens%s%s, host-only backend: %.1f us per call, "
       "%.2f page faults per call\n",
       batch, context, append ? " with a new token each" : "",
       region.empty() ? "" : ", region rewritten by another thread", seconds / iters * 1e6,
       static_cast<double>(faults) / iters);
+  if (!probe_us.empty()) {
+    std::sort(probe_us.begin(), probe_us.end());
+    auto at = [&](double f) { return probe_us[static_cast<size_t>(f * (probe_us.size() - 1))]; };
+    // The time the probe spent beyond its own median, per Attend call: about how long each call
+    // held the store lock.
+    double waited = 0;
+    for (const double us : probe_us) waited += us - at(0.5);
+    std::printf(
+        "ListNamespaces on another thread meanwhile: %zu calls, p50 %.1f us, p99 %.1f us, "
+        "max %.1f us; waited %.1f us per Attend call\n",
+        probe_us.size(), at(0.5), at(0.99), probe_us.back(), waited / iters);
+  }
   return 0;
 }
 
