@@ -9,7 +9,8 @@ What it checks:
   .Values path a template reads exists, every included template is defined, every .Files.Get
   target exists, template delimiters balance;
 - deploy/k8s is what the chart renders with its defaults (args, ports, probes, grace period,
-  resources, security, PDB) and matches the Dockerfile (ports, uid, entrypoint);
+  resources, security, PDB) and matches the Dockerfile (ports, uid, entrypoint); the image's
+  build context holds every project header its sources include;
 - the Grafana dashboard: JSON, variables, unique panel ids, templated datasource, every contract
   metric shown, only contract metrics used;
 - the Prometheus rules: only contract metrics (or recorded series) used, alerts carry severity
@@ -281,6 +282,32 @@ def check_dockerfile(report, values):
                 report.error(where, f"no {stage}-{variant} stage")
 
 
+def check_docker_context(report):
+    """Every project header that the sources the image copies include is copied too, and let
+    through by the build context's .dockerignore (a header left out breaks the image's build)."""
+    where = rel(DOCKERFILE)
+    copied = [src.rstrip("/") for src in
+              re.findall(r"^COPY\s+(?!--)(\S+)\s", DOCKERFILE.read_text(), re.M)]
+    ignore = DOCKERFILE.with_name(DOCKERFILE.name + ".dockerignore").read_text().splitlines()
+    allowed = [line[1:].rstrip("/") for line in ignore if line.startswith("!")]
+
+    def covered(path, prefixes):
+        return any(path == p or path.startswith(p + "/") for p in prefixes)
+
+    for top in copied:
+        if not (ROOT / top).is_dir():
+            continue
+        for path in sorted((ROOT / top).rglob("*")):
+            if path.suffix not in (".h", ".cc", ".cu", ".cuh") or not covered(str(rel(path)), allowed):
+                continue
+            for header in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M):
+                if not (ROOT / header).is_file():
+                    continue  # generated (kvpool/v1/...) or a dependency's
+                if not covered(header, copied) or not covered(header, allowed):
+                    report.error(where, f"{rel(path)} includes {header}, which the image's "
+                                        "build context does not hold")
+
+
 # ---- dashboard and rules ------------------------------------------------------------------------
 
 def recorded_series(report):
@@ -480,6 +507,7 @@ def main():
     if values is not None and not report.problems:
         check_k8s_matches_chart(report, chart, values, k8s_objects(report))
         check_dockerfile(report, values)
+    check_docker_context(report)
     groups, recorded = recorded_series(report)
     check_rules(report, groups, recorded)
     exprs = check_dashboard(report, recorded)
