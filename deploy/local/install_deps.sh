@@ -7,7 +7,7 @@ APT_PACKAGES=(
   build-essential cmake ninja-build pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libcivetweb-dev
-  prometheus curl
+  prometheus curl python3-venv
 )
 
 missing=()
@@ -22,6 +22,11 @@ if ((${#missing[@]})); then
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-PY=${PYTHON:-python3}
-$PY -m pip install -q -r "$(dirname "$0")/../../client/python/requirements.txt" \
-  -r "$(dirname "$0")/../requirements-dev.txt"
+# The Python packages go into a virtual environment, $KVPOOL_VENV (by default .venv at the
+# repository root, made with $PYTHON or python3): Debian's own Python refuses pip installs
+# (PEP 668). The other scripts put its bin/ first on PATH.
+root=$(cd "$(dirname "$0")/../.." && pwd)
+venv=${KVPOOL_VENV:-$root/.venv}
+[[ -x $venv/bin/python ]] || "${PYTHON:-python3}" -m venv "$venv"
+"$venv/bin/python" -m pip install -q -r "$root/client/python/requirements.txt" \
+  -r "$root/deploy/requirements-dev.txt"

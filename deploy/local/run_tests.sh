@@ -8,6 +8,7 @@ root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${KVPOOL_BUILD_DIR:-$root/build}
 
 "$root/deploy/local/install_deps.sh"
+export PATH="${KVPOOL_VENV:-$root/.venv}/bin:$PATH"  # its Python packages (install_deps.sh)
 # FlashInfer's headers (PyPI sdist, git-ignored) so that the peer benchmark builds here too; CMake
 # uses them only when it builds the CUDA targets.
 flashinfer_include=$("$root/tests/bench/fetch_flashinfer.sh")
@@ -23,6 +24,6 @@ if ! nvidia-smi -L >/dev/null 2>&1; then
 fi
 (cd "$build" && ctest "${ctest_args[@]}") || status=1
 
-KVPOOL_SERVER_BIN="$build/kvpool-server" "${PYTHON:-python3}" -m pytest -q "$root/tests/python" \
+KVPOOL_SERVER_BIN="$build/kvpool-server" python3 -m pytest -q "$root/tests/python" \
   || status=1
 exit "$status"
