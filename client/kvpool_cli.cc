@@ -227,8 +227,9 @@ constexpr char kUsage[] =
     "  stats         pool statistics\n"
     "  bench put     parallel Put streams (--streams --chunk_tokens --tokens --seconds)\n"
     "  bench attend  Attend latency (--batch --context --iters)\n"
-    "  demo          prefill and decode workers sharing a system prompt\n"
-    "common flags: --target --namespace --deadline_ms";
+    "  demo          prefill and decode workers sharing a system prompt, in a namespace of\n"
+    "                their own (--demo_namespace --requests --decode_steps)\n"
+    "common flags: --target --namespace (all but demo) --deadline_ms --session_deadline_ms";
 
 int Run(const std::vector<std::string>& args) {
   const std::string cmd = absl::StrJoin(args, " ");

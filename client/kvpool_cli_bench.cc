@@ -14,6 +14,7 @@
 #include "client/attend_socket_session.h"
 #include "client/kvpool_cli.h"
 #include "kvpool/v1/attend_region.h"
+#include "tests/common/bench_output.h"
 #include "tests/common/kv_test_data.h"
 
 ABSL_FLAG(int32_t, streams, 4, "bench put: parallel Put streams, one channel each");
@@ -35,15 +36,8 @@ ABSL_FLAG(bool, in_place, false,
           "output there (what a decode worker that fills the region itself sees)");
 
 namespace kvpool::cli {
-namespace {
 
-double Percentile(std::vector<double> sorted, double p) {
-  std::sort(sorted.begin(), sorted.end());
-  const size_t i = std::min(sorted.size() - 1, static_cast<size_t>(p * sorted.size()));
-  return sorted[i];
-}
-
-}  // namespace
+using bench::Percentile;
 
 int RunBenchPut() {
   const int streams = absl::GetFlag(FLAGS_streams);
@@ -140,15 +134,15 @@ int RunBenchAttend() {
     std::copy_n(kv.k.begin(), layer_elems, kv.k.begin() + l * layer_elems);
     std::copy_n(kv.v.begin(), layer_elems, kv.v.begin() + l * layer_elems);
   }
+  // Every sequence is stored before any lease is taken: a lease taken after its own Put could
+  // expire (--default_lease_ttl_ms) while the later Puts ran, before the timing began.
   std::vector<uint64_t> leases;
   absl::Status status;
   for (int b = 0; b < batch && status.ok(); ++b) {
+    status = c->Put(spec.name(), MakeTokenIds(context, seed * 104729 + b), kv, Call()).status();
+  }
+  for (int b = 0; b < batch && status.ok(); ++b) {
     const std::vector<int32_t> ids = MakeTokenIds(context, seed * 104729 + b);
-    absl::StatusOr<v1::PutResponse> put = c->Put(spec.name(), ids, kv, Call());
-    if (!put.ok()) {
-      status = put.status();
-      break;
-    }
     absl::StatusOr<v1::MatchResponse> m = c->Match(spec.name(), ids, absl::ZeroDuration(), Call());
     if (!m.ok()) {
       status = m.status();
@@ -170,7 +164,7 @@ int RunBenchAttend() {
     absl::StatusOr<std::unique_ptr<client::InPlaceAttendSession>> opened =
         client::OpenInPlaceAttendSession(
             c->options().attend_unix_socket, c->options().attend_region_bytes,
-            absl::Now() + c->options().default_deadline, c->options().attend_spin,
+            absl::Now() + SessionCall().deadline, c->options().attend_spin,
             static_cast<uint32_t>(c->options().max_message_bytes));
     if (opened.ok()) {
       in_place_session = std::move(*opened);
@@ -178,7 +172,8 @@ int RunBenchAttend() {
       status = opened.status();
     }
   } else if (stream && status.ok()) {
-    absl::StatusOr<std::unique_ptr<client::AttendSession>> opened = c->OpenAttendStream(Call());
+    absl::StatusOr<std::unique_ptr<client::AttendSession>> opened =
+        c->OpenAttendStream(SessionCall());
     if (opened.ok()) {
       session = std::move(*opened);
     } else {
@@ -242,7 +237,7 @@ int RunBenchAttend() {
   }
   if (session) session->Finish().IgnoreError();
   if (in_place_session) in_place_session->Finish().IgnoreError();
-  for (uint64_t lease : leases) c->Release(lease, Call()).IgnoreError();
+  ReleaseAll(*c, leases);
   if (!status.ok()) {
     std::fprintf(stderr, "bench attend: %s\n", status.ToString().c_str());
     return 1;

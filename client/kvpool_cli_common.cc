@@ -15,7 +15,10 @@ ABSL_FLAG(std::string, namespace, "", "namespace (\"\" = the server's default)")
 ABSL_FLAG(int32_t, tokens, 512, "tokens of the generated sequence");
 ABSL_FLAG(uint64_t, seed, 1, "seed of generated token ids and K/V");
 ABSL_FLAG(int32_t, q_heads_per_kv_head, 4, "query heads per KV head (GQA group) for attend");
-ABSL_FLAG(int32_t, deadline_ms, 60000, "deadline of each RPC (streams: the whole stream)");
+ABSL_FLAG(int32_t, deadline_ms, 60000,
+          "deadline of each RPC (Put and Get streams: the whole stream)");
+ABSL_FLAG(int32_t, session_deadline_ms, 3600000,
+          "deadline of a whole AttendStream or AttendSocket session (its many steps)");
 ABSL_FLAG(int64_t, attend_spin_us, 500,
           "how long an AttendStream step polls for its response before blocking (0 = block)");
 ABSL_FLAG(int32_t, attend_socket_port, 0,
@@ -36,6 +39,20 @@ client::CallOptions Call() {
   client::CallOptions call;
   call.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms));
   return call;
+}
+
+client::CallOptions SessionCall() {
+  client::CallOptions call;
+  call.deadline = absl::Milliseconds(absl::GetFlag(FLAGS_session_deadline_ms));
+  return call;
+}
+
+void ReleaseAll(client::KvPoolClient& c, absl::Span<const uint64_t> leases) {
+  client::CallOptions call;
+  call.deadline = std::min(absl::Seconds(2), absl::Milliseconds(absl::GetFlag(FLAGS_deadline_ms)));
+  for (const uint64_t lease : leases) {
+    if (!c.Release(lease, call).ok()) return;
+  }
 }
 
 client::ClientOptions Options(int channel_index, size_t max_chunk_bytes) {

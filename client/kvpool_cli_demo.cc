@@ -6,8 +6,8 @@
 #include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <thread>
 #include <memory>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/clock.h"
 #include "client/kvpool_cli.h"
+#include "tests/common/bench_output.h"
 #include "tests/common/kv_test_data.h"
 
 ABSL_FLAG(std::string, demo_namespace, "demo", "demo: namespace created (or reused) for it");
@@ -52,7 +53,10 @@ struct Workload {
   }
   // Request r's K/V rows, [layers][system + user + steps][heads][head_dim].
   LayeredKv RequestKv(int r) const {
-    LayeredKv kv = universe;
+    LayeredKv kv;  // the shape only: a copy of the universe would keep its capacity
+    kv.num_layers = universe.num_layers;
+    kv.heads = universe.heads;
+    kv.head_dim = universe.head_dim;
     kv.tokens = system + user + steps;
     const size_t row = static_cast<size_t>(universe.heads) * universe.head_dim;
     kv.k.assign(kv.num_layers * kv.tokens * row, 0.f);
@@ -113,9 +117,26 @@ absl::StatusOr<v1::NamespaceInfo> DemoNamespace(client::KvPoolClient& c) {
   return existing;
 }
 
-// Prefill of request r: Match to learn the cached prefix, then Put only the rest.
-absl::StatusOr<uint64_t> Prefill(client::KvPoolClient& c, const std::string& ns,
-                                 const Workload& w, int r, uint64_t seed, uint64_t* cached) {
+// What a worker's calls took, for the summary: its time inside the timed calls only (not in
+// building K/V or checking outputs), and the per-call latencies.
+struct CallTimes {
+  double secs = 0;
+  std::vector<double> us;
+  template <typename F>
+  auto Time(F&& call) {
+    const absl::Time start = absl::Now();
+    auto result = call();
+    const double t = absl::ToDoubleSeconds(absl::Now() - start);
+    secs += t;
+    us.push_back(t * 1e6);
+    return result;
+  }
+};
+
+// Prefill of request r: Match to learn the cached prefix (`cached` grows by its length), then
+// Put only the rest (its calls timed in `put_times`). Returns the bytes the Put sent.
+absl::StatusOr<uint64_t> Prefill(client::KvPoolClient& c, const std::string& ns, const Workload& w,
+                                 int r, uint64_t seed, uint64_t* cached, CallTimes& put_times) {
   const int prompt = w.PromptTokens();
   std::vector<int32_t> ids = w.Ids(r, seed);
   ids.resize(prompt);
@@ -125,22 +146,24 @@ absl::StatusOr<uint64_t> Prefill(client::KvPoolClient& c, const std::string& ns,
   if (!released.ok()) return released;
   const LayeredKv kv = w.RequestKv(r);
   int begin = static_cast<int>(m->cached_tokens());
-  absl::StatusOr<v1::PutResponse> put = c.Put(ns, ids, ToSequenceKv(kv, begin, prompt - begin),
-                                               Call());
+  *cached += begin;
+  client::SequenceKv tail = ToSequenceKv(kv, begin, prompt - begin);
+  absl::StatusOr<v1::PutResponse> put =
+      put_times.Time([&] { return c.Put(ns, ids, tail, Call()); });
   if (!put.ok() && absl::IsFailedPrecondition(put.status()) && begin > 0) {
-    begin = 0;  // the prefix was evicted since Match: send everything
-    put = c.Put(ns, ids, ToSequenceKv(kv, 0, prompt), Call());
+    tail = ToSequenceKv(kv, 0, prompt);  // the prefix was evicted since Match: send everything
+    put = put_times.Time([&] { return c.Put(ns, ids, tail, Call()); });
   }
   if (!put.ok()) return put.status();
-  *cached += put->tokens_cached();
   return put->bytes_received();
 }
 
 // Decode of a batch of requests: Match, Append the uncached tail, then steps x layers of
-// Attend over one stream, each output compared with the fp64 reference.
+// Attend over one session (each step timed in `step_times`), each output compared with the fp64
+// reference.
 absl::Status Decode(client::KvPoolClient& c, const std::string& ns, const Workload& w,
                     const std::vector<int>& batch, uint64_t seed, Progress& progress,
-                    RelativeError& error) {
+                    RelativeError& error, CallTimes& step_times) {
   const int prompt = w.PromptTokens();
   const int layers = w.universe.num_layers;
   const int d = w.universe.head_dim;
@@ -171,7 +194,7 @@ absl::Status Decode(client::KvPoolClient& c, const std::string& ns, const Worklo
   }
   absl::StatusOr<std::unique_ptr<client::AttendSession>> session;
   if (status.ok()) {
-    session = c.OpenAttendStream(Call());
+    session = c.OpenAttendStream(SessionCall());
     status = session.status();
   }
   const double sm_scale = 1.0 / std::sqrt(static_cast<double>(d));
@@ -197,7 +220,7 @@ absl::Status Decode(client::KvPoolClient& c, const std::string& ns, const Worklo
         item->set_new_v(v.data(), v.size() * 2);
         item->set_new_token_id(ids[i][pos]);
       }
-      status = (*session)->Step(req, &resp);
+      status = step_times.Time([&] { return (*session)->Step(req, &resp); });
       if (!status.ok()) break;
       const std::vector<float> out = Floats(resp.out());
       const size_t per_item = static_cast<size_t>(w.q_heads) * d;
@@ -222,7 +245,7 @@ absl::Status Decode(client::KvPoolClient& c, const std::string& ns, const Worklo
     absl::Status finished = (*session)->Finish();
     if (status.ok()) status = finished;
   }
-  for (uint64_t lease : leases) c.Release(lease, Call()).IgnoreError();
+  ReleaseAll(c, leases);
   return status;
 }
 
@@ -233,9 +256,8 @@ int RunDemo() {
   const uint64_t seed = absl::GetFlag(FLAGS_seed);
   std::unique_ptr<client::KvPoolClient> c = client::KvPoolClient::Create(target, Options());
   absl::StatusOr<v1::NamespaceInfo> info = DemoNamespace(*c);
-  absl::StatusOr<v1::StatsResponse> before = info.ok() ? c->Stats(Call()) : info.status();
-  if (!before.ok()) {
-    std::fprintf(stderr, "demo: %s\n", before.status().ToString().c_str());
+  if (!info.ok()) {
+    std::fprintf(stderr, "demo: %s\n", info.status().ToString().c_str());
     return 1;
   }
   const std::string ns = info->spec().name();
@@ -261,43 +283,43 @@ int RunDemo() {
   Progress progress(w.requests, w.steps);
   FirstError first_error;
   // Prefill: workers take requests in order, each on its own channel.
+  const int prefillers = std::max(1, absl::GetFlag(FLAGS_prefill_workers));
+  std::vector<CallTimes> put_times(prefillers);
   std::atomic<int> next{0};
-  std::atomic<uint64_t> put_bytes{0}, put_cached{0};
-  const absl::Time prefill_start = absl::Now();
+  std::atomic<uint64_t> put_bytes{0}, prefix_cached{0};
   std::vector<std::thread> workers;
-  for (int p = 0; p < std::max(1, absl::GetFlag(FLAGS_prefill_workers)); ++p) {
+  for (int p = 0; p < prefillers; ++p) {
     workers.emplace_back([&, p] {
       std::unique_ptr<client::KvPoolClient> pc =
           client::KvPoolClient::Create(target, Options(p + 1));
       for (int r = next++; r < w.requests; r = next++) {
         uint64_t cached = 0;
-        absl::StatusOr<uint64_t> bytes = Prefill(*pc, ns, w, r, seed, &cached);
+        absl::StatusOr<uint64_t> bytes = Prefill(*pc, ns, w, r, seed, &cached, put_times[p]);
         if (!bytes.ok()) return first_error.Set(bytes.status(), "prefill");
         put_bytes += *bytes;
-        put_cached += cached;
+        prefix_cached += cached;
         progress.PrefillDone();
       }
     });
   }
   for (std::thread& t : workers) t.join();
   workers.clear();
-  const double prefill_secs = absl::ToDoubleSeconds(absl::Now() - prefill_start);
 
   // Decode: worker i serves requests i, i + W, ... as one batch.
   const int decoders = std::max(1, std::min(absl::GetFlag(FLAGS_decode_workers), w.requests));
   std::vector<RelativeError> errors(decoders);
-  const absl::Time decode_start = absl::Now();
+  std::vector<CallTimes> step_times(decoders);
   for (int i = 0; i < decoders && first_error.Get().ok(); ++i) {
     workers.emplace_back([&, i] {
       std::vector<int> batch;
       for (int r = i; r < w.requests; r += decoders) batch.push_back(r);
       std::unique_ptr<client::KvPoolClient> dc =
           client::KvPoolClient::Create(target, Options(100 + i));
-      first_error.Set(Decode(*dc, ns, w, batch, seed, progress, errors[i]), "decode");
+      first_error.Set(Decode(*dc, ns, w, batch, seed, progress, errors[i], step_times[i]),
+                      "decode");
     });
   }
   for (std::thread& t : workers) t.join();
-  const double decode_secs = absl::ToDoubleSeconds(absl::Now() - decode_start);
   progress.End();
   if (absl::Status s = first_error.Get(); !s.ok()) {
     std::fprintf(stderr, "demo failed: %s\n", s.ToString().c_str());
@@ -318,28 +340,43 @@ int RunDemo() {
   for (const v1::NamespaceStats& n : after->namespaces()) {
     if (n.name() == ns) ns_stats = &n;
   }
-  const uint64_t queried = after->prefix_query_tokens() - before->prefix_query_tokens();
-  const uint64_t hits = after->prefix_hit_tokens() - before->prefix_hit_tokens();
   const double stored_bpt = info->bytes_per_token();
   const double fp16_bpt = info->fp16_bytes_per_token();
+  const uint64_t prompt_tokens = static_cast<uint64_t>(w.requests) * w.PromptTokens();
+  // The workers run side by side: a phase's rate is its work over the busiest worker's time
+  // inside the timed calls (building K/V and the reference attention are the client's own work).
+  double put_secs = 0, step_secs = 0;
+  std::vector<double> step_us;
+  for (const CallTimes& t : put_times) put_secs = std::max(put_secs, t.secs);
+  for (const CallTimes& t : step_times) {
+    step_secs = std::max(step_secs, t.secs);
+    step_us.insert(step_us.end(), t.us.begin(), t.us.end());
+  }
   std::printf("tokens stored:        %llu in namespace %s (backend %s)\n",
               static_cast<unsigned long long>(ns_stats ? ns_stats->tokens_stored() : 0),
               ns.c_str(), after->backend().c_str());
   std::printf("bytes per token:      %.0f stored vs %.0f fp16 (%.2fx smaller)\n", stored_bpt,
               fp16_bpt, stored_bpt > 0 ? fp16_bpt / stored_bpt : 0.0);
-  std::printf("prefix hit rate:      %.1f%% of %llu matched tokens; prefill skipped %llu of %d "
-              "prompt tokens\n",
-              queried ? 100.0 * hits / queried : 0.0, static_cast<unsigned long long>(queried),
-              static_cast<unsigned long long>(put_cached.load()),
-              w.requests * w.PromptTokens());
+  std::printf(
+      "prefix hit rate:      %.1f%% (%llu of %llu prompt tokens already cached when the "
+      "prefill workers matched them)\n",
+      100.0 * prefix_cached.load() / prompt_tokens,
+      static_cast<unsigned long long>(prefix_cached.load()),
+      static_cast<unsigned long long>(prompt_tokens));
   std::printf("attention rel. error: %.4f vs fp64 attention over the fp16 K/V (quantization "
               "error of puts: %.4f)\n",
               error.Value(), ns_stats ? ns_stats->quant_rel_error() : 0.0);
-  std::printf("throughput:           Put %.3f GB/s fp16 (%.1f MB in %.2f s), %.1f decode "
-              "steps/s (%d x %d layers in %.2f s)\n",
-              put_bytes.load() / prefill_secs / 1e9, put_bytes.load() / 1e6, prefill_secs,
-              w.requests * w.steps / decode_secs, w.requests * w.steps,
-              info->spec().num_layers(), decode_secs);
+  std::printf(
+      "throughput:           Put %.3f GB/s fp16 (%.1f MB in %.2f s of Put calls); %.1f "
+      "decode steps/s (%d x %d layers in %.2f s of Attend steps)\n",
+      put_secs > 0 ? put_bytes.load() / put_secs / 1e9 : 0.0, put_bytes.load() / 1e6, put_secs,
+      step_secs > 0 ? w.requests * w.steps / step_secs : 0.0, w.requests * w.steps,
+      info->spec().num_layers(), step_secs);
+  std::printf(
+      "attend step latency:  p50 %.0f us, p99 %.0f us (%zu steps of up to %d requests "
+      "x 1 layer)\n",
+      bench::Percentile(step_us, 0.5), bench::Percentile(step_us, 0.99), step_us.size(),
+      (w.requests + decoders - 1) / decoders);
   const double max_error = absl::GetFlag(FLAGS_max_rel_error);
   if (!(error.Value() <= max_error)) {
     std::fprintf(stderr, "demo failed: attention error %.4f above --max_rel_error %.4f\n",

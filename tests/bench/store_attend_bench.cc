@@ -36,6 +36,7 @@
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store.h"
 #include "service/store/namespace_config.h"
+#include "tests/common/bench_output.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/common/region_writer.h"
 
@@ -209,16 +210,16 @@ int Main(int argc, char** argv) {
       region.empty() ? "" : ", region rewritten by another thread", seconds / iters * 1e6,
       static_cast<double>(faults) / iters);
   if (!probe_us.empty()) {
-    std::sort(probe_us.begin(), probe_us.end());
-    auto at = [&](double f) { return probe_us[static_cast<size_t>(f * (probe_us.size() - 1))]; };
+    const double p50 = bench::Percentile(probe_us, 0.5);
     // The time the probe spent beyond its own median, per Attend call: about how long each call
     // held the store lock.
     double waited = 0;
-    for (const double us : probe_us) waited += us - at(0.5);
+    for (const double us : probe_us) waited += us - p50;
     std::printf(
         "ListNamespaces on another thread meanwhile: %zu calls, p50 %.1f us, p99 %.1f us, "
         "max %.1f us; waited %.1f us per Attend call\n",
-        probe_us.size(), at(0.5), at(0.99), probe_us.back(), waited / iters);
+        probe_us.size(), p50, bench::Percentile(probe_us, 0.99),
+        *std::max_element(probe_us.begin(), probe_us.end()), waited / iters);
   }
   return 0;
 }

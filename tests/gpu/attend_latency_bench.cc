@@ -81,9 +81,8 @@ struct Times {
   double p50_us, p99_us;
 };
 
-Times Percentiles(std::vector<double> us) {
-  std::sort(us.begin(), us.end());
-  return {us[us.size() / 2], us[std::min(us.size() - 1, us.size() * 99 / 100)]};
+Times Percentiles(const std::vector<double>& us) {
+  return {bench::Percentile(us, 0.5), bench::Percentile(us, 0.99)};
 }
 
 // `before` runs ahead of each call, outside the timed span.
@@ -96,7 +95,7 @@ Times TimeWall(int iters, F&& call, const std::function<void()>& before = nullpt
     if (!call()) std::exit(1);
     if (i >= kWarmup) us.push_back(absl::ToDoubleMicroseconds(absl::Now() - start));
   }
-  return Percentiles(std::move(us));
+  return Percentiles(us);
 }
 
 struct ArenaTimes {
@@ -224,7 +223,7 @@ ArenaTimes TimeArena(ComputeBackend* backend, const PageLayout& layout, const Sh
     }
     cudaEventDestroy(start);
     cudaEventDestroy(stop);
-    return Percentiles(std::move(us));
+    return Percentiles(us);
   };
   const Times kernel_times = time_kernels(false, false);
   const Times kernel_append_times = time_kernels(true, false);
