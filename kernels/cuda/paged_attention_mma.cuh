@@ -424,6 +424,15 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
       const uint32_t range = end - begin;
       bool valid[kTPI][kE];
       float s[kTPI][kE];
+      // What the running max is taken over: s_t, plus for quantized pages the exponent of token
+      // t's V scale (VScaleExponent). The P^T entries p_t scale_t = 2^(s_t - m) scale_t then stay
+      // below 2 whatever the scales, with the largest near 1: in fp16 hi / lo parts each keeps its
+      // precision relative to the largest weight, as p_t does for FP16 pages. (With the max over
+      // s_t alone they are at most the largest scale: with small V scales, 2^-10 and below, the
+      // hi / lo parts fell to fp16 subnormals, and the output's error relative to V grew as V
+      // shrank.) p_t = 2^(s_t - m) may then pass 1 (up to 2^15): l and z are fp32.
+      float key[kTPI][kE];
+      uint32_t v_meta[kTPI][kE];  // quantized: the entry's V {scale, zero}, fp16 bits
       float tile_max;
 #pragma unroll
       for (int t = 0; t < kTPI; ++t) {
@@ -434,12 +443,16 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
           if constexpr (T::kQuantized) {
             const float2 sz = LoadMeta(base[t] + T::kMetaArea + entry_token(u) * 4, 0);
             dot = (sz.x * C::kDotScale) * dot + sz.y * qsum;
+            v_meta[t][u] = *reinterpret_cast<const uint32_t*>(base[t] + T::kMetaArea +
+                                                              (kTileTokens + entry_token(u)) * 4);
           }
           s[t][u] = valid[t][u] ? dot : -INFINITY;
+          key[t][u] = s[t][u];
+          if constexpr (T::kQuantized) key[t][u] += VScaleExponent(v_meta[t][u]);
         }
         // A tree, not a chain of dependent maxima.
-        float m = fmaxf(s[t][0], s[t][1]);
-        if constexpr (kE == 4) m = fmaxf(m, fmaxf(s[t][2], s[t][3]));
+        float m = fmaxf(key[t][0], key[t][1]);
+        if constexpr (kE == 4) m = fmaxf(m, fmaxf(key[t][2], key[t][3]));
         tile_max = t == 0 ? m : fmaxf(tile_max, m);
       }
       // Over the lanes that keep the same head: the 8 of one tig (kPT == 1) or the 4 of one g.
@@ -447,9 +460,8 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
       for (int x = kPT == 1 ? 4 : 1; x < (kPT == 1 ? 32 : 4); x <<= 1) {
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, x));
       }
-      // The exact running max, so that p_t <= 1 and the P^T entries p_t scale_t stay below the
-      // V scale, itself an fp16: a max that lags the tiles' maxima would let p_t scale_t overflow
-      // fp16.
+      // The exact running max, so that the P^T entries stay below 2 (p_t <= 1 for FP16 pages):
+      // a max that lagged the tiles' maxima would let them overflow fp16.
       const float m_new = fmaxf(m_run, tile_max);  // finite: tile i has a token in [begin, end)
       const float alpha = Exp2Ftz(m_run - m_new);
       m_run = m_new;
@@ -479,8 +491,7 @@ __global__ void __launch_bounds__(kAttnThreads, kCtasPerSm)
           l_run += p;
           ps[u] = p;
           if constexpr (T::kQuantized) {
-            const float2 sz =
-                LoadMeta(base[t] + T::kMetaArea + (kTileTokens + entry_token(u)) * 4, 0);
+            const float2 sz = __half22float2(*reinterpret_cast<const __half2*>(&v_meta[t][u]));
             ps[u] = valid[t][u] ? p * sz.x : 0.0f;
             z_run += valid[t][u] ? p * sz.y : 0.0f;
           }

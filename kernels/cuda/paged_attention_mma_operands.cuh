@@ -37,6 +37,13 @@ __device__ __forceinline__ uint32_t Fp8PairToHalf2(uint32_t pair16) {
   return static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
 }
 
+// The exponent of the fp16 V scale in the low half of a token's meta word ({scale, zero}), as a
+// float in [-15, 16]: 2^e <= scale < 2^(e + 1) for normal scales, e = -15 for subnormal and zero
+// ones (scale < 2^(e + 1) still).
+__device__ __forceinline__ float VScaleExponent(uint32_t meta) {
+  return static_cast<float>(static_cast<int>((meta >> 10) & 0x1Fu) - 15);
+}
+
 template <KvDtype kDtype>
 struct MmaCodec {
   static constexpr int kBits = DtypeBits(kDtype);

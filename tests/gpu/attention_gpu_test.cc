@@ -280,6 +280,79 @@ TEST(CudaPagedAttention, LargeValueScalesWithClimbingScoresStayFinite) {
   }
 }
 
+// Small V values (layers whose V spans hundredths): the output's error must stay within the bound
+// relative to V itself. The value MMA's fp16 P^T entries p_t scale_t fell to subnormals when the
+// V scales were small, and the error relative to the output grew as V shrank.
+TEST(CudaPagedAttention, SmallValueScalesStayWithinTheBound) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  uint64_t seed = 800;
+  const struct {
+    KvDtype dtype;
+    float v_factor;
+  } cases[] = {{KvDtype::kInt8, 0.05f},
+               {KvDtype::kInt8, 0.002f},
+               {KvDtype::kFp8E4M3, 0.02f},
+               {KvDtype::kInt4, 0.003f},
+               {KvDtype::kInt4, 1e-4f}};
+  for (const auto& c : cases) {
+    for (int ratio : {4, 8}) {  // one and two P^T tiles
+      HostBatch b;
+      ASSERT_TRUE(MakeHostBatch(Layout(c.dtype, 128, 16), ratio * 2, {1000, 2000, 300},
+                                Outliers::kOffset, ++seed, &b, 7,
+                                [&c](KvData& kv) {
+                                  for (float& x : kv.v) x *= c.v_factor;
+                                }))
+          << Name(Layout(c.dtype, 128, 16), ratio);
+      ExpectBatchMatchesReference(b, /*num_splits=*/1);  // the split kernel finishes the rows
+      ExpectBatchMatchesReference(b);                    // the merge kernel does
+    }
+  }
+}
+
+// Groups smaller than head_dim run the CUDA-core split kernel (and RotateQueryKernel): every
+// head_dim, 16- and 64-token blocks, GQA ratios that leave head slots unused or take two CTAs
+// of heads, sinks up to a whole block, and explicit split counts (64 leaves splits empty).
+TEST(CudaPagedAttention, CudaCoreSplitKernelAtEveryHeadDimAndRatio) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  uint64_t seed = 900;
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3}) {
+    for (int head_dim : {64, 256}) {
+      for (int bt : {16, 64}) {
+        for (int ratio : {3, 6, 16}) {
+          PageLayout l = Layout(dtype, head_dim, bt);
+          l.group_size = head_dim / 2;
+          l.rot_block = head_dim == 64 ? 32 : 128;
+          l.sink_tokens = ratio == 6 ? bt : 4;
+          for (int splits : {0, 1, 64}) {
+            ExpectMatchesReference(l, ratio, {1, 4, 5, bt - 1, bt, 3 * bt + 1, 1500},
+                                   Outliers::kSpikes, ++seed, splits);
+          }
+        }
+      }
+    }
+  }
+}
+
+// The tensor-core kernel with quantized pages not rotated (the signs skipped too), rotation
+// blocks below head_dim at head_dims 64 and 256, GQA ratios 3, 5 and 16, and sinks at head_dim
+// 256 and on 32-token blocks.
+TEST(CudaPagedAttention, TensorCoreKernelUnrotatedAndAtOddRatios) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  uint64_t seed = 1000;
+  for (KvDtype dtype : kAllDtypes) {
+    for (int head_dim : {64, 256}) {
+      for (int ratio : {3, 5, 16}) {
+        for (int rot : {0, 16}) {
+          PageLayout l = Layout(dtype, head_dim, 32);
+          if (dtype != KvDtype::kFp16) l.rot_block = rot;
+          l.sink_tokens = ratio == 16 ? 32 : 4;
+          ExpectMatchesReference(l, ratio, {3, 4, 31, 32, 33, 700}, Outliers::kOffset, ++seed);
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaPagedAttention, RejectsWhatItCannotServe) {
   KVPOOL_SKIP_WITHOUT_GPU();
   HostBatch b;

@@ -411,6 +411,26 @@ TEST(QuantizeGpu, MatchesCpuReferenceWithGroupsSinksAndManyTokens) {
   ExpectFewTies(stats, "groups and sinks");
 }
 
+// Groups at every head_dim: 16 channels (its own branch), groups spanning several lanes (head_dim
+// / 2), with every rotation block from none to 128.
+TEST(QuantizeGpu, MatchesCpuReferenceWithGroupsAtEveryHeadDimAndRotation) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  CodeStats stats;
+  uint64_t seed = 1100;
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3}) {
+    for (int head_dim : {64, 128, 256}) {
+      for (int group : {16, 32, head_dim / 2}) {
+        for (int rot : {0, 16, 32, 128}) {
+          if (rot > head_dim) continue;
+          CheckCase(Case{dtype, rot, head_dim, 16, group, 0, 4, 257}, seed++, &stats);
+          if (::testing::Test::HasFatalFailure()) return;
+        }
+      }
+    }
+  }
+  ExpectFewTies(stats, "groups at every head_dim");
+}
+
 // The kernel gives each lane group up to 4 items one after the other, fewer when the grid would
 // not fill two blocks per SM (a decode step's append): token counts whose 8 KV heads take 1, 1,
 // 2, 3 and 4 items per lane group on the H200's 132 SMs.
