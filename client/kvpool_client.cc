@@ -35,6 +35,16 @@ absl::Status CheckLayerBytes(const GetLayer& layer, v1::GetFormat format, uint32
         "Get: layer %d holds %d K and %d V bytes for %d blocks of %d tokens", layer.layer,
         layer.k.size(), layer.v.size(), layer.num_blocks, layer.valid_tokens));
   }
+  // Sink rows, when sent: sink_tokens rows of every head the blocks hold.
+  const uint64_t head_sinks = uint64_t{l.sink_tokens()} * l.head_dim() * sizeof(uint16_t);
+  const uint64_t block_heads = bytes / layer.num_blocks / head_block;
+  if (layer.sink_v.size() != layer.sink_k.size() ||
+      (!layer.sink_k.empty() &&
+       (head_sinks == 0 || layer.sink_k.size() != block_heads * head_sinks))) {
+    return absl::DataLossError(
+        absl::StrFormat("Get: layer %d holds %d K and %d V bytes of sink rows for %d heads",
+                        layer.layer, layer.sink_k.size(), layer.sink_v.size(), block_heads));
+  }
   return absl::OkStatus();
 }
 
@@ -309,6 +319,8 @@ class GrpcKvPoolClient final : public KvPoolClient {
         if (part.has_layout()) out.layout = part.layout();
         out.k.append(part.k());
         out.v.append(part.v());
+        out.sink_k.append(part.sink_k());
+        out.sink_v.append(part.sink_v());
       }
       const uint32_t heads = request.head_end() > request.head_begin()
                                  ? request.head_end() - request.head_begin()

@@ -82,6 +82,9 @@ struct GetLayer {
   uint32_t valid_tokens = 0;
   std::string k, v;
   v1::PageLayoutDescriptor layout;  // the layer's page layout (needed to read RAW pages)
+  // RAW from block 0 of a namespace with sink tokens: the exact sink rows,
+  // [heads][layout.sink_tokens][head_dim] fp16 (GetResponse.sink_k / sink_v); else empty.
+  std::string sink_k, sink_v;
 };
 struct GetResult {
   v1::GetFormat format = v1::GET_FORMAT_FP16;

@@ -83,11 +83,13 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
       default:
         return absl::InvalidArgumentError("unknown GetFormat");
     }
-    // A message carries at least one block of one layer, K and V: refused now if one cannot.
+    // A message carries at least one block of one layer, K and V (and a RAW layer's first its
+    // sink rows): refused now if one cannot.
     for (uint32_t l = layer_; l < layer_end_; ++l) {
-      if (2 * BlockBytes(l) + kMessageOverheadBytes > options_->max_message_bytes) {
+      const uint64_t least = 2 * (BlockBytes(l) + SinkBytes(l));
+      if (least + kMessageOverheadBytes > options_->max_message_bytes) {
         return absl::ResourceExhaustedError(
-            absl::StrCat("a block of layer ", l, " takes ", 2 * BlockBytes(l),
+            absl::StrCat("a block of layer ", l, " takes ", least,
                          " bytes in this format, over the ", options_->max_message_bytes,
                          "-byte message limit (--max_message_bytes): ask for "
                          "fewer KV heads per Get"));
@@ -117,6 +119,13 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
                 : Fp16KvBytes(c, c.block_tokens) / c.num_kv_heads * heads;
   }
 
+  // Bytes of K (and of V) of `layer`'s sink rows in a RAW message of block 0, in this Get's
+  // heads; 0 in FP16 (the rows are in k and v) or without sinks.
+  uint64_t SinkBytes(uint32_t layer) const {
+    const PageLayout l = LayerLayout(lease_.info.config, static_cast<int>(layer));
+    return raw_ ? uint64_t{head_end_ - head_begin_} * l.sink_tokens * l.head_dim * 2 : 0;
+  }
+
   // Tokens held for `layer`: the lease's per-layer count when the store reports one.
   uint32_t LayerTokens(uint32_t layer) const {
     if (layer < lease_.layer_tokens.size()) return lease_.layer_tokens[layer];
@@ -139,8 +148,9 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
     const uint32_t layer_blocks = (layer_tokens + bt - 1) / bt;
     const PageLayout layout = LayerLayout(c, static_cast<int>(layer_));
     const uint64_t block_bytes = BlockBytes(layer_);
-    const uint32_t per_msg =
-        static_cast<uint32_t>(std::max<uint64_t>(1, chunk_bytes_ / (2 * block_bytes)));
+    const uint64_t sink_bytes = block_ == 0 ? SinkBytes(layer_) : 0;
+    const uint64_t room = chunk_bytes_ > 2 * sink_bytes ? chunk_bytes_ - 2 * sink_bytes : 0;
+    const uint32_t per_msg = static_cast<uint32_t>(std::max<uint64_t>(1, room / (2 * block_bytes)));
     const uint32_t n = std::min(per_msg, layer_blocks - block_);
 
     response_.Clear();
@@ -163,6 +173,19 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
     if (!s.ok()) {
       FinishWith(s);
       return;
+    }
+    if (sink_bytes > 0) {
+      std::string* sink_k = response_.mutable_sink_k();
+      std::string* sink_v = response_.mutable_sink_v();
+      sink_k->resize(sink_bytes);
+      sink_v->resize(sink_bytes);
+      const absl::Status sinks = store_->ReadRawSinks(
+          request_.lease_id(), layer_, head_begin_, head_end_,
+          reinterpret_cast<uint8_t*>(sink_k->data()), reinterpret_cast<uint8_t*>(sink_v->data()));
+      if (!sinks.ok()) {
+        FinishWith(sinks);
+        return;
+      }
     }
     block_ += n;
     metrics_->Sent(response_.ByteSizeLong());

@@ -149,6 +149,7 @@ void ToProtoLayout(const PageLayout& layout, v1::PageLayoutDescriptor* out) {
   out->set_rotation_sign_seed(layout.sign_seed);
   out->set_codes_bytes(static_cast<uint32_t>(layout.codes_bytes()));
   out->set_head_page_bytes(static_cast<uint32_t>(layout.head_page_bytes()));
+  out->set_sink_tokens(static_cast<uint32_t>(layout.sink_tokens));
 }
 
 }  // namespace kvpool

@@ -171,6 +171,13 @@ class KvStore {
   virtual absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin,
                                uint32_t num_blocks, uint32_t head_begin, uint32_t head_end,
                                uint8_t* k, uint8_t* v) = 0;
+  // The sink rows of the lease's first block at `layer`, as its sink page stores them (a
+  // namespace with NamespaceSpec.sink_tokens): k and v are [head_end - head_begin][sink_tokens]
+  // [head_dim] fp16, the first sink_tokens tokens exact; rows at or past the tokens the layer
+  // holds are zeros. FAILED_PRECONDITION when the namespace keeps no sinks; otherwise the checks
+  // of ReadRaw (of block 0).
+  virtual absl::Status ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t head_begin,
+                                    uint32_t head_end, uint8_t* k, uint8_t* v) = 0;
   // ReadFp16 of layers [layer_begin, layer_end) in one backend call into backend (arena) memory
   // at `dst`, e.g. a transfer staging buffer: for each layer ascending, K then V, each
   // [num_blocks*block_tokens][heads][head_dim]. Same checks as ReadFp16; synchronous.

@@ -196,6 +196,42 @@ absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t bloc
                     });
 }
 
+absl::Status StoreImpl::ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t head_begin,
+                                     uint32_t head_end, uint8_t* k, uint8_t* v) {
+  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
+  // Refused before the read, which would renew the lease.
+  absl::StatusOr<LeaseView> lease = DescribeLease(lease_id);
+  if (!lease.ok()) return lease.status();
+  if (lease->info.config.sink_tokens == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrFormat("namespace %s keeps no sink tokens", lease->info.config.name));
+  }
+  return PinnedRead(
+      lease_id, layer, layer + 1, 0, 1, head_begin, head_end,
+      [&](const ReadPlan& plan) -> absl::Status {
+        const PageLayout& l = plan.pool->layout(layer);
+        if (plan.ids[0] >= plan.pool->num_sink_blocks()) {
+          return absl::InternalError("a sequence's first block without a sink page");
+        }
+        const uint8_t* page = plan.pool->sink_base(static_cast<int>(layer)) +
+                              static_cast<size_t>(plan.ids[0]) * l.sink_page_bytes();
+        const size_t row = static_cast<size_t>(l.head_dim) * sizeof(uint16_t);
+        const size_t rows = std::min<size_t>(l.sink_tokens, plan.valid_rows[0]);
+        for (int kv = 0; kv < 2; ++kv) {
+          std::vector<ComputeBackend::ArenaRun> runs;
+          for (uint32_t h = head_begin; h < head_end; ++h) {
+            if (rows > 0)
+              runs.push_back({page + l.sink_offset(kv, static_cast<int>(h), 0), rows * row});
+            if (rows < static_cast<size_t>(l.sink_tokens)) {
+              runs.push_back({nullptr, (l.sink_tokens - rows) * row});
+            }
+          }
+          if (absl::Status s = backend()->ReadRuns(runs, kv == 0 ? k : v); !s.ok()) return s;
+        }
+        return absl::OkStatus();
+      });
+}
+
 absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
                                        uint32_t layer_end, uint32_t block_begin,
                                        uint32_t num_blocks, uint32_t head_begin,

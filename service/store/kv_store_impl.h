@@ -88,6 +88,8 @@ class StoreImpl final : public KvStore {
                         uint16_t* v) override;
   absl::Status ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t block_begin, uint32_t num_blocks,
                        uint32_t head_begin, uint32_t head_end, uint8_t* k, uint8_t* v) override;
+  absl::Status ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t head_begin,
+                            uint32_t head_end, uint8_t* k, uint8_t* v) override;
   absl::Status ReadFp16ToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
                                uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
                                uint32_t head_end, uint8_t* dst) override;

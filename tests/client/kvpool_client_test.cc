@@ -230,6 +230,30 @@ TEST_F(KvPoolClientTest, GetReportsMissingBlocksAndBadSizesAsDataLoss) {
   }
 }
 
+// A layer's sink rows (sent with block 0) come back with it; sink rows that are not sink_tokens
+// rows of every head the blocks hold are DATA_LOSS.
+TEST_F(KvPoolClientTest, GetKeepsALayersSinkRowsAndChecksTheirSize) {
+  v1::GetResponse first = Part(0, 0, "AB");
+  first.mutable_layout()->set_sink_tokens(2);
+  first.set_sink_k("WWXX");  // 2 rows of the one head, 2 bytes each
+  first.set_sink_v("wwxx");
+  fake_.get_script_ = {Part(0, 2, "C"), first};
+  absl::StatusOr<GetResult> r = Client(1 << 20)->Get(v1::GetRequest());
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->layers[0].sink_k, "WWXX");
+  EXPECT_EQ(r->layers[0].sink_v, "wwxx");
+  for (const char* sink_v : {"wwx", "wwxxyy"}) {
+    first.set_sink_v(sink_v);
+    fake_.get_script_ = {first};
+    EXPECT_EQ(Client(1 << 20)->Get(v1::GetRequest()).status().code(), absl::StatusCode::kDataLoss)
+        << sink_v;
+  }
+  first.set_sink_k("WWXXYY");  // three rows where the layout says two
+  first.set_sink_v("wwxxyy");
+  fake_.get_script_ = {first};
+  EXPECT_EQ(Client(1 << 20)->Get(v1::GetRequest()).status().code(), absl::StatusCode::kDataLoss);
+}
+
 TEST_F(KvPoolClientTest, ServerStatusCodeAndMessageReachTheCaller) {
   absl::StatusOr<v1::MatchResponse> r = Client(1 << 20)->Match("ns", {-1});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);

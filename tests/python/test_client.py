@@ -318,6 +318,33 @@ def test_unknown_lease_and_namespace_are_not_found(client):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_raw_get_from_the_first_block_carries_the_exact_sink_rows(client):
+    client.create_namespace("pytest-raw-sinks", LAYERS, HEADS, DIM, block_tokens=BLOCK,
+                            sink_tokens=4, capacity_bytes=1 << 20)
+    ids = np.random.default_rng(41).integers(0, 128000, 2 * BLOCK).tolist()
+    k, v = outlier_kv(2 * BLOCK, 42)
+    client.put(ids, k, v, namespace="pytest-raw-sinks")
+    m = client.match(ids, namespace="pytest-raw-sinks")
+    try:
+        raw = client.get(m.lease_id, heads=range(1, 2), fmt="raw", max_chunk_bytes=1)
+        assert [layout.sink_tokens for layout in raw.layouts] == [4] * LAYERS
+        for layer, (sink_k, sink_v) in enumerate(raw.sinks):
+            assert sink_k.shape == sink_v.shape == (1, 4, DIM)
+            assert np.array_equal(sink_k[0], k[layer, :4, 1])  # bit for bit: fp16 kept as sent
+            assert np.array_equal(sink_v[0], v[layer, :4, 1])
+        assert client.get(m.lease_id, fmt="raw").sinks[0][0].shape == (HEADS, 4, DIM)
+        assert client.get(m.lease_id, fmt="raw", layers=range(1, 2)).sinks[0] is not None
+    finally:
+        client.release(m.lease_id)
+    # A namespace without sinks sends none.
+    ids, _, _, _ = put_sequence(client, 16, seed=43)
+    m = client.match(ids, namespace="pytest")
+    try:
+        assert client.get(m.lease_id, fmt="raw").sinks == [None] * LAYERS
+    finally:
+        client.release(m.lease_id)
+
+
 def test_sink_pages_are_shared_out_one_per_blocks_per_sink_page(client):
     info = client.create_namespace("pytest-sinks", LAYERS, HEADS, DIM, block_tokens=BLOCK,
                                    sink_tokens=4, blocks_per_sink_page=4, capacity_bytes=1 << 20)

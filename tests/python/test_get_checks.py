@@ -51,3 +51,30 @@ def test_malformed_messages_raise(offline_client, msgs, heads):
     offline_client._stub = FakeStub(msgs)
     with pytest.raises(RuntimeError):
         offline_client.get(1, heads=heads)
+
+
+def raw_part(sink_k, sink_v, sink_tokens=2):
+    """A RAW block of one head (a 2-byte head page) with sink rows of head_dim 1."""
+    m = pb.GetResponse(layer=0, block_begin=0, num_blocks=1, valid_tokens=1, k=b"\x00\x3c",
+                       v=b"\x00\x3c", sink_k=sink_k, sink_v=sink_v)
+    m.layout.block_tokens, m.layout.head_dim, m.layout.head_page_bytes = 1, 1, 2
+    m.layout.sink_tokens = sink_tokens
+    return m
+
+
+def test_raw_sink_rows_come_back_shaped(offline_client):
+    offline_client._stub = FakeStub([raw_part(b"\x00\x3c\x00\x40", b"\x00\x42\x00\x44")])
+    (sink_k, sink_v), = offline_client.get(1, fmt="raw").sinks
+    assert sink_k.shape == (1, 2, 1) and sink_k.tolist() == [[[1.0], [2.0]]]
+    assert sink_v.tolist() == [[[3.0], [4.0]]]
+
+
+@pytest.mark.parametrize("msg", [
+    raw_part(b"\x00\x3c\x00\x40", b"\x00\x42"),                  # V shorter than K
+    raw_part(b"\x00\x3c\x00\x40\x00\x3c", b"\x00\x42\x00\x44\x00\x42"),  # three rows, not two
+    raw_part(b"\x00\x3c\x00\x40", b"\x00\x42\x00\x44", sink_tokens=0),  # rows the layout lacks
+])
+def test_malformed_sink_rows_raise(offline_client, msg):
+    offline_client._stub = FakeStub([msg])
+    with pytest.raises(RuntimeError):
+        offline_client.get(1, fmt="raw")

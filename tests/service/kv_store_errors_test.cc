@@ -160,6 +160,9 @@ TEST_F(StoreErrorsTest, RefusedCallsDoNotRenewTheirLeases) {
   EXPECT_EQ(store_->Append(lease_, 0, {}, 1, nan_k.data(), kv_.v[0].data()).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(AttendOne(lease_, 2).code(), StatusCode::kInvalidArgument);
+  std::vector<uint8_t> sink_k(1 << 16), sink_v(1 << 16);  // the namespace keeps no sinks
+  EXPECT_EQ(store_->ReadRawSinks(lease_, 0, 0, 2, sink_k.data(), sink_v.data()).code(),
+            StatusCode::kFailedPrecondition);
   clock_.Advance(absl::Seconds(6));
   EXPECT_EQ(store_->DescribeLease(lease_).status().code(), StatusCode::kNotFound);
 

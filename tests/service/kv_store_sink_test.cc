@@ -316,6 +316,49 @@ TEST_F(SinkStoreTest, AReadFromTheFirstBlockReturnsTheSinkTokensExact) {
   }
 }
 
+// The raw sink rows of a first block: the selected heads' sink tokens exact, [heads][sink][dim]
+// as the sink page stores them, rows past the tokens a layer holds as zeros (a namespace without
+// sinks refuses them: StoreErrorsTest.RefusedCallsDoNotRenewTheirLeases).
+TEST_F(SinkStoreTest, RawSinkRowsAreTheSelectedHeadsSinkTokensExact) {
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 12);
+  ASSERT_TRUE(Put(a_, kv).ok());
+  auto lease = store_->Match("main", a_, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const int sink = config_.sink_tokens, dim = config_.head_dim, heads = config_.num_kv_heads;
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    std::vector<uint16_t> k(sink * dim, 0xFFFF), v(sink * dim, 0xFFFF);
+    ASSERT_TRUE(store_
+                    ->ReadRawSinks(lease->lease_id, layer, 1, 2,
+                                   reinterpret_cast<uint8_t*>(k.data()),
+                                   reinterpret_cast<uint8_t*>(v.data()))
+                    .ok());
+    for (int t = 0; t < sink; ++t) {
+      const size_t src = (static_cast<size_t>(t) * heads + 1) * dim;
+      EXPECT_TRUE(
+          std::equal(k.begin() + t * dim, k.begin() + (t + 1) * dim, kv.k[layer].begin() + src))
+          << "layer " << layer << " token " << t;
+      EXPECT_TRUE(
+          std::equal(v.begin() + t * dim, v.begin() + (t + 1) * dim, kv.v[layer].begin() + src))
+          << "layer " << layer << " token " << t;
+    }
+  }
+  // A lease holding one token at layer 0 (and none at layer 1): its second sink row is zeros.
+  auto fresh = store_->Match("main", {}, absl::ZeroDuration());
+  ASSERT_TRUE(fresh.ok()) << fresh.status();
+  const std::vector<uint16_t> row = ToHalf(MakeNormal(PerToken(), 13));
+  ASSERT_TRUE(store_->Append(fresh->lease_id, 0, {}, 1, row.data(), row.data()).ok());
+  std::vector<uint16_t> k(heads * sink * dim, 0xFFFF), v(heads * sink * dim, 0xFFFF);
+  ASSERT_TRUE(store_
+                  ->ReadRawSinks(fresh->lease_id, 0, 0, heads, reinterpret_cast<uint8_t*>(k.data()),
+                                 reinterpret_cast<uint8_t*>(v.data()))
+                  .ok());
+  for (int h = 0; h < heads; ++h) {
+    const auto head = k.begin() + static_cast<size_t>(h) * sink * dim;
+    EXPECT_TRUE(std::equal(head, head + dim, row.begin() + h * dim)) << h;
+    EXPECT_TRUE(std::all_of(head + dim, head + sink * dim, [](uint16_t x) { return x == 0; })) << h;
+  }
+}
+
 // An Append of several blocks into an empty lease: its first block has a sink page, and the
 // blocks are distinct (each reads back its own tokens).
 TEST_F(WideSinkStoreTest, AnAppendOfSeveralBlocksStartsInABlockWithASinkPage) {

@@ -58,7 +58,9 @@ class AttendResult:
 class GetResult:
     """tokens[i]: the real tokens layers[i] holds (layers may differ while a decode step's
     appends are in flight). fp16: k, v are [layers, max(tokens), heads, head_dim] float16, rows
-    past a layer's tokens zero. raw: pages[i] = (k bytes, v bytes) of layers[i]. layouts[i]:
+    past a layer's tokens zero. raw: pages[i] = (k bytes, v bytes) of layers[i], and when the
+    read starts at block 0 of a namespace with sink tokens, sinks[i] = (k, v) float16
+    [heads, layouts[i].sink_tokens, head_dim]: the exact sink rows (else None). layouts[i]:
     layers[i]'s page layout descriptor."""
     layers: List[int]
     tokens: List[int]
@@ -66,6 +68,7 @@ class GetResult:
     k: Optional[np.ndarray] = None
     v: Optional[np.ndarray] = None
     pages: Optional[List[tuple]] = None
+    sinks: Optional[List[Optional[tuple]]] = None
 
 
 def _attend_request(layer, items: Sequence[AttendItem], sm_scale, return_lse):
@@ -296,7 +299,7 @@ class Client:
         for msg in self._stub.Get(req, timeout=self._t(timeout)):
             parts.setdefault(msg.layer, []).append(msg)
         result = GetResult(layers=sorted(parts), tokens=[], layouts=[])
-        pages = []
+        pages, sinks = [], []
         for layer in result.layers:
             msgs = sorted(parts[layer], key=lambda m: m.block_begin)
             expect = 0
@@ -318,11 +321,21 @@ class Client:
                     or tokens > blocks * layout.block_tokens):
                 raise RuntimeError(f"Get: layer {layer} holds {len(k)} K and {len(v)} V bytes "
                                    f"for {blocks} blocks of {tokens} tokens")
+            sink_k, sink_v = b"".join(m.sink_k for m in msgs), b"".join(m.sink_v for m in msgs)
+            head_sinks = layout.sink_tokens * layout.head_dim * 2
+            if len(sink_v) != len(sink_k) or (sink_k and (
+                    not head_sinks or len(sink_k) != len(k) // (blocks * head_block) * head_sinks)):
+                raise RuntimeError(f"Get: layer {layer} holds {len(sink_k)} K and {len(sink_v)} V "
+                                   "bytes of sink rows")
+            sinks.append(tuple(np.frombuffer(x, dtype=np.float16).reshape(
+                -1, layout.sink_tokens, layout.head_dim) for x in (sink_k, sink_v))
+                         if sink_k else None)
             pages.append((k, v, blocks))
             result.tokens.append(tokens)
             result.layouts.append(layout)
         if fmt == "raw":
             result.pages = [(k, v) for k, v, _ in pages]
+            result.sinks = sinks
             return result
         if not pages:
             return result
