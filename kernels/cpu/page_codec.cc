@@ -49,7 +49,7 @@ void EncodeIntGroup(const PageLayout& l, const float* x, int levels, int token, 
   const auto [mn_it, mx_it] = std::minmax_element(x + c0, x + c0 + l.group_size);
   const float mn = *mn_it;
   const float mx = *mx_it;
-  const uint16_t scale_h = FloatToHalf((mx - mn) / static_cast<float>(levels));
+  const uint16_t scale_h = ScaleBits((mx - mn) / static_cast<float>(levels), FloatToHalf);
   const uint16_t zero_h = FloatToHalf(mn);
   WriteMeta(l, head_page, token, group, scale_h, zero_h);
   const float s = HalfToFloat(scale_h);
@@ -77,7 +77,7 @@ void EncodeFp8Group(const PageLayout& l, const float* x, int token, int group, u
   const int c0 = group * l.group_size;
   float amax = 0.0f;
   for (int c = c0; c < c0 + l.group_size; ++c) amax = std::max(amax, std::fabs(x[c]));
-  const uint16_t scale_h = FloatToHalf(amax / 448.0f);
+  const uint16_t scale_h = ScaleBits(amax / 448.0f, FloatToHalf);
   WriteMeta(l, head_page, token, group, scale_h, 0);
   const float s = HalfToFloat(scale_h);
   const float r = s > 0.0f ? 1.0f / s : 0.0f;

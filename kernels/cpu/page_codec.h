@@ -3,20 +3,21 @@
 //
 //   INT4 / INT8 (L = 15 / 255), per group of group_size channels of the rotated row x' (float):
 //     mn = min x', mx = max x'
-//     scale_h = FloatToHalf((mx - mn) / L), zero_h = FloatToHalf(mn)
+//     scale_h = ScaleBits((mx - mn) / L), zero_h = FloatToHalf(mn)
 //     s = HalfToFloat(scale_h), z = HalfToFloat(zero_h)
 //     r = 1.0f / s (IEEE, once per group), b = fmaf(-z, r, 128)          (kCodeOffset)
 //     code = s > 0 ? clamp((int)nearbyintf(fmaf(x', r, b)), 128, 128 + L) - 128 : 0
 //   The offset puts q where bf16 has unit steps (INT4: [128, 143]), so that a GPU can round and
 //   pack two codes with one cvt.rn.bf16x2.f32; each fma is rounded once, on a 2^-16 grid.
 //   FP8 E4M3, per group:
-//     scale_h = FloatToHalf(max|x'| / 448), zero_h = 0, s = HalfToFloat(scale_h), r = 1.0f / s
+//     scale_h = ScaleBits(max|x'| / 448), zero_h = 0, s = HalfToFloat(scale_h), r = 1.0f / s
 //     code = s > 0 ? FloatToFp8E4M3(x' * r) : 0
 //   INT4 packing: byte j = code[2j] | code[2j+1] << 4.
 //   Decoding: x' = code * s + z in float (FP8: Fp8E4M3ToFloat(code) * s + 0).
 #ifndef KVPOOL_KERNELS_CPU_PAGE_CODEC_H_
 #define KVPOOL_KERNELS_CPU_PAGE_CODEC_H_
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/page_layout.h"
@@ -25,6 +26,16 @@ namespace kvpool::cpu {
 
 // Integer codes are computed as q = code + kCodeOffset (see above).
 inline constexpr float kCodeOffset = 128.0f;
+
+// The stored fp16 bits of a group's scale q (finite, >= 0): to_half(q), the conversion to nearest,
+// except below fp16's smallest normal (2^-14), where q is rounded up to a multiple of the
+// subnormal step 2^-24 (ceil(q 2^24) is its bits; 1024 steps are the smallest normal, 0x0400).
+// A scale rounded down there could lose up to half of itself (the top codes clipped, FP8
+// saturated), and one rounded to 0 would turn a whole group into its zero point.
+template <typename ToHalf>
+KVPOOL_HD uint16_t ScaleBits(float q, ToHalf to_half) {
+  return q < 0x1p-14f ? static_cast<uint16_t>(ceilf(q * 0x1p24f)) : to_half(q);
+}
 
 // Scale and zero of one (token, group), converted from their stored fp16.
 struct GroupMeta {

@@ -70,14 +70,15 @@ template <KvDtype kDtype>
 __device__ __forceinline__ GroupMeta MakeGroupMeta(float mn, float mx) {
   GroupMeta m;
   float s, z = 0.0f;
+  const auto to_half = [](float f) { return FloatToHalfBits(f); };
   if constexpr (kDtype == KvDtype::kFp8E4M3) {
-    const uint16_t scale_h = FloatToHalfBits(DivWithReciprocal(mx, 448.0f, 1.0f / 448.0f));
+    const uint16_t scale_h = cpu::ScaleBits(DivWithReciprocal(mx, 448.0f, 1.0f / 448.0f), to_half);
     s = HalfBitsToFloat(scale_h);
     m.word = scale_h;
   } else {
     constexpr float kLevels = kDtype == KvDtype::kInt4 ? 15.0f : 255.0f;
     const uint16_t scale_h =
-        FloatToHalfBits(DivWithReciprocal(__fsub_rn(mx, mn), kLevels, 1.0f / kLevels));
+        cpu::ScaleBits(DivWithReciprocal(__fsub_rn(mx, mn), kLevels, 1.0f / kLevels), to_half);
     const uint16_t zero_h = FloatToHalfBits(mn);
     s = HalfBitsToFloat(scale_h);
     z = HalfBitsToFloat(zero_h);

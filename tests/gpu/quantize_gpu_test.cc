@@ -509,7 +509,7 @@ TEST(QuantizeGpu, MatchesCpuReferenceOnClampedAndConstantRows) {
           mn = std::min(mn, static_cast<float>(v));
           mx = std::max(mx, static_cast<float>(v));
         }
-        const float scale = HalfToFloat(FloatToHalf((mx - mn) / levels));
+        const float scale = HalfToFloat(cpu::ScaleBits((mx - mn) / levels, FloatToHalf));
         const float zero = HalfToFloat(FloatToHalf(mn));
         clamped_rows += scale > 0.0f && zero - mn > 0.125f * scale;
       }
@@ -522,6 +522,30 @@ TEST(QuantizeGpu, MatchesCpuReferenceOnClampedAndConstantRows) {
     }
   }
   ExpectFewTies(stats, "clamped and constant rows");
+}
+
+// Rows of tiny values, whose group scales fall below fp16's smallest normal (rounded up there,
+// ScaleBits): the same bytes as the CPU reference, unrotated (rotated rows would differ in the
+// last bit of the scale's input, fp32 against double, a whole step of a scale of a few steps).
+TEST(QuantizeGpu, MatchesCpuReferenceOnRowsWithSubnormalScales) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  CodeStats stats;
+  uint64_t seed = 3100;
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3}) {
+    for (int group : {16, 128}) {
+      for (float factor : {3e-6f, 1.2e-5f, 4e-5f, 1e-4f}) {
+        Case c{dtype, 0, 128, 16, group};
+        Inputs in = MakeInputs(c, seed++);
+        for (std::vector<uint16_t>* kv : {&in.k, &in.v}) {  // values of order 1, scaled down
+          for (uint16_t& x : *kv) x = FloatToHalf(HalfToFloat(x) * factor / 8.0f);
+        }
+        SCOPED_TRACE(::testing::Message() << "factor " << factor);
+        CheckInputs(c, in, &stats);
+        if (::testing::Test::HasFatalFailure()) return;
+      }
+    }
+  }
+  EXPECT_EQ(stats.off_by_one, 0u) << "unrotated codes are bit-exact";
 }
 
 TEST(QuantizeGpu, RejectsBadArgumentsAndUnsupportedSizes) {

@@ -143,6 +143,64 @@ INSTANTIATE_TEST_SUITE_P(
              std::to_string(std::get<2>(info.param));
     });
 
+// The largest |decoded - input| of a one-token append of `row` (as K and V, every head) read back
+// through Dequantize, over the row's largest magnitude.
+double RoundTripError(const PageLayout& l, const std::vector<uint16_t>& row) {
+  std::vector<uint16_t> kv;
+  for (int h = 0; h < l.num_kv_heads; ++h) kv.insert(kv.end(), row.begin(), row.end());
+  Appender a(l, 1);
+  EXPECT_EQ(a.Append(kv, kv, {0}, {}), KernelStatus::kOk);
+  const int32_t id = 0;
+  std::vector<uint16_t> k_out(l.block_tokens * kv.size()), v_out(k_out.size());
+  DequantizeParams dp;
+  dp.layout = l;
+  dp.pages = a.pages.data();
+  dp.block_ids = &id;
+  dp.num_out_blocks = 1;
+  dp.head_begin = 0;
+  dp.head_end = l.num_kv_heads;
+  dp.k_out = k_out.data();
+  dp.v_out = v_out.data();
+  dp.num_blocks = 1;
+  dp.valid_tokens = 1;
+  EXPECT_EQ(cpu::Dequantize(dp), KernelStatus::kOk);
+  double err = 0, amax = 0;
+  for (size_t i = 0; i < kv.size(); ++i) {
+    err = std::max(err, std::fabs(static_cast<double>(HalfToFloat(k_out[i])) - HalfToFloat(kv[i])));
+    amax = std::max(amax, std::fabs(static_cast<double>(HalfToFloat(kv[i]))));
+  }
+  return err / amax;
+}
+
+// A group's scale below fp16's smallest normal is rounded up, never down nor to 0: rows whose
+// values are all small (a layer whose V spans 1e-5) keep the error, relative to themselves, of
+// rows of ordinary magnitude. Rounded to nearest, an INT8 row of +-1e-5 decoded 0.48 of its
+// magnitude off, and FP8 rows of +-1.2e-5 decoded as zeros.
+TEST(QuantizeCpu, RowsOfTinyValuesKeepTheirRelativeError) {
+  for (const KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8, KvDtype::kFp8E4M3}) {
+    for (const int rot : {0, 128}) {
+      for (const int group : {16, 128}) {
+        const PageLayout l = MakeLayout(dtype, rot, group);
+        auto row_of = [&l](double amax) {  // one draw of uniform [-amax, amax) per channel
+          std::mt19937 rng(7);
+          std::uniform_real_distribution<double> u(-1.0, 1.0);
+          std::vector<uint16_t> row(l.head_dim);
+          for (uint16_t& x : row) x = FloatToHalf(static_cast<float>(amax * u(rng)));
+          return row;
+        };
+        const double ordinary = RoundTripError(l, row_of(1.0));
+        for (const double amax : {3e-6, 1.2e-5, 3.98e-5, 1e-4, 1e-3}) {
+          // Twice the ordinary error, plus four fp16 subnormal steps (2^-24): the granularity of
+          // a subnormal scale (its half step) and zero, and the input's and output's rounding.
+          EXPECT_LE(RoundTripError(l, row_of(amax)), 2 * ordinary + 4 * 0x1p-24 / amax)
+              << testing::DtypeName(dtype) << " rot " << rot << " group " << group << " amax "
+              << amax << " (ordinary rows: " << ordinary << ")";
+        }
+      }
+    }
+  }
+}
+
 // Rows at the layout's input bound (MaxInputHalfBits), alone in their row or against its
 // negative, read back finite through Dequantize in every quantized format, rotated or not (an
 // unrotated 65504 once decoded to 65520 through the scale's rounding: infinite in fp16).
