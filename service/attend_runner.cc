@@ -34,6 +34,7 @@ absl::Status AttendRunner::Step(const v1::AttendRequest& request,
                                 const attend_socket::SharedRegion* region,
                                 v1::AttendResponse* response) {
   response->Clear();
+  response->set_server_draining(draining_ != nullptr && draining_->load(std::memory_order_relaxed));
   const int n = request.items_size();
   if (n == 0) return absl::InvalidArgumentError("Attend needs at least one item");
   // Before items_ is sized by it: a runner kept for many calls keeps that capacity.

@@ -4,6 +4,7 @@
 #ifndef KVPOOL_SERVICE_ATTEND_RUNNER_H_
 #define KVPOOL_SERVICE_ATTEND_RUNNER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -17,7 +18,9 @@ namespace kvpool {
 // Not thread-safe: one runner per stream (or per unary call).
 class AttendRunner {
  public:
-  explicit AttendRunner(KvStore* store) : store_(store) {}
+  // `draining`, when not null, is read into every response's server_draining.
+  explicit AttendRunner(KvStore* store, const std::atomic<bool>* draining = nullptr)
+      : store_(store), draining_(draining) {}
 
   // Runs `request` and fills `response` (cleared first; its fields' capacity is reused): the
   // store writes the output, in the requested dtype, straight into the response's fields.
@@ -35,6 +38,7 @@ class AttendRunner {
   absl::Status ResolveGeometry(uint64_t lease_id);
 
   KvStore* const store_;
+  const std::atomic<bool>* const draining_;
   uint64_t geometry_lease_ = 0;
   bool geometry_valid_ = false;
   int num_kv_heads_ = 0;

@@ -134,7 +134,8 @@ class AttendStreamCall final : public QueuedCall {
  private:
   enum Op : int { kAccepted, kRead, kWritten, kFinished };
 
-  explicit AttendStreamCall(AttendServer::Queue* queue) : queue_(queue), runner_(queue->store) {
+  explicit AttendStreamCall(AttendServer::Queue* queue)
+      : queue_(queue), runner_(queue->store, queue->draining) {
     queue_->service->RequestAttendStream(&ctx_, &stream_, queue_->cq.get(), queue_->cq.get(),
                                          &accepted_);
   }
@@ -195,8 +196,8 @@ AttendServer::~AttendServer() { Shutdown(); }
 
 void AttendServer::AddQueues(grpc::ServerBuilder& builder) {
   for (int i = 0; i < std::max(1, options_.threads); ++i) {
-    queues_.push_back(
-        std::make_unique<Queue>(service_, store_, &metrics_, builder.AddCompletionQueue()));
+    queues_.push_back(std::make_unique<Queue>(service_, store_, &metrics_,
+                                              builder.AddCompletionQueue(), options_.draining));
   }
 }
 

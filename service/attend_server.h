@@ -8,6 +8,7 @@
 #ifndef KVPOOL_SERVICE_ATTEND_SERVER_H_
 #define KVPOOL_SERVICE_ATTEND_SERVER_H_
 
+#include <atomic>
 #include <memory>
 #include <thread>
 #include <utility>
@@ -28,6 +29,8 @@ struct AttendServerOptions {
   int threads = 4;
   // How long a thread polls without sleeping after its last event (0: always block).
   absl::Duration spin = absl::Microseconds(500);
+  // Set once a graceful shutdown began (AttendResponse.server_draining); null: never.
+  const std::atomic<bool>* draining = nullptr;
 };
 
 class AttendServer {
@@ -64,15 +67,17 @@ class AttendServer {
   // What the calls accepted on one queue share; touched only by that queue's thread.
   struct Queue {
     Queue(KvPoolService* service, KvStore* store, Metrics* metrics,
-          std::unique_ptr<grpc::ServerCompletionQueue> cq)
+          std::unique_ptr<grpc::ServerCompletionQueue> cq, const std::atomic<bool>* draining)
         : service(service),
           store(store),
+          draining(draining),
           metrics(metrics),
           cq(std::move(cq)),
-          unary_runner(store) {}
+          unary_runner(store, draining) {}
 
     KvPoolService* service;
     KvStore* store;
+    const std::atomic<bool>* draining;
     Metrics* metrics;
     std::unique_ptr<grpc::ServerCompletionQueue> cq;
     // Runs every unary Attend accepted on this queue, one after the other, so that they reuse

@@ -223,7 +223,7 @@ void AttendSocketServer::ReapLocked() {
 void AttendSocketServer::Serve(Session* session) {
   FrameConnection& conn = *session->conn;
   const absl::Time start = absl::Now();
-  AttendRunner runner(store_);
+  AttendRunner runner(store_, options_.draining);
   v1::AttendRequest request;
   v1::AttendResponse response;
   std::string payload;

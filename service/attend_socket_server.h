@@ -52,6 +52,8 @@ struct AttendSocketOptions {
   absl::Duration idle_timeout = absl::Minutes(10);
   // Largest request payload accepted (RESOURCE_EXHAUSTED beyond).
   uint32_t max_frame_bytes = 64 << 20;
+  // Set once a graceful shutdown began (AttendResponse.server_draining); null: never.
+  const std::atomic<bool>* draining = nullptr;
 };
 
 class AttendSocketServer {

@@ -45,6 +45,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options,
   options.service.max_message_bytes = static_cast<uint64_t>(options.max_message_bytes);
   s->service_ = std::make_unique<KvPoolService>(s->store_.get(), s->rpc_metrics_.get(),
                                                 options.service, options.store.clock);
+  options.attend.draining = &s->draining_;
+  options.attend_socket.draining = &s->draining_;
   s->attend_server_ = std::make_unique<AttendServer>(s->service_.get(), s->store_.get(),
                                                      s->rpc_metrics_.get(), options.attend);
   if (s->backend_->name() == "cuda" && options.nccl_device >= 0) {
@@ -155,6 +157,7 @@ void Server::Shutdown(absl::Duration grace) {
   // gRPC calls and AttendSocket sessions drain together until one deadline: no new ones are
   // taken, those open may finish, and what is left then is cancelled.
   const absl::Time deadline = absl::Now() + grace;
+  draining_.store(true, std::memory_order_relaxed);
   if (attend_socket_ != nullptr) attend_socket_->StopAccepting();
   if (grpc_server_ != nullptr) {
     grpc_server_->GetHealthCheckService()->SetServingStatus(false);

@@ -8,6 +8,7 @@
 #ifndef KVPOOL_SERVICE_SERVER_H_
 #define KVPOOL_SERVICE_SERVER_H_
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -117,6 +118,8 @@ class Server {
   std::thread sweeper_;
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  // Set as a graceful shutdown begins; every Attend response says so from then on.
+  std::atomic<bool> draining_{false};
 };
 
 }  // namespace kvpool

@@ -337,14 +337,24 @@ TEST(AttendSocket, StepPastTheSessionDeadlineIsNotSent) {
   }
 }
 
-// A graceful shutdown takes no new connection, lets an open session go on stepping, and returns
-// as soon as the last session ends, well within its grace.
+// A graceful shutdown takes no new connection, lets an open session (and a gRPC AttendStream) go
+// on stepping, with every response saying the server drains, and returns as soon as the last
+// session ends, well within its grace.
 TEST(AttendSocket, ShutdownDrainsOpenSessions) {
   SocketFixture s = StartSocket(/*sequences=*/1);
   ASSERT_NE(s.f.server, nullptr);
   auto open = s.socket_client->OpenAttendStream();
   ASSERT_TRUE(open.ok());
-  ASSERT_TRUE((*open)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+  // Over TCP: the fixture's in-process channel closes when the server begins to shut down.
+  std::unique_ptr<client::KvPoolClient> grpc_client =
+      client::KvPoolClient::Create("127.0.0.1:" + std::to_string(s.f.server->server->port()));
+  auto stream = grpc_client->OpenAttendStream();
+  ASSERT_TRUE(stream.ok());
+  for (client::AttendSession* session : {open->get(), stream->get()}) {
+    absl::StatusOr<v1::AttendResponse> r = session->Step(AttendRequestFor(s.f, s.f.leases[0], 1));
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_FALSE(r->server_draining());
+  }
   std::thread shutdown([&] { s.f.server->server->Shutdown(absl::Seconds(20)); });
   // Once the listener is closed a new session cannot start.
   absl::Status refused;
@@ -356,11 +366,15 @@ TEST(AttendSocket, ShutdownDrainsOpenSessions) {
   }
   EXPECT_EQ(refused.code(), absl::StatusCode::kUnavailable) << refused;
   for (int step = 0; step < 5; ++step) {
-    absl::StatusOr<v1::AttendResponse> r =
-        (*open)->Step(AttendRequestFor(s.f, s.f.leases[0], 10 + step));
-    ASSERT_TRUE(r.ok()) << "step " << step << " while draining: " << r.status();
+    for (client::AttendSession* session : {open->get(), stream->get()}) {
+      absl::StatusOr<v1::AttendResponse> r =
+          session->Step(AttendRequestFor(s.f, s.f.leases[0], 10 + step));
+      ASSERT_TRUE(r.ok()) << "step " << step << " while draining: " << r.status();
+      EXPECT_TRUE(r->server_draining()) << "step " << step;
+    }
   }
   EXPECT_TRUE((*open)->Finish().ok());
+  EXPECT_TRUE((*stream)->Finish().ok());
   const absl::Time stepped_last = absl::Now();
   shutdown.join();
   EXPECT_LT(absl::Now() - stepped_last, absl::Seconds(5));

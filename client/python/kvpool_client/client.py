@@ -52,6 +52,8 @@ class AttendResult:
     out: np.ndarray                 # [items, num_q_heads, head_dim] float32
     lse: Optional[np.ndarray]       # [items, num_q_heads] when asked
     context_tokens: List[int]       # tokens attended per item
+    # The server began a graceful shutdown: start no new sequence there (AttendResponse).
+    server_draining: bool = False
 
 
 @dataclasses.dataclass
@@ -90,7 +92,8 @@ def _attend_result(resp, items: Sequence[AttendItem], return_lse) -> AttendResul
     out = np.frombuffer(resp.out, dtype=np.float32).reshape(len(items), q_heads, dim)
     lse = np.asarray(resp.lse, dtype=np.float32).reshape(len(items), q_heads) if return_lse \
         else None
-    return AttendResult(out=out, lse=lse, context_tokens=list(resp.context_tokens))
+    return AttendResult(out=out, lse=lse, context_tokens=list(resp.context_tokens),
+                        server_draining=resp.server_draining)
 
 
 class AttendStream:
@@ -174,7 +177,8 @@ class InPlaceAttendStream:
                           np.dtype(dtype).itemsize].view(dtype).reshape(n, num_q_heads, head_dim)
         lse = np.asarray(resp.lse, dtype=np.float32).reshape(n, num_q_heads) if return_lse \
             else None
-        return AttendResult(out=out, lse=lse, context_tokens=list(resp.context_tokens))
+        return AttendResult(out=out, lse=lse, context_tokens=list(resp.context_tokens),
+                        server_draining=resp.server_draining)
 
     def close(self):
         self.region = None
