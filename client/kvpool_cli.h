@@ -29,8 +29,8 @@ client::CallOptions Call();
 // Call options of an AttendStream or AttendSocket session, from --session_deadline_ms.
 client::CallOptions SessionCall();
 // Releases `leases` when a run ends, each within 2 s (or --deadline_ms if shorter), and stops at
-// the first that fails: a server that is gone would otherwise hold the exit for a deadline per
-// lease, and the leases expire on their own.
+// the first the server does not answer (UNAVAILABLE, DEADLINE_EXCEEDED): a server that is gone
+// would otherwise hold the exit for a deadline per lease, and the leases expire on their own.
 void ReleaseAll(client::KvPoolClient& c, absl::Span<const uint64_t> leases);
 // Client options for --target (channel `channel_index`, max_chunk_bytes as given; 0 = default).
 client::ClientOptions Options(int channel_index = 0, size_t max_chunk_bytes = 0);

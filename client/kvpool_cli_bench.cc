@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "client/attend_socket_session.h"
 #include "client/kvpool_cli.h"
@@ -134,21 +135,27 @@ int RunBenchAttend() {
     std::copy_n(kv.k.begin(), layer_elems, kv.k.begin() + l * layer_elems);
     std::copy_n(kv.v.begin(), layer_elems, kv.v.begin() + l * layer_elems);
   }
-  // Every sequence is stored before any lease is taken: a lease taken after its own Put could
-  // expire (--default_lease_ttl_ms) while the later Puts ran, before the timing began.
+  // Each sequence is pinned by its lease as soon as it is stored (a later Put cannot evict it),
+  // under a lease as long as a session may be (the server's default could expire while the later
+  // Puts run, before the timing begins).
   std::vector<uint64_t> leases;
   absl::Status status;
   for (int b = 0; b < batch && status.ok(); ++b) {
-    status = c->Put(spec.name(), MakeTokenIds(context, seed * 104729 + b), kv, Call()).status();
-  }
-  for (int b = 0; b < batch && status.ok(); ++b) {
     const std::vector<int32_t> ids = MakeTokenIds(context, seed * 104729 + b);
-    absl::StatusOr<v1::MatchResponse> m = c->Match(spec.name(), ids, absl::ZeroDuration(), Call());
+    status = c->Put(spec.name(), ids, kv, Call()).status();
+    if (!status.ok()) break;
+    absl::StatusOr<v1::MatchResponse> m =
+        c->Match(spec.name(), ids, SessionCall().deadline, Call());
     if (!m.ok()) {
       status = m.status();
       break;
     }
     leases.push_back(m->lease_id());
+    if (m->cached_tokens() != static_cast<uint32_t>(context)) {
+      status = absl::ResourceExhaustedError(absl::StrFormat(
+          "sequence %d holds %d of its %d tokens: the namespace cannot hold --batch x --context", b,
+          m->cached_tokens(), context));
+    }
   }
   const int q_heads = spec.num_kv_heads() * absl::GetFlag(FLAGS_q_heads_per_kv_head);
   const std::vector<uint16_t> q =

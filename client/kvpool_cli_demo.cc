@@ -131,10 +131,14 @@ struct CallTimes {
     us.push_back(t * 1e6);
     return result;
   }
+  void ForgetLast() {  // a call whose work is not counted (one that is repeated in full)
+    secs -= us.back() / 1e6;
+    us.pop_back();
+  }
 };
 
-// Prefill of request r: Match to learn the cached prefix (`cached` grows by its length), then
-// Put only the rest (its calls timed in `put_times`). Returns the bytes the Put sent.
+// Prefill of request r: Match to learn the cached prefix, then Put only the rest (timed in
+// `put_times`); `cached` grows by the prefix that Put did not send. Returns the bytes it sent.
 absl::StatusOr<uint64_t> Prefill(client::KvPoolClient& c, const std::string& ns, const Workload& w,
                                  int r, uint64_t seed, uint64_t* cached, CallTimes& put_times) {
   const int prompt = w.PromptTokens();
@@ -146,15 +150,17 @@ absl::StatusOr<uint64_t> Prefill(client::KvPoolClient& c, const std::string& ns,
   if (!released.ok()) return released;
   const LayeredKv kv = w.RequestKv(r);
   int begin = static_cast<int>(m->cached_tokens());
-  *cached += begin;
   client::SequenceKv tail = ToSequenceKv(kv, begin, prompt - begin);
   absl::StatusOr<v1::PutResponse> put =
       put_times.Time([&] { return c.Put(ns, ids, tail, Call()); });
   if (!put.ok() && absl::IsFailedPrecondition(put.status()) && begin > 0) {
-    tail = ToSequenceKv(kv, 0, prompt);  // the prefix was evicted since Match: send everything
+    put_times.ForgetLast();
+    begin = 0;  // the prefix was evicted since Match: send everything
+    tail = ToSequenceKv(kv, 0, prompt);
     put = put_times.Time([&] { return c.Put(ns, ids, tail, Call()); });
   }
   if (!put.ok()) return put.status();
+  *cached += begin;
   return put->bytes_received();
 }
 

@@ -297,7 +297,8 @@ class GrpcKvPoolClient final : public KvPoolClient {
                                                             : v1::GET_FORMAT_FP16;
     v1::GetResponse msg;
     while (reader->Read(&msg)) {
-      result.payload_bytes += msg.k().size() + msg.v().size();
+      result.payload_bytes +=
+          msg.k().size() + msg.v().size() + msg.sink_k().size() + msg.sink_v().size();
       parts[msg.layer()][msg.block_begin()] = std::move(msg);
       msg.Clear();
     }

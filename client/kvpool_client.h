@@ -89,7 +89,7 @@ struct GetLayer {
 struct GetResult {
   v1::GetFormat format = v1::GET_FORMAT_FP16;
   std::vector<GetLayer> layers;  // ascending layer order
-  uint64_t payload_bytes = 0;    // k + v bytes received
+  uint64_t payload_bytes = 0;    // k + v (and sink row) bytes received
 };
 
 // One open AttendStream: a decode loop sends one AttendRequest per step and layer and gets its

@@ -124,7 +124,7 @@ class NcclChannelImpl final : public NcclChannel {
   uint64_t channel_id() const override { return id_; }
   void SetCloseDeadline(absl::Time deadline) override {
     absl::MutexLock c(&close_mu_);
-    close_deadline_ = deadline;
+    close_deadline_ = std::min(close_deadline_, deadline);
   }
 
   absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,

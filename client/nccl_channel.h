@@ -36,7 +36,8 @@ class NcclChannel {
   virtual uint64_t channel_id() const = 0;
   // Bounds the CloseChannel RPC that destroying the channel sends (5 s from then by default): a
   // caller that drops a failed channel inside a timed call passes that call's deadline, so that
-  // the close cannot outlast it. Thread-safe; the channel may still be in use elsewhere.
+  // the close cannot outlast it. The earliest deadline set wins (calls sharing a channel may each
+  // drop it). Thread-safe; the channel may still be in use elsewhere.
   virtual void SetCloseDeadline(absl::Time deadline) = 0;
 
   // NcclGet into device memory `dst` of `capacity` bytes; the descriptor says where each

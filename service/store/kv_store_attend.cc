@@ -40,15 +40,24 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     return absl::InvalidArgumentError("sm_scale must be finite and not negative");
   }
   LeaseUse use(this);
-  // The namespace (the first item's; every other item's is checked under the lock below) and its
-  // layout never change once made: the inputs are checked against them before the store lock is
-  // taken, so that screening a large batch does not hold up every other call.
+  // The items' namespace and its layout never change once made: the inputs are checked against
+  // them before the store lock is taken again, so that screening a large batch does not hold up
+  // every other call. (The leases are looked up again then: one may be gone meanwhile.)
   NamespaceState* ns = nullptr;
   {
     absl::MutexLock l(&mu_);
-    absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(items[0].lease_id);
-    if (!lease.ok()) return lease.status();
-    ns = namespaces_[(*lease)->namespace_index].get();
+    ExpireLocked();
+    for (size_t i = 0; i < items.size(); ++i) {
+      absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(items[i].lease_id);
+      if (!lease.ok()) return lease.status();
+      if (i == 0) {
+        ns = namespaces_[(*lease)->namespace_index].get();
+      } else if ((*lease)->namespace_index != ns->ordinal) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("item %d: lease %d is not in namespace %s", i, items[i].lease_id,
+                            ns->info.config.name));
+      }
+    }
   }
   const NamespaceConfig& config = ns->info.config;
   if (layer >= static_cast<uint32_t>(config.num_layers)) {

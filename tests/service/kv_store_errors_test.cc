@@ -323,6 +323,51 @@ TEST_F(StoreErrorsTest, BadAttendItemAppendsNothing) {
   EXPECT_EQ(view->num_blocks, 2u);
 }
 
+// A batch naming leases of two namespaces is refused, with the other lease's item named, and
+// appends nothing. The refusal comes before any item's q or new K/V is read, since they would be
+// read at the first item's namespace's sizes: past item 1's arrays here, which only a sanitizer
+// build would report.
+TEST(StoreAttendBatch, ItemsOfAnotherNamespaceAreRefusedBeforeTheirInputsAreRead) {
+  const std::unique_ptr<ComputeBackend> backend = NewCpuBackend();
+  NamespaceConfig wide = SmallConfig("wide"), narrow = SmallConfig("narrow");
+  narrow.head_dim = 16;
+  wide.capacity_bytes = ArenaBytes(wide, 8);
+  narrow.capacity_bytes = ArenaBytes(narrow, 8);
+  KvStore::Options o;
+  o.backend = backend.get();
+  o.pool_bytes = wide.capacity_bytes + narrow.capacity_bytes;
+  auto store = KvStore::Create(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  ASSERT_TRUE((*store)->CreateNamespace(wide).ok());
+  ASSERT_TRUE((*store)->CreateNamespace(narrow).ok());
+  uint64_t leases[2];
+  for (int i = 0; i < 2; ++i) {
+    const NamespaceConfig& c = i == 0 ? wide : narrow;
+    ASSERT_TRUE(
+        PutIntoStore(**store, c.name, TokenIds(8, 1 + i), MakeSequenceKv(c, 8, 5 + i)).ok());
+    auto m = (*store)->Match(c.name, TokenIds(8, 1 + i), absl::ZeroDuration());
+    ASSERT_TRUE(m.ok()) << m.status();
+    leases[i] = m->lease_id;
+  }
+  // Item 1's arrays are its own namespace's size, half of what item 0's namespace would read.
+  const std::vector<uint16_t> q0 = ToHalf(MakeNormal(2 * wide.head_dim, 7));
+  const std::vector<uint16_t> kv0 = ToHalf(MakeNormal(2 * wide.head_dim, 8));
+  const std::vector<uint16_t> q1 = ToHalf(MakeNormal(2 * narrow.head_dim, 9));
+  const std::vector<uint16_t> kv1 = ToHalf(MakeNormal(2 * narrow.head_dim, 10));
+  std::vector<KvStore::AttendItem> items(2);
+  items[0] = {leases[0], q0.data(), kv0.data(), kv0.data(), -1};
+  items[1] = {leases[1], q1.data(), kv1.data(), kv1.data(), -1};
+  std::vector<float> out(2 * 2 * wide.head_dim);
+  uint32_t context[2];
+  const absl::Status s =
+      (*store)->Attend(0, 2, 0.f, items, {out.data(), nullptr, nullptr, context});
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(std::string(s.message()).find("item 1"), std::string::npos) << s;
+  for (uint64_t lease : leases) {
+    EXPECT_EQ((*store)->DescribeLease(lease)->layer_tokens, (std::vector<uint32_t>{8, 8}));
+  }
+}
+
 TEST_F(StoreErrorsTest, InvalidNamespaceConfigIsRejected) {
   NamespaceConfig c = SmallConfig("bad name!");
   EXPECT_EQ(store_->CreateNamespace(c).status().code(), StatusCode::kInvalidArgument);
