@@ -42,6 +42,22 @@ struct Appender {
     params.num_tokens = static_cast<int>(slots.size());
     return cpu::QuantizeAppend(params);
   }
+  // Dequantize of blocks `ids` (which must outlive the params), heads [0, head_end), into
+  // k_out / v_out.
+  DequantizeParams Reader(const std::vector<int32_t>& ids, int head_end, uint16_t* k_out,
+                          uint16_t* v_out) const {
+    DequantizeParams dp;
+    dp.layout = params.layout;
+    dp.pages = pages.data();
+    dp.block_ids = ids.data();
+    dp.num_out_blocks = static_cast<int>(ids.size());
+    dp.head_begin = 0;
+    dp.head_end = head_end;
+    dp.k_out = k_out;
+    dp.v_out = v_out;
+    dp.num_blocks = params.num_blocks;
+    return dp;
+  }
   std::vector<uint8_t> pages;
   std::vector<uint8_t> sink_pages;
   QuantizeAppendParams params;
@@ -107,17 +123,8 @@ TEST_P(QuantizeCpuTest, DecodedRowsStayWithinTheQuantizationStep) {
   for (int b = 0; b < num_blocks; ++b) ids[b] = static_cast<int32_t>(num_blocks - 1 - b);
   const size_t out_elems = num_blocks * l.block_tokens * l.num_kv_heads * l.head_dim;
   std::vector<uint16_t> k_out(out_elems), v_out(out_elems);
-  DequantizeParams dp;
-  dp.layout = l;
-  dp.pages = a.pages.data();
-  dp.block_ids = ids.data();
-  dp.num_out_blocks = static_cast<int>(num_blocks);
-  dp.head_begin = 0;
-  dp.head_end = l.num_kv_heads;
-  dp.k_out = k_out.data();
-  dp.v_out = v_out.data();
-  dp.num_blocks = num_blocks;
-  ASSERT_EQ(cpu::Dequantize(dp), KernelStatus::kOk);
+  ASSERT_EQ(cpu::Dequantize(a.Reader(ids, l.num_kv_heads, k_out.data(), v_out.data())),
+            KernelStatus::kOk);
   for (int t = 0; t < tokens; ++t) {
     const int block = static_cast<int>(slots[t] / l.block_tokens);
     const int off = static_cast<int>(slots[t] % l.block_tokens);
@@ -150,18 +157,9 @@ double RoundTripError(const PageLayout& l, const std::vector<uint16_t>& row) {
   for (int h = 0; h < l.num_kv_heads; ++h) kv.insert(kv.end(), row.begin(), row.end());
   Appender a(l, 1);
   EXPECT_EQ(a.Append(kv, kv, {0}, {}), KernelStatus::kOk);
-  const int32_t id = 0;
   std::vector<uint16_t> k_out(l.block_tokens * kv.size()), v_out(k_out.size());
-  DequantizeParams dp;
-  dp.layout = l;
-  dp.pages = a.pages.data();
-  dp.block_ids = &id;
-  dp.num_out_blocks = 1;
-  dp.head_begin = 0;
-  dp.head_end = l.num_kv_heads;
-  dp.k_out = k_out.data();
-  dp.v_out = v_out.data();
-  dp.num_blocks = 1;
+  const std::vector<int32_t> ids = {0};
+  DequantizeParams dp = a.Reader(ids, l.num_kv_heads, k_out.data(), v_out.data());
   dp.valid_tokens = 1;
   EXPECT_EQ(cpu::Dequantize(dp), KernelStatus::kOk);
   double err = 0, amax = 0;
@@ -221,19 +219,8 @@ TEST(QuantizeCpu, RowsAtTheInputBoundReadBackFinite) {
       }
       Appender a(l, 1);
       ASSERT_EQ(a.Append(k, v, {0, 1, 2, 3}, {}), KernelStatus::kOk);
-      const int32_t id = 0;
       std::vector<uint16_t> k_out(l.block_tokens * row), v_out(l.block_tokens * row);
-      DequantizeParams dp;
-      dp.layout = l;
-      dp.pages = a.pages.data();
-      dp.block_ids = &id;
-      dp.num_out_blocks = 1;
-      dp.head_begin = 0;
-      dp.head_end = 1;
-      dp.k_out = k_out.data();
-      dp.v_out = v_out.data();
-      dp.num_blocks = 1;
-      ASSERT_EQ(cpu::Dequantize(dp), KernelStatus::kOk);
+      ASSERT_EQ(cpu::Dequantize(a.Reader({0}, 1, k_out.data(), v_out.data())), KernelStatus::kOk);
       for (size_t i = 0; i < 4 * row; ++i) {
         ASSERT_LT(k_out[i] & 0x7FFF, 0x7C00)
             << testing::DtypeName(dtype) << " rot " << rot << " K " << i;
