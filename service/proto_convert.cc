@@ -45,6 +45,18 @@ v1::KvDtype ToProtoDtype(KvDtype d) {
   return v1::KV_DTYPE_UNSPECIFIED;
 }
 
+namespace {
+
+// NamespaceSpec.rotation_block 0: the largest power of two dividing head_dim, at most 128 (16 at
+// least for the multiples of 16 a namespace takes).
+int DefaultRotationBlock(int head_dim) {
+  int block = 16;
+  while (block < 128 && head_dim % (2 * block) == 0) block *= 2;
+  return block;
+}
+
+}  // namespace
+
 absl::StatusOr<NamespaceConfig> FromProtoSpec(const v1::NamespaceSpec& spec) {
   // Checked before layer_dtypes is sized from it.
   if (spec.num_layers() == 0 || spec.num_layers() > static_cast<uint32_t>(kMaxNamespaceLayers)) {
@@ -71,7 +83,7 @@ absl::StatusOr<NamespaceConfig> FromProtoSpec(const v1::NamespaceSpec& spec) {
     c.layer_dtypes[l] = *d;
   }
   c.rotation_block = spec.rotation_disabled()     ? 0
-                     : spec.rotation_block() == 0 ? std::min(c.head_dim, 128)
+                     : spec.rotation_block() == 0 ? DefaultRotationBlock(c.head_dim)
                                                   : static_cast<int>(spec.rotation_block());
   c.rotation_seed = spec.rotation_seed();
   c.group_size = spec.group_size() == 0 ? c.head_dim : static_cast<int>(spec.group_size());

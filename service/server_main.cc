@@ -46,6 +46,8 @@ ABSL_FLAG(uint64_t, max_lease_token_ids, uint64_t{1} << 28,
           "token ids all live leases keep together, 4 bytes of host memory each (a Match or an "
           "append past it gets RESOURCE_EXHAUSTED)");
 ABSL_FLAG(uint32_t, max_attend_batch, 1024, "items per Attend request");
+ABSL_FLAG(int, max_namespaces, 64,
+          "namespaces the server holds (CreateNamespace past it gets RESOURCE_EXHAUSTED)");
 ABSL_FLAG(int, attend_threads, 4,
           "threads (one completion queue each) that run unary Attend calls and AttendStream "
           "decode steps");
@@ -76,8 +78,12 @@ ABSL_FLAG(uint64_t, attend_region_total_bytes, uint64_t{1} << 30,
 ABSL_FLAG(uint64_t, nccl_max_channels, 256, "NCCL channels open at once (cuda)");
 ABSL_FLAG(int64_t, nccl_channel_idle_timeout_ms, 300000,
           "an NCCL channel unused this long (or not joined by its worker) is aborted");
+ABSL_FLAG(int64_t, nccl_default_join_timeout_ms, 30000,
+          "time a worker is given to join a new NCCL channel when its OpenChannel names none");
 ABSL_FLAG(int64_t, nccl_max_join_timeout_ms, 120000,
           "longest time a worker is given to join a new NCCL channel");
+ABSL_FLAG(int64_t, nccl_default_transfer_timeout_ms, 30000,
+          "data-phase deadline of an NcclGet / NcclPut that names none");
 ABSL_FLAG(int64_t, nccl_max_transfer_timeout_ms, 300000, "longest NcclGet / NcclPut granted");
 ABSL_FLAG(uint64_t, nccl_staging_bytes, uint64_t{256} << 20,
           "device memory of one NCCL staging buffer (a transfer takes up to two, larger when a "
@@ -179,6 +185,7 @@ int Run() {
   options.store.max_sequence_tokens = absl::GetFlag(FLAGS_max_sequence_tokens);
   options.store.max_lease_token_ids = absl::GetFlag(FLAGS_max_lease_token_ids);
   options.store.max_attend_batch = absl::GetFlag(FLAGS_max_attend_batch);
+  options.store.max_namespaces = absl::GetFlag(FLAGS_max_namespaces);
   options.namespaces.push_back(
       DefaultNamespaceConfig(static_cast<uint64_t>(absl::GetFlag(FLAGS_default_namespace_fraction) *
                                                    static_cast<double>(options.store.pool_bytes))));
@@ -207,8 +214,12 @@ int Run() {
   options.transport.channels.max_channels = absl::GetFlag(FLAGS_nccl_max_channels);
   options.transport.channels.idle_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_nccl_channel_idle_timeout_ms));
+  options.transport.channels.default_join_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_nccl_default_join_timeout_ms));
   options.transport.channels.max_join_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_nccl_max_join_timeout_ms));
+  options.transport.default_transfer_timeout =
+      absl::Milliseconds(absl::GetFlag(FLAGS_nccl_default_transfer_timeout_ms));
   options.transport.max_transfer_timeout =
       absl::Milliseconds(absl::GetFlag(FLAGS_nccl_max_transfer_timeout_ms));
   options.transport.staging_bytes = absl::GetFlag(FLAGS_nccl_staging_bytes);

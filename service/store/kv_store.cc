@@ -112,8 +112,8 @@ absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& 
     return absl::AlreadyExistsError(absl::StrFormat("namespace %s exists", config.name));
   }
   if (namespaces_.size() >= static_cast<size_t>(options_.max_namespaces)) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("namespace limit of %d reached", options_.max_namespaces));
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "namespace limit of %d reached (--max_namespaces)", options_.max_namespaces));
   }
   const uint64_t unreserved = options_.pool_bytes - reserved_bytes_;
   const uint64_t capacity = config.capacity_bytes == 0 ? unreserved : config.capacity_bytes;

@@ -305,7 +305,6 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
         layer_begin, layer_end, head_begin, head_end, config.num_layers, config.num_kv_heads));
   }
   const uint32_t num_blocks = lease->num_blocks;
-  if (num_blocks == 0) return absl::InvalidArgumentError("the lease holds no blocks");
   const uint32_t heads = head_end - head_begin;
 
   v1::NcclGetResponse first;
@@ -313,6 +312,12 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
   d.set_num_blocks(num_blocks);
   d.set_block_tokens(config.block_tokens);
   d.set_num_heads(heads);
+  if (num_blocks == 0) {  // nothing cached (a Match that hit nothing): no layer, no data moves
+    if (absl::Status s = emit(first); !s.ok()) return s;
+    v1::NcclGetResponse last;
+    last.mutable_done()->set_bytes(0);
+    return emit(last);
+  }
   uint32_t valid = lease->layer_tokens.empty() ? 0 : lease->layer_tokens[layer_begin];
   std::vector<uint64_t> layer_bytes;
   uint64_t offset = 0;

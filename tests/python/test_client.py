@@ -345,6 +345,22 @@ def test_raw_get_from_the_first_block_carries_the_exact_sink_rows(client):
         client.release(m.lease_id)
 
 
+def test_default_rotation_block_divides_head_dims_that_are_not_powers_of_two(client, backend):
+    if backend != "cpu":
+        pytest.skip("the CUDA kernels take head_dim 64, 128 and 256 only")
+    info = client.create_namespace("pytest-hd96", LAYERS, HEADS, 96, block_tokens=BLOCK,
+                                   capacity_bytes=1 << 20)
+    assert info.spec.rotation_block == 32
+    ids = np.random.default_rng(51).integers(0, 128000, BLOCK).tolist()
+    k = np.random.default_rng(52).standard_normal((LAYERS, BLOCK, HEADS, 96)).astype(np.float16)
+    client.put(ids, k, k, namespace="pytest-hd96")
+    m = client.match(ids, namespace="pytest-hd96")
+    try:
+        assert rel_err(client.get(m.lease_id).k, k.astype(np.float64)) < 0.15
+    finally:
+        client.release(m.lease_id)
+
+
 def test_sink_pages_are_shared_out_one_per_blocks_per_sink_page(client):
     info = client.create_namespace("pytest-sinks", LAYERS, HEADS, DIM, block_tokens=BLOCK,
                                    sink_tokens=4, blocks_per_sink_page=4, capacity_bytes=1 << 20)

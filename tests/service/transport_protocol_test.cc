@@ -121,6 +121,32 @@ TEST_F(TransportProtocolTest, GetRefusesTooSmallBufferWithoutBreakingChannel) {
   EXPECT_TRUE(Counted("NcclGet", "OK", 1));
 }
 
+// A lease holding no block (a Match that hit nothing) gets what a Get of it gets: nothing, and OK,
+// with no data moved and the channel as it was.
+TEST_F(TransportProtocolTest, GetOfALeaseWithoutBlocksSendsNoLayerAndSucceeds) {
+  MakeStore(32);
+  StartService();
+  auto empty = store_->Match("main", TokenIds(8, 77), absl::ZeroDuration());
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  ASSERT_EQ(empty->num_blocks, 0u);
+  TestWorker w(stub_.get(), &network_);
+  ASSERT_TRUE(w.Open().ok());
+  for (const v1::GetFormat format : {v1::GET_FORMAT_RAW, v1::GET_FORMAT_FP16}) {
+    v1::NcclGetDescriptor header;
+    std::vector<uint8_t> buf;
+    const absl::Status s = w.Get(NcclGetOf(empty->lease_id, format), &header, &buf);
+    ASSERT_TRUE(s.ok()) << s;
+    EXPECT_EQ(header.num_blocks(), 0u);
+    EXPECT_EQ(header.total_bytes(), 0u);
+    EXPECT_EQ(header.layers_size(), 0);
+  }
+  const uint64_t lease = PutAndMatch(8, 4);  // the channel still carries data
+  v1::NcclGetDescriptor header;
+  std::vector<uint8_t> buf;
+  EXPECT_TRUE(w.Get(NcclGetOf(lease), &header, &buf).ok());
+  EXPECT_TRUE(Counted("NcclGet", "OK", 3));
+}
+
 // The pages an NcclPut stores equal those of the gRPC path's Put (PutSession::AddChunk).
 // Run with rounds of one layer (each received while the previous one is quantized) and one round.
 TEST_F(TransportProtocolTest, PutStoresWhatTheGrpcPathStores) {

@@ -234,6 +234,9 @@ class Client:
                          rotation_disabled: bool = False, rotation_seed: int = 0,
                          group_size: int = 0, sink_tokens: int = 0, capacity_bytes: int = 0,
                          blocks_per_sink_page: int = 0, timeout=None):
+        """Creates a namespace (NamespaceSpec's fields; 0 = the server's default). capacity_bytes
+        0 reserves all of the pool no namespace has reserved yet: give it when more namespaces
+        are to follow."""
         spec = pb.NamespaceSpec(
             name=name, num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
             block_tokens=block_tokens, default_dtype=_DTYPES[dtype],
