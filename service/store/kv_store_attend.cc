@@ -81,8 +81,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
   std::vector<uint16_t> new_k, new_v;
   for (size_t i = 0; i < items.size(); ++i) {
     const AttendItem& item = items[i];
-    if (item.q == nullptr)
+    if (item.q == nullptr) {
       return absl::InvalidArgumentError(absl::StrFormat("item %d: empty q", i));
+    }
     if (absl::Status s = CheckHalfRange(item.q, q_elems, q_bound, "q"); !s.ok()) return s;
     if ((item.new_k == nullptr) != (item.new_v == nullptr)) {
       return absl::InvalidArgumentError(
@@ -126,12 +127,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
       if (!lease.ok()) return lease.status();
       leases.push_back(*std::move(lease));
     }
+    // Each lease's namespace was checked above and never changes.
     for (size_t i = 0; i < items.size(); ++i) {
       const AttendItem& item = items[i];
-      if (leases[i]->namespace_index != ns->ordinal) {
-        return absl::InvalidArgumentError(absl::StrFormat(
-            "item %d: lease %d is not in namespace %s", i, item.lease_id, config.name));
-      }
       const Lease& lease = *leases[i];
       if (lease.layer_written[layer] != lease.layer_tokens[layer]) {
         return absl::FailedPreconditionError(absl::StrFormat(

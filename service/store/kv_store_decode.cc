@@ -220,8 +220,9 @@ absl::Status StoreImpl::ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t
         for (int kv = 0; kv < 2; ++kv) {
           std::vector<ComputeBackend::ArenaRun> runs;
           for (uint32_t h = head_begin; h < head_end; ++h) {
-            if (rows > 0)
+            if (rows > 0) {
               runs.push_back({page + l.sink_offset(kv, static_cast<int>(h), 0), rows * row});
+            }
             if (rows < static_cast<size_t>(l.sink_tokens)) {
               runs.push_back({nullptr, (l.sink_tokens - rows) * row});
             }
