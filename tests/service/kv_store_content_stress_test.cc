@@ -1,0 +1,786 @@
+// Randomized multi-threaded stress of the KvStore on the CPU backend that checks content, not just
+// statuses: every token's K/V is a deterministic function of the ids of its prefix, so anything a
+// lease reads (matched prefix, appended tail, published blocks of others) has exactly one right
+// value. Appends and Attends on a (lease, layer) are serialized by the test (as the contract
+// asks), so the test also knows every lease's token count per layer. Backend failures are
+// injected into appends and attends.
+//
+// Env: STRESS_THREADS (6), STRESS_STEPS (1500), STRESS_SEED (1), STRESS_WATCHDOG_S (600).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_format.h"
+#include "gtest/gtest.h"
+#include "kernels/fp16.h"
+#include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
+#include "service/store/kv_store.h"
+#include "service/store/namespace_config.h"
+#include "tests/service/kv_store_test_util.h"
+
+namespace kvpool::testing {
+namespace {
+
+int EnvInt(const char* name, int def) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : def;
+}
+
+thread_local int tl_fail_permille = 0;
+thread_local std::mt19937* tl_rng = nullptr;
+std::atomic<int> g_injected{0};
+bool ShouldFail() {
+  const bool f = tl_fail_permille > 0 && tl_rng != nullptr &&
+                 static_cast<int>((*tl_rng)() % 1000) < tl_fail_permille;
+  if (f) g_injected++;
+  return f;
+}
+
+class FlakyBackend : public ForwardingBackend {
+ public:
+  absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
+    if (ShouldFail()) return absl::InternalError("injected QuantizeAppend failure");
+    return ForwardingBackend::QuantizeAppend(p);
+  }
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
+    if (append != nullptr && ShouldFail()) {
+      if ((*tl_rng)() % 2 == 0) (void)inner().QuantizeAppend(*append);  // written, then failed
+      return absl::InternalError("injected attend failure");
+    }
+    return ForwardingBackend::PagedDecodeAttention(p, append);
+  }
+};
+
+uint64_t Mix(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+std::vector<uint64_t> PrefixHashes(const std::vector<int32_t>& ids) {
+  std::vector<uint64_t> h(ids.size());
+  uint64_t x = 0x1234;
+  for (size_t i = 0; i < ids.size(); ++i) h[i] = x = Mix(x ^ (static_cast<uint64_t>(ids[i]) + 77));
+  return h;
+}
+
+class Oracle {
+ public:
+  explicit Oracle(const NamespaceConfig& c) : c_(c), pt_(size_t(c.num_kv_heads) * c.head_dim) {}
+  size_t pt() const { return pt_; }
+  // Input fp16 row (K and V) of the token whose prefix hash is h.
+  void Input(uint64_t h, int layer, uint16_t* k, uint16_t* v) const {
+    std::mt19937_64 g(Mix(h * 31 + layer));
+    std::normal_distribution<float> n(0.f, 1.f);
+    for (size_t i = 0; i < pt_; ++i) k[i] = FloatToHalf(n(g));
+    for (size_t i = 0; i < pt_; ++i) v[i] = FloatToHalf(n(g));
+  }
+  // What a read returns for it: quantized, or exact for a sink position read from block 0.
+  void Expected(uint64_t h, int layer, bool sink_exact, uint16_t* k, uint16_t* v) const {
+    std::vector<uint16_t> ik(pt_), iv(pt_);
+    Input(h, layer, ik.data(), iv.data());
+    if (sink_exact) {
+      std::copy(ik.begin(), ik.end(), k);
+      std::copy(iv.begin(), iv.end(), v);
+      return;
+    }
+    const PageLayout l = LayerLayout(c_, layer);
+    std::vector<uint8_t> page(l.layer_page_bytes());
+    std::vector<uint8_t> sink(std::max<size_t>(1, l.sink_page_bytes()));
+    int64_t slot = 0;
+    int32_t pos = 1 << 20;
+    QuantizeAppendParams p;
+    p.layout = l;
+    p.k = ik.data();
+    p.v = iv.data();
+    p.slot_mapping = &slot;
+    p.positions = &pos;
+    p.num_tokens = 1;
+    p.pages = page.data();
+    p.sink_pages = l.sink_tokens > 0 ? sink.data() : nullptr;
+    p.num_blocks = 1;
+    p.num_sink_blocks = l.sink_tokens > 0 ? 1 : 0;
+    EXPECT_EQ(cpu::QuantizeAppend(p), KernelStatus::kOk);
+    std::vector<uint16_t> ko(size_t(c_.block_tokens) * pt_), vo(ko.size());
+    int32_t id = 0;
+    DequantizeParams d;
+    d.layout = l;
+    d.pages = page.data();
+    d.block_ids = &id;
+    d.num_out_blocks = 1;
+    d.head_begin = 0;
+    d.head_end = c_.num_kv_heads;
+    d.k_out = ko.data();
+    d.v_out = vo.data();
+    d.num_blocks = 1;
+    EXPECT_EQ(cpu::Dequantize(d), KernelStatus::kOk);
+    std::copy(ko.begin(), ko.begin() + pt_, k);
+    std::copy(vo.begin(), vo.begin() + pt_, v);
+  }
+
+ private:
+  const NamespaceConfig c_;
+  const size_t pt_;
+};
+
+struct LeaseRec {
+  uint64_t id = 0;
+  std::vector<int32_t> plan;
+  std::vector<uint64_t> hashes;
+  uint32_t matched = 0;
+  uint32_t match_ids = 0;
+  // A chaos lease: matched with no ids, every appended row is the same per layer (X), so that
+  // many threads append and attend on one layer at once without the test knowing positions.
+  bool chaos = false;
+  int32_t chaos_id = 0;
+  uint64_t chaos_hash = 0;
+  std::mutex layer_mu[2];
+  uint32_t count[2] = {0, 0};  // guarded by layer_mu[l]
+};
+
+class ContentStress : public StoreTest {
+ protected:
+  void Run(uint64_t blocks, int sink_tokens, int bpsp) {
+    backend_ = std::make_unique<FlakyBackend>();
+    store_options_.max_leases = 16;
+    MakeStore(blocks, sink_tokens, bpsp);
+    if (HasFatalFailure()) return;
+    oracle_ = std::make_unique<Oracle>(config_);
+    const int threads = EnvInt("STRESS_THREADS", 6);
+    const int steps = EnvInt("STRESS_STEPS", 1500);
+    const int seed = EnvInt("STRESS_SEED", 1);
+    std::atomic<bool> done{false};
+    std::mutex wd_mu;
+    std::condition_variable wd_cv;
+    const int wd_s = EnvInt("STRESS_WATCHDOG_S", 600);
+    std::thread watchdog([&] {
+      std::unique_lock<std::mutex> l(wd_mu);
+      if (!wd_cv.wait_for(l, std::chrono::seconds(wd_s), [&] { return done.load(); })) {
+        std::fprintf(stderr, "WATCHDOG: no progress in %d s, deadlock?\n", wd_s);
+        std::abort();
+      }
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<std::thread> pool;
+    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { Work(seed * 1000 + t, steps); });
+    for (auto& t : pool) t.join();
+    {
+      std::lock_guard<std::mutex> l(wd_mu);
+      done = true;
+    }
+    wd_cv.notify_all();
+    watchdog.join();
+    std::fprintf(stderr,
+                 "ran %d threads x %d steps in %.1f s; ops ok: put %d match %d append %d "
+                 "attend %d read %d\n",
+                 threads, steps,
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                 n_put_.load(), n_match_.load(), n_append_.load(), n_attend_.load(),
+                 n_read_.load());
+    for (const std::string& u : unexpected_) ADD_FAILURE() << u;
+    // Settle.
+    {
+      std::lock_guard<std::mutex> l(table_mu_);
+      for (auto& r : leases_) (void)store_->Release(r->id);
+      leases_.clear();
+    }
+    clock_.Advance(absl::Hours(1));
+    store_->ExpireLeases();
+    const StoreStats st = store_->Stats();
+    EXPECT_EQ(st.active_leases, 0u);
+    EXPECT_EQ(st.lease_token_ids, 0u);
+    const NamespaceStoreStats& ns = st.namespaces[0];
+    EXPECT_EQ(ns.blocks_in_use, 0u);
+    EXPECT_EQ(ns.blocks_free + ns.blocks_evictable, ns.blocks_total);
+    EXPECT_EQ(ns.tokens_stored, ns.blocks_evictable * config_.block_tokens);
+    // Every sequence ever used: whatever of it is cached reads back right.
+    std::vector<std::vector<int32_t>> seqs;
+    {
+      std::lock_guard<std::mutex> l(seq_mu_);
+      seqs.assign(seen_.begin(), seen_.end());
+    }
+    int checked_blocks = 0;
+    for (const auto& ids : seqs) {
+      auto m = store_->Match(config_.name, ids, absl::Seconds(5));
+      ASSERT_TRUE(m.ok()) << m.status();
+      if (m->cached_tokens > 0) {
+        auto rec = std::make_shared<LeaseRec>();
+        rec->id = m->lease_id;
+        rec->plan = ids;
+        rec->hashes = PrefixHashes(ids);
+        for (int layer = 0; layer < 2; ++layer) {
+          CheckRead(*rec, layer, m->cached_tokens, "final");
+        }
+        checked_blocks += m->cached_tokens / config_.block_tokens;
+      }
+      ASSERT_TRUE(store_->Release(m->lease_id).ok());
+    }
+    std::vector<std::pair<int32_t, uint64_t>> chaos;
+    {
+      std::lock_guard<std::mutex> l(chaos_mu_);
+      chaos = chaos_;
+    }
+    int chaos_blocks = 0;
+    for (const auto& [cid, ch] : chaos) {
+      const std::vector<int32_t> ids(64, cid);
+      auto m = store_->Match(config_.name, ids, absl::Seconds(5));
+      ASSERT_TRUE(m.ok()) << m.status();
+      LeaseRec rec;
+      rec.id = m->lease_id;
+      rec.chaos = true;
+      rec.chaos_hash = ch;
+      for (int layer = 0; layer < 2; ++layer)
+        CheckRead(rec, layer, m->cached_tokens, "final chaos");
+      chaos_blocks += m->cached_tokens / config_.block_tokens;
+      ASSERT_TRUE(store_->Release(m->lease_id).ok());
+    }
+    std::fprintf(stderr, "final: %d published chaos blocks verified; during run %d; injected %d\n",
+                 chaos_blocks, n_chaos_hits_.load(), g_injected.load());
+    for (const std::string& u : unexpected_) ADD_FAILURE() << u;
+    std::fprintf(stderr, "final: %zu sequences, %d cached blocks verified, evictions %llu\n",
+                 seqs.size(), checked_blocks,
+                 (unsigned long long)store_->Stats().namespaces[0].evictions);
+  }
+
+  void Bad(const std::string& s) {
+    std::lock_guard<std::mutex> l(bad_mu_);
+    if (unexpected_.size() < 50) unexpected_.push_back(s);
+  }
+
+  std::vector<int32_t> MakeIds(std::mt19937& rng, int max_len) {
+    const int len = static_cast<int>(rng() % (max_len + 1));
+    const int fam = static_cast<int>(rng() % 3);
+    const int split = static_cast<int>(rng() % (len + 1));
+    const int branch = static_cast<int>(rng() % 3);
+    std::vector<int32_t> ids(len);
+    for (int i = 0; i < len; ++i) {
+      ids[i] = i < split ? fam * 10000 + i : fam * 10000 + (branch + 1) * 1000 + i;
+    }
+    return ids;
+  }
+
+  void Remember(const std::vector<int32_t>& ids) {
+    if (ids.empty()) return;
+    std::lock_guard<std::mutex> l(seq_mu_);
+    seen_.insert(ids);
+  }
+
+  // ReadFp16 of blocks [0, ceil(w/bt)) of `layer`; rows < w must be the oracle's, rows past
+  // either the oracle's (written since) or zeros.
+  void CheckRead(LeaseRec& r, int layer, uint32_t w, const char* what) {
+    if (w == 0) return;
+    const int bt = config_.block_tokens;
+    const size_t pt = oracle_->pt();
+    const uint32_t blocks = (w + bt - 1) / bt;
+    std::vector<uint16_t> k(size_t(blocks) * bt * pt), v(k.size());
+    absl::Status s =
+        store_->ReadFp16(r.id, layer, 0, blocks, 0, config_.num_kv_heads, k.data(), v.data());
+    if (s.code() == absl::StatusCode::kNotFound) return;
+    if (!s.ok()) {
+      Bad(absl::StrFormat("%s ReadFp16: %s", what, s.ToString()));
+      return;
+    }
+    n_read_++;
+    std::vector<uint16_t> ek(pt), ev(pt);
+    for (uint32_t row = 0; row < blocks * bt; ++row) {
+      const uint16_t* gk = k.data() + row * pt;
+      const uint16_t* gv = v.data() + row * pt;
+      if (!r.chaos && row >= r.plan.size()) {
+        Bad(absl::StrFormat("%s: row %d past plan", what, row));
+        return;
+      }
+      oracle_->Expected(r.chaos ? r.chaos_hash : r.hashes[row], layer,
+                        static_cast<int>(row) < config_.sink_tokens, ek.data(), ev.data());
+      const bool match =
+          std::equal(ek.begin(), ek.end(), gk) && std::equal(ev.begin(), ev.end(), gv);
+      if (match) continue;
+      const bool zero = std::all_of(gk, gk + pt, [](uint16_t x) { return x == 0; }) &&
+                        std::all_of(gv, gv + pt, [](uint16_t x) { return x == 0; });
+      if (row >= w && zero) continue;
+      double err = 0, norm = 0;
+      for (size_t i = 0; i < pt; ++i) {
+        const double d = HalfToFloat(gk[i]) - HalfToFloat(ek[i]);
+        err += d * d;
+        norm += double(HalfToFloat(ek[i])) * HalfToFloat(ek[i]);
+      }
+      Bad(absl::StrFormat(
+          "%s: lease %d layer %d row %d (written %d, matched %d, match ids %d, plan len %d) "
+          "content wrong: %s, K rel err %.3f",
+          what, r.id, layer, row, w, r.matched, r.match_ids, r.plan.size(),
+          zero ? "zeros" : "other data", std::sqrt(err / norm)));
+      return;
+    }
+  }
+
+  std::shared_ptr<LeaseRec> PickLease(std::mt19937& rng) {
+    std::lock_guard<std::mutex> l(table_mu_);
+    if (leases_.empty()) return nullptr;
+    return leases_[rng() % leases_.size()];
+  }
+  void Forget(uint64_t id) {
+    std::lock_guard<std::mutex> l(table_mu_);
+    for (size_t i = 0; i < leases_.size(); ++i) {
+      if (leases_[i]->id == id) {
+        leases_.erase(leases_.begin() + i);
+        return;
+      }
+    }
+  }
+
+  void DoPut(std::mt19937& rng) {
+    std::vector<int32_t> ids = MakeIds(rng, 28);
+    if (ids.empty()) ids.push_back(1);
+    const std::vector<uint64_t> h = PrefixHashes(ids);
+    const size_t pt = oracle_->pt();
+    const int n = static_cast<int>(ids.size());
+    std::vector<std::vector<uint16_t>> k(2, std::vector<uint16_t>(n * pt)), v = k;
+    for (int layer = 0; layer < 2; ++layer) {
+      for (int t = 0; t < n; ++t) {
+        oracle_->Input(h[t], layer, k[layer].data() + t * pt, v[layer].data() + t * pt);
+      }
+    }
+    auto session = store_->BeginPut(config_.name, ids);
+    if (!session.ok()) {
+      if (session.status().code() != absl::StatusCode::kResourceExhausted)
+        Bad("BeginPut: " + session.status().ToString());
+      return;
+    }
+    struct Chunk {
+      int layer, begin, len;
+    };
+    std::vector<Chunk> chunks;
+    for (int layer = 0; layer < 2; ++layer) {
+      int at = 0;
+      while (at < n) {
+        const int len = 1 + static_cast<int>(rng() % n);
+        chunks.push_back({layer, at, std::min(len, n - at)});
+        at += len;
+      }
+    }
+    std::shuffle(chunks.begin(), chunks.end(), rng);
+    const bool nan = rng() % 10 == 0;
+    const size_t nan_chunk = rng() % chunks.size();
+    const bool abandon = rng() % 20 == 0;
+    tl_fail_permille = 10;
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const Chunk& c = chunks[i];
+      std::vector<uint16_t> ck(k[c.layer].begin() + c.begin * pt,
+                               k[c.layer].begin() + (c.begin + c.len) * pt);
+      if (nan && i == nan_chunk) ck[rng() % ck.size()] = 0x7E00;
+      absl::Status s = (*session)->AddChunk(c.layer, c.begin, c.len, ck.data(),
+                                            v[c.layer].data() + c.begin * pt);
+      if (nan && i == nan_chunk) {
+        if (s.code() != absl::StatusCode::kInvalidArgument) Bad("NaN chunk: " + s.ToString());
+        tl_fail_permille = 0;
+        return;
+      }
+      if (!s.ok()) {
+        if (s.code() != absl::StatusCode::kInternal) Bad("AddChunk: " + s.ToString());
+        tl_fail_permille = 0;
+        return;
+      }
+    }
+    tl_fail_permille = 0;
+    if (abandon) return;
+    auto r = (*session)->Commit();
+    if (!r.ok()) {
+      Bad("Commit: " + r.status().ToString());
+      return;
+    }
+    n_put_++;
+    Remember(ids);
+  }
+
+  void DoMatch(std::mt19937& rng) {
+    auto rec = std::make_shared<LeaseRec>();
+    std::vector<int32_t> ids = MakeIds(rng, 28);
+    if (rng() % 20 == 0) ids.clear();
+    bool rejoin = false;
+    if (rng() % 4 == 0) {
+      ids.clear();
+      rec->chaos = true;
+      std::lock_guard<std::mutex> l(chaos_mu_);
+      if (!chaos_.empty() && rng() % 2 == 0) {  // an earlier chaos sequence, maybe published
+        const auto& [cid, ch] = chaos_[rng() % chaos_.size()];
+        rec->chaos_id = cid;
+        rec->chaos_hash = ch;
+        ids.assign(4 + rng() % 20, cid);
+        rejoin = true;
+      }
+    }
+    // Plan: a deterministic continuation of the ids' family (so that leases share tails), or
+    // a private one.
+    rec->plan = ids;
+    const bool shared_tail = rng() % 2 == 0;
+    const int32_t base = ids.empty() ? 50000 : ids.back() + 1;
+    const int32_t salt = shared_tail ? 0 : static_cast<int32_t>(rng() % 1000) * 100000;
+    for (int i = 0; rec->plan.size() < 40; ++i) rec->plan.push_back(base + salt + i);
+    rec->hashes = PrefixHashes(rec->plan);
+    rec->match_ids = static_cast<uint32_t>(ids.size());
+    auto m = store_->Match(config_.name, ids, absl::Seconds(1 + rng() % 5));
+    if (!m.ok()) {
+      if (m.status().code() != absl::StatusCode::kResourceExhausted)
+        Bad("Match: " + m.status().ToString());
+      return;
+    }
+    n_match_++;
+    rec->id = m->lease_id;
+    rec->matched = m->cached_tokens;
+    if (rejoin) {
+      n_chaos_hits_ += m->cached_tokens / config_.block_tokens;
+    } else if (rec->chaos) {
+      rec->chaos_id = 100000000 + static_cast<int32_t>(Mix(rec->id) % 1000000000);
+      rec->chaos_hash = Mix(rec->id ^ 0xC4A05);
+      std::lock_guard<std::mutex> l(chaos_mu_);
+      chaos_.push_back({rec->chaos_id, rec->chaos_hash});
+    }
+    rec->count[0] = rec->count[1] = m->cached_tokens;
+    if (!rec->chaos) {
+      Remember(ids);
+      Remember(rec->plan);
+    }
+    for (int layer = 0; layer < 2; ++layer) CheckRead(*rec, layer, rec->matched, "match");
+    std::lock_guard<std::mutex> l(table_mu_);
+    leases_.push_back(rec);
+  }
+
+  void ChaosAppend(std::mt19937& rng, LeaseRec& rec, int layer) {
+    auto view = store_->DescribeLease(rec.id);
+    if (!view.ok() || view->num_blocks >= 6) return;
+    const uint32_t k = 1 + rng() % 3;
+    const size_t pt = oracle_->pt();
+    std::vector<uint16_t> kk(k * pt), vv(k * pt);
+    for (uint32_t i = 0; i < k; ++i) {
+      oracle_->Input(rec.chaos_hash, layer, kk.data() + i * pt, vv.data() + i * pt);
+    }
+    std::vector<int32_t> ids;
+    if (rng() % 8 != 0) {
+      for (uint32_t i = 0; i < k; ++i) ids.push_back(rng() % 32 == 0 ? -1 : rec.chaos_id);
+    }
+    const bool nan = rng() % 20 == 0;
+    if (nan) kk[rng() % kk.size()] = 0xFC00;
+    tl_fail_permille = 100;
+    auto r = store_->Append(rec.id, layer, ids, k, kk.data(), vv.data());
+    tl_fail_permille = 0;
+    if (r.ok()) {
+      if (nan) Bad("chaos Append with -Inf accepted");
+      if (*r < k) Bad(absl::StrFormat("chaos Append returned %d < %d", *r, k));
+      n_append_++;
+      return;
+    }
+    const absl::StatusCode c = r.status().code();
+    if (c == absl::StatusCode::kNotFound) Forget(rec.id);
+    if (!AppendMayFail(c, nan)) Bad("chaos Append: " + r.status().ToString());
+  }
+
+  // The codes an append may fail with: its lease gone, its Inf, a full pool, an injected failure.
+  static bool AppendMayFail(absl::StatusCode c, bool nan) {
+    return c == absl::StatusCode::kNotFound || (nan && c == absl::StatusCode::kInvalidArgument) ||
+           c == absl::StatusCode::kResourceExhausted || c == absl::StatusCode::kInternal;
+  }
+
+  void DoAppend(std::mt19937& rng) {
+    auto rec = PickLease(rng);
+    if (rec == nullptr) return;
+    const int layer = static_cast<int>(rng() % 2);
+    if (rec->chaos) return ChaosAppend(rng, *rec, layer);
+    std::lock_guard<std::mutex> l(rec->layer_mu[layer]);
+    const uint32_t n = rec->count[layer];
+    uint32_t k = 1 + rng() % 3;
+    if (n + k > rec->plan.size()) k = static_cast<uint32_t>(rec->plan.size()) - n;
+    if (k == 0) return;
+    const size_t pt = oracle_->pt();
+    std::vector<uint16_t> kk(k * pt), vv(k * pt);
+    std::vector<int32_t> ids;
+    const bool named = rng() % 2 == 0;
+    for (uint32_t i = 0; i < k; ++i) {
+      oracle_->Input(rec->hashes[n + i], layer, kk.data() + i * pt, vv.data() + i * pt);
+      if (named) ids.push_back(rng() % 5 == 0 ? -1 : rec->plan[n + i]);
+    }
+    const bool nan = rng() % 20 == 0;
+    if (nan) vv[rng() % vv.size()] = 0x7C00;
+    tl_fail_permille = 100;
+    auto r = store_->Append(rec->id, layer, ids, k, kk.data(), vv.data());
+    tl_fail_permille = 0;
+    if (r.ok()) {
+      if (nan) Bad("Append with Inf accepted");
+      if (*r != n + k) {
+        Bad(absl::StrFormat("Append returned %d, expected %d (lease %d layer %d)", *r, n + k,
+                            rec->id, layer));
+      }
+      rec->count[layer] = *r;
+      n_append_++;
+      return;
+    }
+    const absl::StatusCode c = r.status().code();
+    if (c == absl::StatusCode::kNotFound) Forget(rec->id);
+    if (!AppendMayFail(c, nan)) Bad("Append: " + r.status().ToString());
+  }
+
+  void DoAttend(std::mt19937& rng) {
+    const int m = 1 + static_cast<int>(rng() % 4);
+    std::vector<std::shared_ptr<LeaseRec>> recs;
+    for (int i = 0; i < m; ++i) {
+      auto r = PickLease(rng);
+      if (r == nullptr) return;
+      recs.push_back(r);
+    }
+    const int layer = static_cast<int>(rng() % 2);
+    std::vector<LeaseRec*> distinct;
+    bool any_chaos = false;
+    for (auto& r : recs) {
+      distinct.push_back(r.get());
+      any_chaos |= r->chaos;
+    }
+    std::sort(distinct.begin(), distinct.end());
+    distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+    std::vector<std::unique_lock<std::mutex>> locks;
+    for (LeaseRec* r : distinct) {
+      if (!r->chaos) locks.emplace_back(r->layer_mu[layer]);
+    }
+    const size_t pt = oracle_->pt();
+    const int qh = config_.num_kv_heads;
+    std::vector<uint16_t> q(m * pt), nk(m * pt), nv(m * pt);
+    for (auto& x : q) x = FloatToHalf(std::normal_distribution<float>(0.f, 1.f)(rng));
+    std::vector<KvStore::AttendItem> items(m);
+    std::vector<uint32_t> pos(m);
+    std::vector<bool> has_new(m);
+    // count after the batch, per distinct lease
+    std::vector<uint32_t> before(distinct.size()), after(distinct.size());
+    for (size_t d = 0; d < distinct.size(); ++d) before[d] = after[d] = distinct[d]->count[layer];
+    auto di = [&](LeaseRec* r) {
+      return std::lower_bound(distinct.begin(), distinct.end(), r) - distinct.begin();
+    };
+    const int mode = static_cast<int>(rng() % 3);  // 0 none new, 1 all new, 2 mixed
+    bool any_new = false;
+    for (int i = 0; i < m; ++i) {
+      LeaseRec* r = recs[i].get();
+      items[i].lease_id = r->id;
+      items[i].q = q.data() + i * pt;
+      has_new[i] = mode == 1 || (mode == 2 && rng() % 2 == 0);
+      if (has_new[i] && r->chaos) {
+        oracle_->Input(r->chaos_hash, layer, nk.data() + i * pt, nv.data() + i * pt);
+        items[i].new_k = nk.data() + i * pt;
+        items[i].new_v = nv.data() + i * pt;
+        items[i].new_token_id = rng() % 16 == 0 ? -1 : r->chaos_id;
+        any_new = true;
+      } else if (has_new[i]) {
+        uint32_t& a = after[di(r)];
+        if (a >= r->plan.size()) return;
+        pos[i] = a++;
+        oracle_->Input(r->hashes[pos[i]], layer, nk.data() + i * pt, nv.data() + i * pt);
+        items[i].new_k = nk.data() + i * pt;
+        items[i].new_v = nv.data() + i * pt;
+        items[i].new_token_id = rng() % 3 == 0 ? -1 : r->plan[pos[i]];
+        any_new = true;
+      }
+    }
+    bool expect_invalid = false;
+    for (int i = 0; i < m; ++i) {
+      if (!has_new[i] && (recs[i]->chaos || before[di(recs[i].get())] == 0)) {
+        expect_invalid = true;  // a chaos lease may hold nothing
+      }
+    }
+    std::vector<float> out(m * pt), lse(m * qh);
+    std::vector<uint32_t> ctx(m);
+    tl_fail_permille = 100;
+    absl::Status s =
+        store_->Attend(layer, qh, 0.f, items, {out.data(), nullptr, lse.data(), ctx.data()});
+    tl_fail_permille = 0;
+    if (!s.ok()) {
+      // A lease gone, an item on an empty lease, a chaos lease's layer busy with an append, or
+      // (with new tokens) a full pool or an injected failure.
+      const absl::StatusCode c = s.code();
+      const bool may_fail = c == absl::StatusCode::kNotFound ||
+                            (c == absl::StatusCode::kInvalidArgument && expect_invalid) ||
+                            (c == absl::StatusCode::kFailedPrecondition && any_chaos) ||
+                            (any_new && (c == absl::StatusCode::kResourceExhausted ||
+                                         c == absl::StatusCode::kInternal));
+      if (!may_fail) {
+        Bad(absl::StrFormat("Attend (mode %d, %d items, layer %d): %s", mode, m, layer,
+                            s.ToString()));
+      }
+      return;
+    }
+    if (expect_invalid && !any_chaos) Bad("Attend on an empty lease succeeded");
+    n_attend_++;
+    for (size_t d = 0; d < distinct.size(); ++d) {
+      if (!distinct[d]->chaos) distinct[d]->count[layer] = after[d];
+    }
+    // Reference attention over the oracle's rows.
+    const double scale = 1.0 / std::sqrt(double(config_.head_dim));
+    const int hd = config_.head_dim;
+    std::vector<uint16_t> ek(pt), ev(pt);
+    for (int i = 0; i < m; ++i) {
+      LeaseRec* r = recs[i].get();
+      const uint32_t len = r->chaos ? ctx[i] : has_new[i] ? pos[i] + 1 : after[di(r)];
+      if (ctx[i] != len || len == 0) {
+        Bad(absl::StrFormat("Attend item %d: context %d, expected %d", i, ctx[i], len));
+        continue;
+      }
+      std::vector<std::vector<double>> sc(qh, std::vector<double>(len));
+      std::vector<std::vector<double>> vs(len, std::vector<double>(pt));
+      for (uint32_t t = 0; t < len; ++t) {
+        oracle_->Expected(r->chaos ? r->chaos_hash : r->hashes[t], layer,
+                          static_cast<int>(t) < config_.sink_tokens, ek.data(), ev.data());
+        for (int h = 0; h < qh; ++h) {
+          double dot = 0;
+          for (int c = 0; c < hd; ++c)
+            dot += double(HalfToFloat(q[i * pt + h * hd + c])) * HalfToFloat(ek[h * hd + c]);
+          sc[h][t] = dot * scale;
+        }
+        for (size_t c = 0; c < pt; ++c) vs[t][c] = HalfToFloat(ev[c]);
+      }
+      double worst = 0;
+      for (int h = 0; h < qh; ++h) {
+        const double mx = *std::max_element(sc[h].begin(), sc[h].end());
+        double sum = 0;
+        std::vector<double> acc(hd, 0.0);
+        for (uint32_t t = 0; t < len; ++t) {
+          const double p = std::exp(sc[h][t] - mx);
+          sum += p;
+          for (int c = 0; c < hd; ++c) acc[c] += p * vs[t][h * hd + c];
+        }
+        for (int c = 0; c < hd; ++c) {
+          worst = std::max(worst, std::abs(acc[c] / sum - out[i * pt + h * hd + c]));
+        }
+      }
+      if (worst > 0.02) {
+        Bad(
+            absl::StrFormat("Attend item %d (lease %d, layer %d, len %d, new %d): output off by "
+                            "%.4f",
+                            i, r->id, layer, len, int(has_new[i]), worst));
+      }
+    }
+  }
+
+  void DoRead(std::mt19937& rng) {
+    auto rec = PickLease(rng);
+    if (rec == nullptr) return;
+    const int layer = static_cast<int>(rng() % 2);
+    auto view = store_->DescribeLease(rec->id);
+    if (!view.ok()) {
+      if (view.status().code() == absl::StatusCode::kNotFound) {
+        Forget(rec->id);
+      } else {
+        Bad("DescribeLease: " + view.status().ToString());
+      }
+      return;
+    }
+    const uint32_t w = view->layer_tokens[layer];
+    const int kind = static_cast<int>(rng() % 4);
+    if (kind <= 1 || w == 0) {
+      CheckRead(*rec, layer, w, "read");
+    } else if (kind == 2) {
+      const PageLayout l = LayerLayout(config_, layer);
+      const uint32_t blocks = (w + config_.block_tokens - 1) / config_.block_tokens;
+      std::vector<uint8_t> k(blocks * l.num_kv_heads * l.head_page_bytes()), v(k.size());
+      absl::Status s =
+          store_->ReadRaw(rec->id, layer, 0, blocks, 0, config_.num_kv_heads, k.data(), v.data());
+      if (!s.ok() && s.code() != absl::StatusCode::kNotFound) Bad("ReadRaw: " + s.ToString());
+    } else if (config_.sink_tokens > 0) {
+      const size_t hd = config_.head_dim;
+      std::vector<uint16_t> k(config_.num_kv_heads * config_.sink_tokens * hd), v(k.size());
+      absl::Status s = store_->ReadRawSinks(rec->id, layer, 0, config_.num_kv_heads,
+                                            reinterpret_cast<uint8_t*>(k.data()),
+                                            reinterpret_cast<uint8_t*>(v.data()));
+      if (s.code() == absl::StatusCode::kNotFound) return;
+      if (!s.ok()) {
+        Bad("ReadRawSinks: " + s.ToString());
+        return;
+      }
+      std::vector<uint16_t> ik(oracle_->pt()), iv(oracle_->pt());
+      for (int t = 0; t < config_.sink_tokens && t < static_cast<int>(w); ++t) {
+        oracle_->Input(rec->chaos ? rec->chaos_hash : rec->hashes[t], layer, ik.data(), iv.data());
+        for (int h = 0; h < config_.num_kv_heads; ++h) {
+          const uint16_t* g = k.data() + (h * config_.sink_tokens + t) * hd;
+          if (!std::equal(g, g + hd, ik.data() + h * hd)) {
+            Bad(absl::StrFormat("ReadRawSinks lease %d layer %d token %d head %d wrong (w %d)",
+                                rec->id, layer, t, h, w));
+            return;
+          }
+        }
+      }
+    }
+  }
+
+  void Work(int seed, int steps) {
+    std::mt19937 rng(seed);
+    tl_rng = &rng;
+    for (int step = 0; step < steps; ++step) {
+      const int op = static_cast<int>(rng() % 100);
+      if (op < 14) {
+        DoPut(rng);
+      } else if (op < 30) {
+        DoMatch(rng);
+      } else if (op < 50) {
+        DoAppend(rng);
+      } else if (op < 68) {
+        DoAttend(rng);
+      } else if (op < 85) {
+        DoRead(rng);
+      } else if (op < 95) {
+        auto rec = PickLease(rng);
+        if (rec != nullptr) {
+          Forget(rec->id);
+          absl::Status s = store_->Release(rec->id);
+          if (!s.ok() && s.code() != absl::StatusCode::kNotFound) Bad("Release: " + s.ToString());
+        }
+      } else if (op < 98) {
+        clock_.Advance(absl::Seconds(1));
+        store_->ExpireLeases();
+      } else {
+        const StoreStats st = store_->Stats();
+        const NamespaceStoreStats& ns = st.namespaces[0];
+        if (ns.blocks_free + ns.blocks_evictable > ns.blocks_total ||
+            ns.sink_blocks_free > ns.sink_blocks_total || ns.sink_blocks_free > ns.blocks_free ||
+            ns.tokens_stored % config_.block_tokens != 0 ||
+            ns.tokens_stored / config_.block_tokens > ns.blocks_total ||
+            ns.tokens_stored / config_.block_tokens < ns.blocks_evictable) {
+          Bad(absl::StrFormat(
+              "stats inconsistent: total %d free %d evictable %d in_use %d "
+              "sink %d/%d tokens %d",
+              ns.blocks_total, ns.blocks_free, ns.blocks_evictable, ns.blocks_in_use,
+              ns.sink_blocks_free, ns.sink_blocks_total, ns.tokens_stored));
+        }
+      }
+    }
+    tl_rng = nullptr;
+  }
+
+  std::unique_ptr<Oracle> oracle_;
+  std::mutex table_mu_;
+  std::vector<std::shared_ptr<LeaseRec>> leases_;
+  std::mutex chaos_mu_;
+  std::vector<std::pair<int32_t, uint64_t>> chaos_;
+  std::mutex seq_mu_;
+  std::set<std::vector<int32_t>> seen_;
+  std::mutex bad_mu_;
+  std::vector<std::string> unexpected_;
+  std::atomic<int> n_chaos_hits_{0};
+  std::atomic<int> n_put_{0}, n_match_{0}, n_append_{0}, n_attend_{0}, n_read_{0};
+};
+
+TEST_F(ContentStress, NoSinks) { Run(24, 0, 16); }
+TEST_F(ContentStress, Sinks) { Run(24, 2, 4); }
+TEST_F(ContentStress, SinksTinyPool) { Run(10, 2, 2); }
+
+}  // namespace
+}  // namespace kvpool::testing
