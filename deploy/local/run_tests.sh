@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The README's test command. Installs dependencies (and fetches FlashInfer's headers for the peer
-# benchmark), builds everything into build/, runs ctest
+# The README's test command. Installs dependencies (and, where nvcc exists, fetches FlashInfer's
+# headers for the peer benchmark), builds everything into build/, runs ctest
 # (GPU-labelled tests only when a GPU is visible; they are always built) and the Python client
 # tests against the real kvpool-server. Exits non-zero if any step fails.
 set -euo pipefail
@@ -9,9 +9,13 @@ build=${KVPOOL_BUILD_DIR:-$root/build}
 
 "$root/deploy/local/install_deps.sh"
 export PATH="${KVPOOL_VENV:-$root/.venv}/bin:$PATH"  # its Python packages (install_deps.sh)
-# FlashInfer's headers (PyPI sdist, git-ignored) so that the peer benchmark builds here too; CMake
-# uses them only when it builds the CUDA targets.
-flashinfer_include=$("$root/tests/bench/fetch_flashinfer.sh")
+# FlashInfer's headers (PyPI sdist, git-ignored) so that the peer benchmark builds here too, only
+# where nvcc is found the way CMake's check_language(CUDA) looks for it: CMake uses them only when
+# it builds the CUDA targets.
+flashinfer_include=
+if [[ -n ${CUDACXX:-} ]] || command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  flashinfer_include=$("$root/tests/bench/fetch_flashinfer.sh")
+fi
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DKVPOOL_FLASHINFER_INCLUDE="$flashinfer_include"
 cmake --build "$build" -j"$(nproc)"
