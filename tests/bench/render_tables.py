@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """Prints the README's result tables (markdown) from the JSON files in tests/bench/results/.
 
-usage: python3 tests/bench/render_tables.py [results-dir]
+usage: python3 tests/bench/render_tables.py [--suites] [results-dir]
 Each table names the file, date, commit and machine it came from; nothing here is typed by hand.
+--suites prints one row per suite call (tests/bench/device_suite.sh) found in results-dir instead:
+how the figures moved between calls.
 """
 import json
 import pathlib
 import re
 import sys
 
-RESULTS = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else
-                       pathlib.Path(__file__).resolve().parent / "results")
+SUITES = "--suites" in sys.argv[1:]
+_ARGS = [a for a in sys.argv[1:] if a != "--suites"]
+RESULTS = pathlib.Path(_ARGS[0] if _ARGS else pathlib.Path(__file__).resolve().parent / "results")
 
 
 def load(name):
@@ -271,6 +274,13 @@ ATTEND_TRANSPORTS = {
 APPEND_STEPS = "AttendSocket in-place region steps with a new token each"
 
 
+def attend_runs(text):
+    """Each `kvpool bench attend` run of a grpc_bench.txt: (batch, context, what it timed, p50,
+    p99, the server's mean µs per call), from the run's line and the server-time line after it."""
+    return re.findall(r"bench attend: batch (\d+) x (\d+) context tokens, \d+ q heads, \d+ "
+                      r"(.+?): p50 (\d+) us, p99 (\d+) us\nserver time: mean (\d+) us", text)
+
+
 def grpc():
     path = RESULTS / "grpc_bench.txt"
     if not path.exists():
@@ -287,9 +297,7 @@ def grpc():
     for n in sorted({n for n, _ in rates}):
         print(f"| {n} | " + " | ".join(f"{rates.get((n, m), float('nan')):.2f}" for m in sizes)
               + " |")
-    # Each attend run's line, then the server's mean time per call over the run.
-    runs = re.findall(r"bench attend: batch (\d+) x (\d+) context tokens, \d+ q heads, \d+ "
-                      r"(.+?): p50 (\d+) us, p99 (\d+) us\nserver time: mean (\d+) us", text)
+    runs = attend_runs(text)
     lat_name, lat = load_attend_latency()
     kernels = {(c["batch"], c["context"]): c for c in (lat or {}).get("cases", [])}
 
@@ -326,7 +334,67 @@ def grpc():
     print()
 
 
-if __name__ == "__main__":
+SHAPES = ((1, 32768), (8, 8192), (8, 32768), (32, 4096), (32, 16384), (64, 8192))
+
+
+def suites():
+    """One row per suite call: a suite_<commit>/ directory or an attention_*_suite_<commit>.json
+    file (calls from before the suite wrote its own directory)."""
+    calls = {}
+    for p in RESULTS.glob("attention_*_suite_*.json"):
+        calls.setdefault(p.stem.rsplit("_", 1)[1], {})["attention"] = p
+    for d in RESULTS.glob("suite_*"):
+        c = calls.setdefault(d.name[len("suite_"):], {})
+        for name, key in (("attention.json", "attention"), ("grpc_bench.txt", "grpc"),
+                          ("attend_latency.json", "latency")):
+            if (d / name).exists():
+                c[key] = d / name
+    rows = []
+    for commit, files in calls.items():
+        if "attention" not in files:
+            continue
+        d = json.loads(files["attention"].read_text())
+        cases = {(c["batch"], c["context"], c["format"]): c for c in d["cases"]}
+
+        def per_shape(fmt, key, fmt_str):
+            return " / ".join(fmt_str.format(cases[(b, t, fmt)][key]) for b, t in SHAPES)
+        over = {}
+        if "grpc" in files and "latency" in files:
+            kernels = {(c["batch"], c["context"]): c
+                       for c in json.loads(files["latency"].read_text())["cases"]}
+            for b, t, what, p50, *_ in attend_runs(files["grpc"].read_text()):
+                b, t = int(b), int(t)
+                if what == APPEND_STEPS:
+                    k = kernels.get((b, t - 10), {}).get("kernel_append_p50_us")
+                    what, t = "appends", t - 10
+                else:
+                    k = kernels.get((b, t), {}).get("kernel_p50_us")
+                if k is not None:
+                    over[(b, t, what)] = int(p50) - k
+        cells = [over.get(key) for key in ((1, 32768, "unary RPCs"),
+                                           (1, 32768, "AttendStream steps"),
+                                           (32, 4096, "AttendSocket in-place region steps"),
+                                           (32, 4096, "appends"))]
+        rows.append((d.get("date") or "", commit, per_shape("int4_rot128", "speedup_vs_sdpa",
+                     "{:.2f}"), per_shape("int4_rot128", "frac_stream", "{:.0%}"),
+                     per_shape("fp8_rot128", "speedup_vs_sdpa", "{:.2f}"),
+                     per_shape("fp16", "speedup_vs_sdpa", "{:.2f}"),
+                     " / ".join("-" if v is None else f"{v:.0f}" for v in cells)))
+    print("Suite calls (`tests/bench/device_suite.sh`), oldest first; shapes 1 x 32K / 8 x 8K / "
+          "8 x 32K / 32 x 4K / 32 x 16K / 64 x 8K; Attend: p50 µs over the bare kernels of the "
+          "same call, unary and AttendStream at 1 x 32K, in place and in place with appends at "
+          "32 x 4K:\n")
+    print("| date | commit | INT4 x SDPA | INT4 of stream. read | FP8 x SDPA | FP16 paged x SDPA "
+          "| Attend over kernels, µs |")
+    print("|---|---|---|---|---|---|---|")
+    for date, *cols in sorted(rows):
+        print(f"| {date or '-'} | " + " | ".join(cols) + " |")
+    print()
+
+
+if __name__ == "__main__" and SUITES:
+    suites()
+elif __name__ == "__main__":
     accuracy()
     quantize()
     attention()
