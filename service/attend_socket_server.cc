@@ -21,6 +21,10 @@ namespace kvpool {
 using attend_socket::FrameConnection;
 using attend_socket::FrameType;
 
+// After a session's status: how long a client may send nothing before the server stops reading
+// what it still sends, and closes.
+constexpr absl::Duration kDiscardQuiet = absl::Seconds(1);
+
 class AttendSocketServer::PinnedRegion {
  public:
   PinnedRegion(std::unique_ptr<attend_socket::SharedRegion> region, ComputeBackend* backend,
@@ -228,8 +232,8 @@ void AttendSocketServer::Serve(Session* session) {
   v1::AttendResponse response;
   std::string payload;
   std::unique_ptr<PinnedRegion> region;  // once attached
-  absl::Status end;       // what ends the session: OK when the client closes it
-  bool tell_peer = true;  // false once the socket itself has failed
+  absl::Status end;                      // what ends the session: OK when the client closes it
+  bool tell_peer = true;                 // false once the socket itself has failed
   for (;;) {
     const bool spin = spinning_.fetch_add(1, std::memory_order_relaxed) < options_.max_spinning;
     if (!spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
@@ -288,6 +292,12 @@ void AttendSocketServer::Serve(Session* session) {
   // The peer is told why, unless the socket itself failed.
   if (!end.ok() && tell_peer) {
     conn.WriteStatus(end, absl::Now() + absl::Seconds(1)).IgnoreError();
+    // A client still writing the frame that ended the session (one over --max_message_bytes)
+    // gets to finish it and read the status, rather than block until its deadline. A silent one
+    // (the idle timeout) has nothing more to send.
+    if (!absl::IsDeadlineExceeded(end)) {
+      conn.DiscardInput(kDiscardQuiet, absl::Now() + options_.idle_timeout);
+    }
   }
   // The peer sees the close now; the descriptor itself is closed when the session is reaped, so
   // that Shutdown never acts on a number the kernel has handed out again.

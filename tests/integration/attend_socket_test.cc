@@ -4,12 +4,12 @@
 // only their own session; shutdown with sessions open does not hang; target parsing.
 #include "kvpool/v1/attend_socket.h"
 
-#include <arpa/inet.h>
-#include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -22,12 +22,14 @@
 #include "client/kvpool_client.h"
 #include "gtest/gtest.h"
 #include "tests/integration/attend_fixture.h"
+#include "tests/integration/attend_socket_raw.h"
 
 namespace kvpool::testing {
 namespace {
 
 using attend_socket::FrameConnection;
 using attend_socket::FrameType;
+using attend_socket::kMagic;
 
 struct SocketFixture {
   AttendFixture f;
@@ -52,32 +54,11 @@ SocketFixture StartSocket(int sequences, std::function<void(AttendSocketOptions*
   return s;
 }
 
-// A raw TCP connection to the AttendSocket (for frames the client library never sends).
-int RawConnect(int port) {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(static_cast<uint16_t>(port));
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  EXPECT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0) << std::strerror(errno);
-  return fd;
-}
-
-// A 16-byte header: magic, type, code, length, reserved.
-std::string Header(uint32_t magic, uint16_t type, uint16_t code, uint32_t length) {
-  std::string h(16, '\0');
-  std::memcpy(h.data(), &magic, 4);
-  std::memcpy(h.data() + 4, &type, 2);
-  std::memcpy(h.data() + 6, &code, 2);
-  std::memcpy(h.data() + 8, &length, 4);
-  return h;
-}
-constexpr uint32_t kMagic = 0x3141564b;
-
 // Sends `bytes` on a raw connection and returns the status frame the server answers with; the
 // server then closes the connection.
 absl::Status StatusAfterSending(int port, const std::string& bytes) {
   const int fd = RawConnect(port);
+  EXPECT_GE(fd, 0) << std::strerror(errno);
   EXPECT_EQ(send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL), static_cast<ssize_t>(bytes.size()));
   FrameConnection conn(fd);
   std::string payload;
@@ -245,25 +226,57 @@ TEST(AttendSocket, BadStepEndsOnlyItsOwnSessionAndAppendsNothing) {
   EXPECT_TRUE((*good)->Finish().ok());
 }
 
+// A client that writes a whole frame over the limit (a batch too large for
+// --max_message_bytes) finishes its write and reads RESOURCE_EXHAUSTED, rather than blocking
+// until its deadline once the socket buffers fill.
+TEST(AttendSocket, AClientWritingAFrameOverTheLimitReadsTheStatus) {
+  SocketFixture s =
+      StartSocket(/*sequences=*/0, [](AttendSocketOptions* o) { o->max_frame_bytes = 1 << 20; });
+  ASSERT_NE(s.f.server, nullptr);
+  const int fd = RawConnect(s.f.server->server->attend_socket_port());
+  ASSERT_GE(fd, 0) << std::strerror(errno);
+  FrameConnection conn(fd);
+  const timeval send_timeout{/*tv_sec=*/10, /*tv_usec=*/0};
+  ASSERT_EQ(setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof(send_timeout)), 0);
+  constexpr uint32_t kPayload = 64 << 20;  // far past what the socket buffers hold
+  const std::string frame = RawFrameHeader(kMagic, 1, 0, kPayload) + std::string(kPayload, '\0');
+  const absl::Time start = absl::Now();
+  size_t sent = 0;
+  while (sent < frame.size()) {
+    const ssize_t n = send(fd, frame.data() + sent, frame.size() - sent, MSG_NOSIGNAL);
+    if (n <= 0) break;
+    sent += static_cast<size_t>(n);
+  }
+  EXPECT_EQ(sent, frame.size()) << std::strerror(errno);
+  std::string payload;
+  absl::StatusOr<FrameConnection::Frame> status =
+      conn.Read(&payload, 1 << 20, absl::Now() + absl::Seconds(10), absl::ZeroDuration());
+  ASSERT_TRUE(status.ok()) << status.status();
+  EXPECT_EQ(status->type, FrameType::kStatus);
+  EXPECT_EQ(attend_socket::StatusFromFrame(status->code, payload).code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5));
+}
+
 TEST(AttendSocket, BadFramesGetAStatusAndTheServerGoesOn) {
   SocketFixture s =
       StartSocket(/*sequences=*/1, [](AttendSocketOptions* o) { o->max_frame_bytes = 1 << 20; });
   ASSERT_NE(s.f.server, nullptr);
   const int port = s.f.server->server->attend_socket_port();
-  EXPECT_EQ(StatusAfterSending(port, Header(0x12345678, 1, 0, 0)).code(),
+  EXPECT_EQ(StatusAfterSending(port, RawFrameHeader(0x12345678, 1, 0, 0)).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 9, 0, 0)).code(),
+  EXPECT_EQ(StatusAfterSending(port, RawFrameHeader(kMagic, 9, 0, 0)).code(),
             absl::StatusCode::kInvalidArgument);
-  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 1, 0, (1 << 20) + 1)).code(),
+  EXPECT_EQ(StatusAfterSending(port, RawFrameHeader(kMagic, 1, 0, (1 << 20) + 1)).code(),
             absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 2, 0, 0)).code(),
+  EXPECT_EQ(StatusAfterSending(port, RawFrameHeader(kMagic, 2, 0, 0)).code(),
             absl::StatusCode::kInvalidArgument);  // a response frame from a client
-  EXPECT_EQ(StatusAfterSending(port, Header(kMagic, 1, 0, 3) + "\xff\xff\xff").code(),
+  EXPECT_EQ(StatusAfterSending(port, RawFrameHeader(kMagic, 1, 0, 3) + "\xff\xff\xff").code(),
             absl::StatusCode::kInvalidArgument);  // not an AttendRequest
   // A client that leaves inside a frame, and one that connects and leaves.
   {
     const int fd = RawConnect(port);
-    const std::string half = Header(kMagic, 1, 0, 100) + "abc";
+    const std::string half = RawFrameHeader(kMagic, 1, 0, 100) + "abc";
     EXPECT_EQ(send(fd, half.data(), half.size(), MSG_NOSIGNAL), static_cast<ssize_t>(half.size()));
     FrameConnection closing(fd);
   }

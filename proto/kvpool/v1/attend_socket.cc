@@ -25,7 +25,6 @@
 namespace kvpool::attend_socket {
 namespace {
 
-constexpr uint32_t kMagic = 0x3141564b;  // "KVA1" read as a little-endian word
 constexpr size_t kReadChunkBytes = size_t{1} << 20;
 
 void PutU16(uint8_t* p, uint16_t v) {
@@ -179,6 +178,21 @@ int FrameConnection::TakeReceivedFd() {
   const int fd = received_fd_;
   received_fd_ = -1;
   return fd;
+}
+
+void FrameConnection::DiscardInput(absl::Duration quiet, absl::Time deadline) {
+  shutdown(fd_, SHUT_WR);
+  char dropped[64 << 10];
+  for (;;) {
+    // Descriptors passed along (Unix sockets) are closed by the kernel, as recv takes none.
+    const ssize_t r = recv(fd_, dropped, sizeof(dropped), MSG_DONTWAIT);
+    if (r > 0) continue;
+    if (r == 0) return;
+    if (errno == EINTR) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) return;
+    absl::StatusOr<bool> ready = WaitFor(fd_, POLLIN, std::min(deadline, absl::Now() + quiet));
+    if (!ready.ok() || !*ready) return;
+  }
 }
 
 void FrameConnection::Shutdown() { shutdown(fd_, SHUT_RDWR); }
