@@ -4,12 +4,16 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "gtest/gtest.h"
 #include "kernels/fp16.h"
+#include "kvpool/v1/attend_socket.h"
 #include "tests/integration/reference_pages.h"
 #include "tests/integration/test_server.h"
 
@@ -306,9 +310,10 @@ TEST(GrpcService, EvictionNeverTakesPinnedBlocksAndKeepsCachedPrefixesReadable) 
   EXPECT_EQ(MatchOk(t->stub.get(), "tiny", others.back()).cached_tokens(), 48u);
 }
 
-// A server with namespace `c` that holds all of `s`.
-void StartHolding(const NamespaceConfig& c, const Sequence& s, std::unique_ptr<TestServer>* t) {
-  *t = TestServer::Start({c});
+// A server with namespace `c` that holds all of `s` (options changed by `tweak`).
+void StartHolding(const NamespaceConfig& c, const Sequence& s, std::unique_ptr<TestServer>* t,
+                  std::function<void(ServerOptions*)> tweak = {}) {
+  *t = TestServer::Start({c}, std::move(tweak));
   ASSERT_NE(*t, nullptr);
   v1::PutResponse put;
   ASSERT_TRUE(
@@ -346,13 +351,31 @@ TEST(GrpcService, LeasesExpireOnTheInjectedClock) {
   EXPECT_EQ(GetStats(t->stub.get()).active_leases(), 0u);
 }
 
-// A Get, Append or Attend refused for bad input leaves the lease's expiry alone.
+// One step over the AttendSocket on loopback `port`: OK for a response, else the status frame's
+// status.
+grpc::Status AttendSocketStep(int port, const v1::AttendRequest& request) {
+  const absl::Time deadline = absl::Now() + absl::Seconds(10);
+  auto conn = attend_socket::Connect(absl::StrCat("127.0.0.1:", port), deadline);
+  if (!conn.ok()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, conn.status().ToString());
+  absl::Status written =
+      (*conn)->WriteMessage(attend_socket::FrameType::kRequest, request, deadline);
+  if (!written.ok()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, written.ToString());
+  std::string payload;
+  auto frame = (*conn)->Read(&payload, 1 << 20, deadline, absl::ZeroDuration());
+  if (!frame.ok()) return grpc::Status(grpc::StatusCode::UNAVAILABLE, frame.status().ToString());
+  if (frame->type != attend_socket::FrameType::kStatus) return grpc::Status::OK;
+  return grpc::Status(static_cast<grpc::StatusCode>(frame->code), payload);
+}
+
+// A Get, Append, Attend, AttendStream step or AttendSocket step refused for bad input leaves the
+// lease's expiry alone.
 TEST(GrpcService, RefusedCallsDoNotRenewTheirLease) {
   const NamespaceConfig c = SmallNamespace("small", 1 << 20);
   std::unique_ptr<TestServer> t;
   const Sequence s = MakeSequence(c, 32, 1, 5);
-  ASSERT_NO_FATAL_FAILURE(StartHolding(c, s, &t));
-  for (const char* refused : {"Get", "Append", "Attend"}) {
+  ASSERT_NO_FATAL_FAILURE(
+      StartHolding(c, s, &t, [](ServerOptions* o) { o->attend_socket.address = "127.0.0.1:0"; }));
+  for (const char* refused : {"Get", "Append", "Attend", "AttendStream", "AttendSocket"}) {
     const uint64_t lease = MatchOk(t->stub.get(), "small", s, 1000).lease_id();
     t->clock.Advance(absl::Milliseconds(999));
     grpc::ClientContext ctx;
@@ -377,7 +400,18 @@ TEST(GrpcService, RefusedCallsDoNotRenewTheirLease) {
       bad.add_items()->set_lease_id(lease);
       bad.mutable_items(0)->set_q("short");
       v1::AttendResponse r;
-      status = t->stub->Attend(&ctx, bad, &r);
+      if (std::string(refused) == "Attend") {
+        status = t->stub->Attend(&ctx, bad, &r);
+      } else if (std::string(refused) == "AttendStream") {
+        auto stream = t->stub->AttendStream(&ctx);
+        stream->Write(bad);
+        stream->WritesDone();
+        while (stream->Read(&r)) {
+        }
+        status = stream->Finish();
+      } else {
+        status = AttendSocketStep(t->server->attend_socket_port(), bad);
+      }
     }
     EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT)
         << refused << ": " << status.error_message();
