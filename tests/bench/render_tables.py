@@ -247,19 +247,21 @@ def nccl():
     before = load("nccl_before_pipelining_h200x2.json")
     old = {(r["path"], r["format"], r["bytes"]): r for r in (before or {}).get("results", [])}
     raw = {r["bytes"]: r["median_ms"] for r in d["results"] if r["path"] == "raw"}
+    # The pipelining comparison, where its earlier file lies beside this one.
     print(f"NCCL data plane, server on GPU 0 and worker process on GPU 1, median of {d['reps']} "
-          f"runs (`{d['command']}`, {d['date']}, commit {d['commit']}, 2 x {d['server_gpu']}; "
-          f"before: nccl_before_pipelining_h200x2.json, commit {(before or {}).get('commit', '-')}):"
-          "\n")
-    print("| path | format | MiB | ms | GB/s | of raw send/recv, same bytes | before: ms |")
-    print("|---|---|---|---|---|---|---|")
+          f"runs (`{d['command']}`, {d['date']}, commit {d['commit']}, 2 x {d['server_gpu']}"
+          + (f"; before: nccl_before_pipelining_h200x2.json, commit {before['commit']}" if before
+             else "") + "):\n")
+    print("| path | format | MiB | ms | GB/s | of raw send/recv, same bytes |"
+          + (" before: ms |" if before else ""))
+    print("|---" * (7 if before else 6) + "|")
     for r in d["results"]:
         frac = (f"{raw[r['bytes']] / r['median_ms']:.1%}"
                 if r["path"] == "get" and r["bytes"] in raw else "")
         prev = old.get((r["path"], r["format"], r["bytes"]))
-        prev_ms = f"{prev['median_ms']:.3f}" if prev else ""
+        prev_ms = f" {prev['median_ms']:.3f} |" if prev else " |"
         print(f"| {r['path']} | {r['format']} | {r['bytes'] / 2**20:.0f} | {r['median_ms']:.3f} | "
-              f"{r['gbps']:.1f} | {frac} | {prev_ms} |")
+              f"{r['gbps']:.1f} | {frac} |" + (prev_ms if before else ""))
     print()
 
 
