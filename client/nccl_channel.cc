@@ -149,6 +149,10 @@ class NcclChannelImpl final : public NcclChannel {
     for (const v1::NcclLayerSegments& s : header.layers()) {
       segments.push_back({base + s.k_offset(), s.bytes()});
       segments.push_back({base + s.v_offset(), s.bytes()});
+      if (s.sink_bytes() > 0) {
+        segments.push_back({base + s.sink_k_offset(), s.sink_bytes()});
+        segments.push_back({base + s.sink_v_offset(), s.sink_bytes()});
+      }
     }
     StreamTail<v1::NcclGetResponse> tail(reader.get());
     const absl::Status moved =

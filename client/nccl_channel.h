@@ -41,7 +41,7 @@ class NcclChannel {
   virtual void SetCloseDeadline(absl::Time deadline) = 0;
 
   // NcclGet into device memory `dst` of `capacity` bytes; the descriptor says where each
-  // layer's K and V landed.
+  // layer's K and V (and in RAW its sink rows, if any) landed.
   virtual absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,
                                                     uint64_t capacity, absl::Duration timeout) = 0;
   // NcclPut of a sequence whose fp16 K and V sit in device memory as
@@ -57,7 +57,8 @@ class NcclChannel {
 
 // What a worker checks of the server's first answer before any byte moves (NcclChannel runs
 // them; they need no NCCL). A server that fails them is out of step with the worker: DATA_LOSS.
-// OK when every layer's K and V segment of `d` lies inside a buffer of `capacity` bytes.
+// OK when every layer's K and V segment of `d` (and sink K and V segment, if any) lies inside a
+// buffer of `capacity` bytes.
 absl::Status CheckGetDescriptor(const v1::NcclGetDescriptor& d, uint64_t capacity);
 // OK when `plan` asks for tokens of the sequence (`num_token_ids` of them) in buffers of
 // `num_layers` layers of `token_bytes`-byte tokens; INVALID_ARGUMENT when those buffers are not

@@ -10,13 +10,19 @@
 namespace kvpool::client {
 
 absl::Status CheckGetDescriptor(const v1::NcclGetDescriptor& d, uint64_t capacity) {
+  auto check = [&](const v1::NcclLayerSegments& s, uint64_t offset, uint64_t bytes) {
+    if (offset <= capacity && bytes <= capacity - offset) return absl::OkStatus();
+    return absl::DataLossError(
+        absl::StrFormat("the descriptor puts %d bytes of layer %d at offset %d of a %d-byte buffer",
+                        bytes, s.layer(), offset, capacity));
+  };
   for (const v1::NcclLayerSegments& s : d.layers()) {
     for (const uint64_t offset : {s.k_offset(), s.v_offset()}) {
-      if (offset > capacity || s.bytes() > capacity - offset) {
-        return absl::DataLossError(absl::StrFormat(
-            "the descriptor puts %d bytes of layer %d at offset %d of a %d-byte buffer", s.bytes(),
-            s.layer(), offset, capacity));
-      }
+      if (absl::Status bad = check(s, offset, s.bytes()); !bad.ok()) return bad;
+    }
+    if (s.sink_bytes() == 0) continue;  // no sink segments
+    for (const uint64_t offset : {s.sink_k_offset(), s.sink_v_offset()}) {
+      if (absl::Status bad = check(s, offset, s.sink_bytes()); !bad.ok()) return bad;
     }
   }
   return absl::OkStatus();

@@ -186,10 +186,13 @@ class KvStore {
                                        uint32_t head_begin, uint32_t head_end, uint8_t* dst) = 0;
   // The raw pages of layers [layer_begin, layer_end) gathered, in one backend call, into
   // backend (arena) memory at `dst`: for each layer ascending, K then V, each
-  // [num_blocks][heads] head pages of that layer's layout. Synchronous.
+  // [num_blocks][heads] head pages of that layer's layout, and with `sinks` then the layer's sink
+  // rows, K then V, as ReadRawSinks returns them. `sinks` takes block_begin 0 and a namespace
+  // that keeps sink tokens (FAILED_PRECONDITION otherwise). Synchronous.
   virtual absl::Status ReadRawToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
                                       uint32_t block_begin, uint32_t num_blocks,
-                                      uint32_t head_begin, uint32_t head_end, uint8_t* dst) = 0;
+                                      uint32_t head_begin, uint32_t head_end, bool sinks,
+                                      uint8_t* dst) = 0;
 
   // ---- Decode ---------------------------------------------------------------------------------
   // Appends fp16 K/V [num_tokens][num_kv_heads][head_dim] to `layer` of the lease's tail.

@@ -73,6 +73,30 @@ void AppendRawRuns(const BlockPool& pool, uint32_t layer, int kv, absl::Span<con
   }
 }
 
+// The runs of one half (kv: 0 = K, 1 = V) of the sink rows of heads [head_begin, head_end) of
+// `layer` of a sequence's first block `first_id`, appended to `runs`: [heads][sink_tokens]
+// [head_dim] fp16 as its sink page stores them, rows from `valid_rows` on as zeros (null runs).
+// INTERNAL when the block has no sink page.
+absl::Status AppendSinkRuns(const BlockPool& pool, uint32_t layer, int kv, int32_t first_id,
+                            uint32_t head_begin, uint32_t head_end, uint32_t valid_rows,
+                            std::vector<ComputeBackend::ArenaRun>* runs) {
+  if (first_id >= pool.num_sink_blocks()) {
+    return absl::InternalError("a sequence's first block without a sink page");
+  }
+  const PageLayout& l = pool.layout(layer);
+  const uint8_t* page =
+      pool.sink_base(static_cast<int>(layer)) + static_cast<size_t>(first_id) * l.sink_page_bytes();
+  const size_t row = static_cast<size_t>(l.head_dim) * sizeof(uint16_t);
+  const size_t rows = std::min<size_t>(l.sink_tokens, valid_rows);
+  for (uint32_t h = head_begin; h < head_end; ++h) {
+    if (rows > 0) runs->push_back({page + l.sink_offset(kv, static_cast<int>(h), 0), rows * row});
+    if (rows < static_cast<size_t>(l.sink_tokens)) {
+      runs->push_back({nullptr, (l.sink_tokens - rows) * row});
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::StatusOr<StoreImpl::ReadPlan> StoreImpl::BeginRead(LeaseUse& use, uint64_t lease_id,
@@ -209,23 +233,12 @@ absl::Status StoreImpl::ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t
   return PinnedRead(
       lease_id, layer, layer + 1, 0, 1, head_begin, head_end,
       [&](const ReadPlan& plan) -> absl::Status {
-        const PageLayout& l = plan.pool->layout(layer);
-        if (plan.ids[0] >= plan.pool->num_sink_blocks()) {
-          return absl::InternalError("a sequence's first block without a sink page");
-        }
-        const uint8_t* page = plan.pool->sink_base(static_cast<int>(layer)) +
-                              static_cast<size_t>(plan.ids[0]) * l.sink_page_bytes();
-        const size_t row = static_cast<size_t>(l.head_dim) * sizeof(uint16_t);
-        const size_t rows = std::min<size_t>(l.sink_tokens, plan.valid_rows[0]);
         for (int kv = 0; kv < 2; ++kv) {
           std::vector<ComputeBackend::ArenaRun> runs;
-          for (uint32_t h = head_begin; h < head_end; ++h) {
-            if (rows > 0) {
-              runs.push_back({page + l.sink_offset(kv, static_cast<int>(h), 0), rows * row});
-            }
-            if (rows < static_cast<size_t>(l.sink_tokens)) {
-              runs.push_back({nullptr, (l.sink_tokens - rows) * row});
-            }
+          if (absl::Status s = AppendSinkRuns(*plan.pool, layer, kv, plan.ids[0], head_begin,
+                                              head_end, plan.valid_rows[0], &runs);
+              !s.ok()) {
+            return s;
           }
           if (absl::Status s = backend()->ReadRuns(runs, kv == 0 ? k : v); !s.ok()) return s;
         }
@@ -233,23 +246,37 @@ absl::Status StoreImpl::ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t
       });
 }
 
-absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin,
-                                       uint32_t layer_end, uint32_t block_begin,
-                                       uint32_t num_blocks, uint32_t head_begin,
-                                       uint32_t head_end, uint8_t* dst) {
+absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
+                                       uint32_t block_begin, uint32_t num_blocks,
+                                       uint32_t head_begin, uint32_t head_end, bool sinks,
+                                       uint8_t* dst) {
   if (dst == nullptr) return absl::InvalidArgumentError("null output buffer");
-  return PinnedRead(lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
-                    [&](const ReadPlan& plan) {
-                      std::vector<ComputeBackend::ArenaRun> runs;
-                      runs.reserve(size_t{2} * (layer_end - layer_begin) * plan.ids.size());
-                      for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
-                        for (int kv = 0; kv < 2; ++kv) {
-                          AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end,
-                                        plan.valid_rows[layer - layer_begin], &runs);
-                        }
-                      }
-                      return backend()->GatherArena(runs, dst);
-                    });
+  if (sinks && block_begin != 0) {
+    return absl::FailedPreconditionError("sink rows are read only from a sequence's first block");
+  }
+  return PinnedRead(
+      lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
+      [&](const ReadPlan& plan) -> absl::Status {
+        if (sinks && plan.pool->layout(layer_begin).sink_tokens == 0) {
+          return absl::FailedPreconditionError("the namespace keeps no sink tokens");
+        }
+        std::vector<ComputeBackend::ArenaRun> runs;
+        runs.reserve(size_t{2} * (layer_end - layer_begin) * plan.ids.size());
+        for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {
+          const uint32_t valid_rows = plan.valid_rows[layer - layer_begin];
+          for (int kv = 0; kv < 2; ++kv) {
+            AppendRawRuns(*plan.pool, layer, kv, plan.ids, head_begin, head_end, valid_rows, &runs);
+          }
+          for (int kv = 0; kv < 2 && sinks; ++kv) {
+            if (absl::Status s = AppendSinkRuns(*plan.pool, layer, kv, plan.ids[0], head_begin,
+                                                head_end, valid_rows, &runs);
+                !s.ok()) {
+              return s;
+            }
+          }
+        }
+        return backend()->GatherArena(runs, dst);
+      });
 }
 
 absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,

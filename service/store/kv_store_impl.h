@@ -95,7 +95,7 @@ class StoreImpl final : public KvStore {
                                uint32_t head_end, uint8_t* dst) override;
   absl::Status ReadRawToArena(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
                               uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
-                              uint32_t head_end, uint8_t* dst) override;
+                              uint32_t head_end, bool sinks, uint8_t* dst) override;
   absl::StatusOr<uint32_t> Append(uint64_t lease_id, uint32_t layer,
                                   absl::Span<const int32_t> token_ids, uint32_t num_tokens,
                                   const uint16_t* k, const uint16_t* v) override;

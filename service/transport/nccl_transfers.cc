@@ -93,7 +93,7 @@ struct Round {
 };
 
 // Splits layers into rounds of at most `capacity` bytes, each layer taking 2 * layer_bytes[i]
-// (K and V); a layer larger than capacity is a round of its own.
+// (K and V, each with its sink rows if any); a layer larger than capacity is a round of its own.
 std::vector<Round> PlanRounds(uint32_t first_layer, const std::vector<uint64_t>& layer_bytes,
                               uint64_t capacity) {
   std::vector<Round> rounds;
@@ -318,8 +318,13 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     last.mutable_done()->set_bytes(0);
     return emit(last);
   }
+  // RAW from a namespace with sink tokens: each layer's sink rows of the first block (always in
+  // the transfer, which spans the lease's blocks) follow its V, as a RAW Get sends them.
+  const bool sinks = raw && config.sink_tokens > 0;
+  const uint64_t sink_bytes =
+      sinks ? uint64_t{heads} * config.sink_tokens * config.head_dim * sizeof(uint16_t) : 0;
   uint32_t valid = lease->layer_tokens.empty() ? 0 : lease->layer_tokens[layer_begin];
-  std::vector<uint64_t> layer_bytes;
+  std::vector<uint64_t> layer_bytes;  // K (or V) of each layer with its sink rows
   uint64_t offset = 0;
   for (uint32_t l = layer_begin; l < layer_end; ++l) {
     valid = std::min(valid, lease->layer_tokens[l]);
@@ -333,8 +338,13 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     seg->set_v_offset(offset + bytes);
     seg->set_bytes(bytes);
     if (raw) ToProtoLayout(layout, seg->mutable_layout());
-    layer_bytes.push_back(bytes);
-    offset += 2 * bytes;
+    if (sinks) {
+      seg->set_sink_k_offset(offset + 2 * bytes);
+      seg->set_sink_v_offset(offset + 2 * bytes + sink_bytes);
+      seg->set_sink_bytes(sink_bytes);
+    }
+    layer_bytes.push_back(bytes + sink_bytes);
+    offset += 2 * (bytes + sink_bytes);
   }
   d.set_valid_tokens(valid);
   d.set_total_bytes(offset);
@@ -355,16 +365,20 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     const Round& r = rounds[i];
     uint8_t* base = (*buffers)[i % buffers->size()].data();
     absl::Status s = raw ? store_->ReadRawToArena(request.lease_id(), r.begin, r.end, 0, num_blocks,
-                                                  head_begin, head_end, base)
+                                                  head_begin, head_end, sinks, base)
                          : store_->ReadFp16ToArena(request.lease_id(), r.begin, r.end, 0,
                                                    num_blocks, head_begin, head_end, base);
     std::vector<SendSegment>& round = segments[i % 2];
     round.clear();
     for (uint32_t l = r.begin; l < r.end; ++l) {
-      const uint64_t bytes = layer_bytes[l - layer_begin];
-      round.push_back({base, bytes});
-      round.push_back({base + bytes, bytes});
-      base += 2 * bytes;
+      const v1::NcclLayerSegments& seg = d.layers(static_cast<int>(l - layer_begin));
+      round.push_back({base, seg.bytes()});
+      round.push_back({base + seg.bytes(), seg.bytes()});
+      if (seg.sink_bytes() > 0) {
+        round.push_back({base + 2 * seg.bytes(), seg.sink_bytes()});
+        round.push_back({base + 2 * seg.bytes() + seg.sink_bytes(), seg.sink_bytes()});
+      }
+      base += 2 * (seg.bytes() + seg.sink_bytes());
     }
     return s;
   };

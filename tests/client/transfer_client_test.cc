@@ -420,6 +420,14 @@ TEST(NcclChannelChecks, RefuseAnswersOutsideTheWorkersBuffers) {
   EXPECT_EQ(CheckGetDescriptor(d, 199).code(), absl::StatusCode::kDataLoss);
   seg->set_v_offset(UINT64_MAX - 50);  // offset + bytes wraps
   EXPECT_EQ(CheckGetDescriptor(d, 200).code(), absl::StatusCode::kDataLoss);
+  seg->set_v_offset(100);
+  seg->set_sink_k_offset(200);  // sink segments of 10 bytes after V
+  seg->set_sink_v_offset(210);
+  seg->set_sink_bytes(10);
+  EXPECT_TRUE(CheckGetDescriptor(d, 220).ok());
+  EXPECT_EQ(CheckGetDescriptor(d, 219).code(), absl::StatusCode::kDataLoss);
+  seg->set_sink_k_offset(UINT64_MAX - 5);
+  EXPECT_EQ(CheckGetDescriptor(d, 220).code(), absl::StatusCode::kDataLoss);
 
   v1::NcclPutPlan plan;
   plan.set_num_layers(kLayers);

@@ -148,7 +148,9 @@ TEST_F(StoreTest, ReadsReturnZerosPastTheWrittenTokens) {
   const size_t raw_bytes = 2 * (raw[0][0].size() + raw[1][0].size());
   absl::StatusOr<uint8_t*> arena = backend_->AllocateArena(std::max(raw_bytes, 8 * elems));
   ASSERT_TRUE(arena.ok());
-  ASSERT_TRUE(store_->ReadRawToArena(id, 0, 2, 0, 1, 0, heads, *arena).ok());
+  ASSERT_TRUE(store_->ReadRawToArena(id, 0, 2, 0, 1, 0, heads, /*sinks=*/false, *arena).ok());
+  EXPECT_EQ(store_->ReadRawToArena(id, 0, 2, 0, 1, 0, heads, /*sinks=*/true, *arena).code(),
+            absl::StatusCode::kFailedPrecondition);  // the namespace keeps no sinks
   std::vector<uint8_t> raw_all;
   for (const auto& layer : raw) {
     for (const auto& half : layer) raw_all.insert(raw_all.end(), half.begin(), half.end());

@@ -359,6 +359,35 @@ TEST_F(SinkStoreTest, RawSinkRowsAreTheSelectedHeadsSinkTokensExact) {
   }
 }
 
+// The arena read behind a RAW NcclGet, with sinks: after each layer's K and V pages, that
+// layer's sink rows, K then V, as ReadRaw and ReadRawSinks return them (here of head 1 alone);
+// refused from a block past the first, which has no sink rows.
+TEST_F(SinkStoreTest, ArenaRawReadWithSinksPutsEachLayersSinkRowsAfterItsPages) {
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 14);
+  ASSERT_TRUE(Put(a_, kv).ok());
+  auto lease = store_->Match("main", a_, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const uint64_t id = lease->lease_id;
+  std::vector<uint8_t> want;
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    const size_t pages = 2 * LayerLayout(config_, static_cast<int>(layer)).head_page_bytes();
+    const size_t sinks = size_t{2} * config_.head_dim * sizeof(uint16_t);  // 2 sink tokens
+    std::vector<uint8_t> k(pages), v(pages), sink_k(sinks), sink_v(sinks);
+    ASSERT_TRUE(store_->ReadRaw(id, layer, 0, 2, 1, 2, k.data(), v.data()).ok());
+    ASSERT_TRUE(store_->ReadRawSinks(id, layer, 1, 2, sink_k.data(), sink_v.data()).ok());
+    for (const std::vector<uint8_t>* part : {&k, &v, &sink_k, &sink_v}) {
+      want.insert(want.end(), part->begin(), part->end());
+    }
+  }
+  absl::StatusOr<uint8_t*> arena = backend_->AllocateArena(want.size());
+  ASSERT_TRUE(arena.ok());
+  ASSERT_TRUE(store_->ReadRawToArena(id, 0, 2, 0, 2, 1, 2, /*sinks=*/true, *arena).ok());
+  EXPECT_EQ(std::vector<uint8_t>(*arena, *arena + want.size()), want);
+  EXPECT_EQ(store_->ReadRawToArena(id, 0, 2, 1, 1, 1, 2, /*sinks=*/true, *arena).code(),
+            absl::StatusCode::kFailedPrecondition);
+  backend_->FreeArena(*arena);
+}
+
 // An Append of several blocks into an empty lease: its first block has a sink page, and the
 // blocks are distinct (each reads back its own tokens).
 TEST_F(WideSinkStoreTest, AnAppendOfSeveralBlocksStartsInABlockWithASinkPage) {

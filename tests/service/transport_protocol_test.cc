@@ -78,6 +78,93 @@ TEST_F(TransportProtocolTest, RawGetIsByteExactWithReadRaw) {
   }
 }
 
+// RAW from a namespace with sink tokens: each layer's K and V pages (as ReadRaw reads them) are
+// followed by two segments of its first block's sink rows, the selected heads' fp16 rows that were
+// Put, exact, [heads][sink_tokens][head_dim]. Layers [0, 2) and [1, 2) of KV head 1; rounds of
+// one layer and one round.
+TEST_F(TransportProtocolTest, RawGetSendsEachLayersExactSinkRowsAfterItsPages) {
+  for (uint64_t staging : {uint64_t{1}, uint64_t{64} << 20}) {
+    MakeStore(32, /*sink_tokens=*/3);
+    StartWithStaging(staging);
+    SequenceKv kv;
+    const uint64_t lease = PutAndMatch(13, 8, &kv);  // 3 full blocks
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    const size_t dim = config_.head_dim, heads = config_.num_kv_heads;
+    for (uint32_t layer_begin : {0u, 1u}) {
+      v1::NcclGetRequest req = NcclGetOf(lease, v1::GET_FORMAT_RAW);
+      req.set_layer_begin(layer_begin);
+      req.set_layer_end(2);
+      req.set_head_begin(1);
+      req.set_head_end(2);
+      v1::NcclGetDescriptor header;
+      std::vector<uint8_t> buf;
+      ASSERT_TRUE(w.Get(req, &header, &buf).ok());
+      ASSERT_EQ(header.layers_size(), static_cast<int>(2 - layer_begin));
+      uint64_t offset = 0;
+      for (const v1::NcclLayerSegments& l : header.layers()) {
+        EXPECT_EQ(l.layout().sink_tokens(), 3u);
+        ASSERT_EQ(l.sink_bytes(), 3 * dim * sizeof(uint16_t));
+        EXPECT_EQ(l.k_offset(), offset);
+        EXPECT_EQ(l.v_offset(), offset + l.bytes());
+        EXPECT_EQ(l.sink_k_offset(), offset + 2 * l.bytes());
+        EXPECT_EQ(l.sink_v_offset(), l.sink_k_offset() + l.sink_bytes());
+        offset += 2 * (l.bytes() + l.sink_bytes());
+        std::vector<uint8_t> k(l.bytes()), v(l.bytes());
+        ASSERT_TRUE(store_->ReadRaw(lease, l.layer(), 0, 3, 1, 2, k.data(), v.data()).ok());
+        EXPECT_EQ(std::memcmp(buf.data() + l.k_offset(), k.data(), k.size()), 0);
+        EXPECT_EQ(std::memcmp(buf.data() + l.v_offset(), v.data(), v.size()), 0);
+        for (size_t t = 0; t < 3; ++t) {
+          const size_t put = (t * heads + 1) * dim;  // token t, head 1 of [tokens][heads][dim]
+          EXPECT_EQ(std::memcmp(buf.data() + l.sink_k_offset() + t * dim * 2,
+                                kv.k[l.layer()].data() + put, dim * 2),
+                    0)
+              << "layer " << l.layer() << " K token " << t;
+          EXPECT_EQ(std::memcmp(buf.data() + l.sink_v_offset() + t * dim * 2,
+                                kv.v[l.layer()].data() + put, dim * 2),
+                    0)
+              << "layer " << l.layer() << " V token " << t;
+        }
+      }
+      EXPECT_EQ(header.total_bytes(), offset);
+    }
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+  }
+}
+
+// Without sink rows to send the layout is as it always was, K and V per layer back to back and no
+// sink segment: RAW from a namespace without sinks, FP16 from one with them (an fp16 read has its
+// sink tokens exact in its rows).
+TEST_F(TransportProtocolTest, GetsWithoutSinkRowsListNoSinkSegments) {
+  for (const int sink_tokens : {0, 3}) {
+    MakeStore(32, sink_tokens);
+    StartService();
+    const uint64_t lease = PutAndMatch(13, 7);
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    const v1::GetFormat format = sink_tokens == 0 ? v1::GET_FORMAT_RAW : v1::GET_FORMAT_FP16;
+    v1::NcclGetDescriptor header;
+    std::vector<uint8_t> buf;
+    ASSERT_TRUE(w.Get(NcclGetOf(lease, format), &header, &buf).ok());
+    ASSERT_EQ(header.layers_size(), config_.num_layers);
+    uint64_t offset = 0;
+    for (const v1::NcclLayerSegments& l : header.layers()) {
+      EXPECT_EQ(l.k_offset(), offset);
+      EXPECT_EQ(l.v_offset(), offset + l.bytes());
+      EXPECT_EQ(l.sink_k_offset(), 0u);
+      EXPECT_EQ(l.sink_v_offset(), 0u);
+      EXPECT_EQ(l.sink_bytes(), 0u);
+      offset += 2 * l.bytes();
+    }
+    EXPECT_EQ(header.total_bytes(), offset);
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+  }
+}
+
 // As above: rounds of one layer (two staging buffers, each round gathered while the previous
 // one is sent) and one round.
 TEST_F(TransportProtocolTest, Fp16GetMatchesReadFp16) {

@@ -1,7 +1,7 @@
 // The NCCL data plane's tests over in-process gRPC with the transport faked on the CPU
 // (transport_protocol_test, transport_staging_test): a test worker that drives the RPCs and its
 // fake transport end exactly as a real worker drives ncclRecv/ncclSend, and a fixture that serves
-// KvPoolTransport over a store.
+// KvPoolTransport (and KvPool, for the gRPC path) over a store.
 #ifndef KVPOOL_TESTS_SERVICE_TRANSPORT_TEST_UTIL_H_
 #define KVPOOL_TESTS_SERVICE_TRANSPORT_TEST_UTIL_H_
 
@@ -15,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "kvpool/v1/kvpool.grpc.pb.h"
+#include "service/kvpool_service.h"
 #include "service/metrics/metrics_registry.h"
 #include "service/rpc_metrics.h"
 #include "service/transport/channel_manager.h"
@@ -72,6 +73,10 @@ class TestWorker {
     for (const v1::NcclLayerSegments& l : header->layers()) {
       segments.push_back({buffer->data() + l.k_offset(), l.bytes()});
       segments.push_back({buffer->data() + l.v_offset(), l.bytes()});
+      if (l.sink_bytes() > 0) {
+        segments.push_back({buffer->data() + l.sink_k_offset(), l.sink_bytes()});
+        segments.push_back({buffer->data() + l.sink_v_offset(), l.sink_bytes()});
+      }
     }
     const absl::Status recv = end_->Recv(segments, absl::InfiniteFuture());
     const bool got_done = reader->Read(&msg) && msg.has_done();
@@ -137,8 +142,11 @@ class TransportProtocolTest : public StoreTest {
   void StartService(TransportOptions options = {}) {
     service_ = std::make_unique<KvPoolTransportService>(store_.get(), backend_.get(), &network_,
                                                         &clock_, &rpc_metrics_, options);
+    kv_service_ =
+        std::make_unique<KvPoolService>(store_.get(), &rpc_metrics_, ServiceOptions{}, &clock_);
     grpc::ServerBuilder builder;
     builder.RegisterService(service_.get());
+    builder.RegisterService(kv_service_.get());
     server_ = builder.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     stub_ = v1::KvPoolTransport::NewStub(server_->InProcessChannel(grpc::ChannelArguments()));
@@ -187,6 +195,7 @@ class TransportProtocolTest : public StoreTest {
   metrics::Registry registry_;
   RpcMetrics rpc_metrics_{&registry_};
   std::unique_ptr<KvPoolTransportService> service_;
+  std::unique_ptr<KvPoolService> kv_service_;  // KvPool's unary and streaming calls (not Attend)
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<v1::KvPoolTransport::Stub> stub_;
 };
