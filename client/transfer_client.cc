@@ -157,11 +157,12 @@ absl::StatusOr<TransferGetResult> TransferClient::GrpcGet(const v1::GetRequest& 
   TransferGetResult result;
   result.path = TransferPath::kGrpc;
   for (const GetLayer& layer : got->layers) {
-    if (layer.v.size() != layer.k.size()) {
-      return absl::DataLossError(
-          absl::StrFormat("layer %d: K holds %d bytes, V %d", layer.layer, layer.k.size(),
-                          layer.v.size()));
+    if (layer.v.size() != layer.k.size() || layer.sink_v.size() != layer.sink_k.size()) {
+      return absl::DataLossError(absl::StrFormat(
+          "layer %d: K holds %d bytes, V %d; sink K %d, sink V %d", layer.layer, layer.k.size(),
+          layer.v.size(), layer.sink_k.size(), layer.sink_v.size()));
     }
+    // As NcclGet lays a layer out: K, V, then the sink rows (RAW with sinks), K then V.
     v1::NcclLayerSegments& seg = result.layers.emplace_back();
     seg.set_layer(layer.layer);
     seg.set_k_offset(result.total_bytes);
@@ -169,6 +170,12 @@ absl::StatusOr<TransferGetResult> TransferClient::GrpcGet(const v1::GetRequest& 
     seg.set_bytes(layer.k.size());
     if (request.format() == v1::GET_FORMAT_RAW) *seg.mutable_layout() = layer.layout;
     result.total_bytes += 2 * layer.k.size();
+    if (!layer.sink_k.empty()) {
+      seg.set_sink_k_offset(result.total_bytes);
+      seg.set_sink_v_offset(result.total_bytes + layer.sink_k.size());
+      seg.set_sink_bytes(layer.sink_k.size());
+      result.total_bytes += 2 * layer.sink_k.size();
+    }
     result.valid_tokens = result.layers.size() == 1
                               ? layer.valid_tokens
                               : std::min(result.valid_tokens, layer.valid_tokens);
@@ -182,13 +189,16 @@ absl::StatusOr<TransferGetResult> TransferClient::GrpcGet(const v1::GetRequest& 
   for (size_t i = 0; i < got->layers.size(); ++i) {
     const GetLayer& layer = got->layers[i];
     const v1::NcclLayerSegments& seg = result.layers[i];
-    if (absl::Status s = copy_.to_buffer(base + seg.k_offset(), layer.k.data(), seg.bytes());
-        !s.ok()) {
-      return s;
-    }
-    if (absl::Status s = copy_.to_buffer(base + seg.v_offset(), layer.v.data(), seg.bytes());
-        !s.ok()) {
-      return s;
+    // K, V, sink K, sink V (the sink rows empty without sinks).
+    const std::pair<uint64_t, const std::string*> parts[] = {{seg.k_offset(), &layer.k},
+                                                             {seg.v_offset(), &layer.v},
+                                                             {seg.sink_k_offset(), &layer.sink_k},
+                                                             {seg.sink_v_offset(), &layer.sink_v}};
+    for (const auto& [offset, bytes] : parts) {
+      if (bytes->empty()) continue;
+      if (absl::Status s = copy_.to_buffer(base + offset, bytes->data(), bytes->size()); !s.ok()) {
+        return s;
+      }
     }
   }
   return result;

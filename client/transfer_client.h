@@ -54,10 +54,13 @@ enum class TransferPath { kNccl, kGrpc };
 struct TransferGetResult {
   TransferPath path = TransferPath::kGrpc;
   // Where each selected layer landed, ascending: K at k_offset, V at v_offset, `bytes` each;
-  // RAW: [num_blocks][heads] head pages and `layout`; FP16: [num_blocks * block_tokens][heads]
-  // [head_dim] fp16. When the layers hold different token counts (a decode step's appends in
-  // flight) the two paths differ: over NCCL every layer spans the lease's blocks; over gRPC each
-  // layer spans its own, a layer holding none is left out, and num_blocks is the last layer's.
+  // RAW: [num_blocks][heads] head pages and `layout`, and from a namespace with sink tokens the
+  // first block's sink rows at sink_k_offset and sink_v_offset, `sink_bytes` each
+  // ([heads][layout.sink_tokens][head_dim] fp16, the first sink_tokens tokens exact); FP16:
+  // [num_blocks * block_tokens][heads][head_dim] fp16. When the layers hold different token counts
+  // (a decode step's appends in flight) the two paths differ: over NCCL every layer spans the
+  // lease's blocks; over gRPC each layer spans its own, a layer holding none is left out, and
+  // num_blocks is the last layer's.
   std::vector<v1::NcclLayerSegments> layers;
   uint32_t num_blocks = 0;
   uint32_t valid_tokens = 0;  // real tokens in every listed layer (min over them)

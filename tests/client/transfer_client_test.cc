@@ -1,7 +1,8 @@
 // TransferClient's path choice (CPU, no NCCL needed): NCCL through an attached healthy channel
 // (faked here), gRPC streaming through KvPoolClient against an in-process fake KvPool service
 // otherwise, and the retry over gRPC when an NCCL transfer breaks its channel. Both paths must
-// leave the caller's buffer in the same layout.
+// leave the caller's buffer in the same layout, which the last tests check against a real store
+// served over KvPool and KvPoolTransport (its NCCL payload on the fake transport).
 #include "client/transfer_client.h"
 
 #include <cstring>
@@ -14,6 +15,7 @@
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/common/kv_test_data.h"
+#include "tests/service/transport_test_util.h"
 
 namespace kvpool::client {
 namespace {
@@ -444,6 +446,95 @@ TEST(NcclChannelChecks, RefuseAnswersOutsideTheWorkersBuffers) {
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(CheckPutPlan(plan, "main", 32, kLayers, kTokenBytes + 2).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// An NcclChannel whose Get is a test worker's NcclGet over the fake transport, copied into the
+// caller's (host) buffer.
+class FakeTransportChannel final : public NcclChannel {
+ public:
+  explicit FakeTransportChannel(testing::TestWorker* worker) : worker_(worker) {}
+
+  bool healthy() const override { return true; }
+  uint64_t channel_id() const override { return worker_->channel_id(); }
+  void SetCloseDeadline(absl::Time) override {}
+  absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,
+                                            uint64_t capacity, absl::Duration) override {
+    v1::NcclGetDescriptor header;
+    std::vector<uint8_t> payload;
+    if (absl::Status s = worker_->Get(request, &header, &payload, capacity); !s.ok()) return s;
+    std::memcpy(dst, payload.data(), payload.size());
+    return header;
+  }
+  absl::StatusOr<v1::PutResponse> Put(std::string_view, absl::Span<const int32_t>, uint32_t,
+                                      const void*, const void*, uint64_t, absl::Duration) override {
+    return absl::UnimplementedError("not used");
+  }
+
+ private:
+  testing::TestWorker* const worker_;
+};
+
+// TransferClient over a store that keeps 3 sink tokens: the same Get over NCCL and over gRPC fills
+// the buffer with the same bytes and lists the same layers. In RAW each layer's sink rows follow
+// its V, the selected head's fp16 rows that were Put, exact.
+class TransferClientPathsTest : public testing::TransportProtocolTest {};
+
+TEST_F(TransferClientPathsTest, NcclAndGrpcGetsGiveTheSameBytesSinkRowsIncluded) {
+  MakeStore(32, /*sink_tokens=*/3);
+  StartService();
+  testing::SequenceKv kv;
+  const uint64_t lease = PutAndMatch(13, 6, &kv);  // 3 full blocks
+  std::unique_ptr<KvPoolClient> pool =
+      KvPoolClient::Create(server_->InProcessChannel(grpc::ChannelArguments()));
+  testing::TestWorker worker(stub_.get(), &network_);
+  ASSERT_TRUE(worker.Open().ok());
+  TransferClient over_nccl(pool.get(), HostBufferCopy(),
+                           std::make_unique<FakeTransportChannel>(&worker));
+  TransferClient over_grpc(pool.get(), HostBufferCopy());
+  const size_t dim = config_.head_dim, heads = config_.num_kv_heads;
+  for (const v1::GetFormat format : {v1::GET_FORMAT_RAW, v1::GET_FORMAT_FP16}) {
+    v1::GetRequest request;
+    request.set_lease_id(lease);
+    request.set_layer_begin(1);
+    request.set_head_begin(1);
+    request.set_format(format);
+    std::string nccl_buffer(1 << 20, '\x5a'), grpc_buffer(1 << 20, '\x5a');
+    absl::StatusOr<TransferGetResult> nccl =
+        over_nccl.Get(request, nccl_buffer.data(), nccl_buffer.size(), absl::Seconds(10));
+    absl::StatusOr<TransferGetResult> grpc =
+        over_grpc.Get(request, grpc_buffer.data(), grpc_buffer.size(), absl::Seconds(10));
+    ASSERT_TRUE(nccl.ok()) << nccl.status();
+    ASSERT_TRUE(grpc.ok()) << grpc.status();
+    EXPECT_EQ(nccl->path, TransferPath::kNccl);
+    EXPECT_EQ(grpc->path, TransferPath::kGrpc);
+    EXPECT_EQ(nccl->num_blocks, grpc->num_blocks);
+    EXPECT_EQ(nccl->valid_tokens, grpc->valid_tokens);
+    ASSERT_EQ(nccl->total_bytes, grpc->total_bytes);
+    EXPECT_EQ(nccl_buffer, grpc_buffer);
+    ASSERT_EQ(nccl->layers.size(), 1u);
+    ASSERT_EQ(grpc->layers.size(), 1u);
+    EXPECT_EQ(nccl->layers[0].SerializeAsString(), grpc->layers[0].SerializeAsString());
+    const v1::NcclLayerSegments& l = grpc->layers[0];
+    if (format == v1::GET_FORMAT_FP16) {
+      EXPECT_EQ(l.sink_bytes(), 0u);
+      continue;
+    }
+    ASSERT_EQ(l.sink_bytes(), 3 * dim * sizeof(uint16_t));
+    EXPECT_EQ(l.sink_k_offset(), l.v_offset() + l.bytes());
+    EXPECT_EQ(l.sink_v_offset(), l.sink_k_offset() + l.sink_bytes());
+    EXPECT_EQ(grpc->total_bytes, l.sink_v_offset() + l.sink_bytes());
+    for (size_t t = 0; t < 3; ++t) {
+      const size_t put = (t * heads + 1) * dim;  // token t, head 1 of [tokens][heads][dim]
+      EXPECT_EQ(std::memcmp(grpc_buffer.data() + l.sink_k_offset() + t * dim * 2,
+                            kv.k[1].data() + put, dim * 2),
+                0)
+          << "K token " << t;
+      EXPECT_EQ(std::memcmp(grpc_buffer.data() + l.sink_v_offset() + t * dim * 2,
+                            kv.v[1].data() + put, dim * 2),
+                0)
+          << "V token " << t;
+    }
+  }
 }
 
 }  // namespace
