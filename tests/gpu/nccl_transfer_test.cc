@@ -1,9 +1,10 @@
 // The NCCL data plane between two processes on two GPUs: the server (KvStore on the CUDA backend,
 // KvPool and KvPoolTransport over TCP) runs here on GPU 0; a worker (this binary started again,
 // NcclWorker.Main) joins on GPU 1. Checks: an NcclPut stores exactly what the host Put path
-// stores; repeated NcclGets (over 4 GiB in all) deliver byte-exact FP16 and RAW payloads; a
-// worker killed in the middle of a Get neither hangs nor crashes the server, which then serves
-// the next worker. Skips with a message on a machine with fewer than two GPUs.
+// stores; repeated NcclGets (over 4 GiB in all) deliver byte-exact FP16 and RAW payloads (RAW with
+// each layer's sink rows: the namespace keeps 4 sink tokens); a worker killed in the middle of a
+// Get neither hangs nor crashes the server, which then serves the next worker. Skips with a message
+// on a machine with fewer than two GPUs.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -46,6 +47,13 @@ constexpr int kServerDevice = 0;
 constexpr int kWorkerDevice = 1;
 constexpr char kNs[] = "nccl";
 
+// The shared test namespace with 4 fp16 sink tokens, so that a RAW Get carries sink rows.
+NamespaceConfig TestNamespace(const std::string& name, uint64_t capacity_bytes) {
+  NamespaceConfig c = nccl_test::TestNamespace(name, capacity_bytes);
+  c.sink_tokens = 4;
+  return c;
+}
+
 // ---- worker process ----------------------------------------------------------------------------
 
 std::string Env(const char* name) {
@@ -53,21 +61,26 @@ std::string Env(const char* name) {
   return v == nullptr ? "" : v;
 }
 
-// The layer segments of a Get, copied to the host and digested: "<format> <layer> <k> <v>".
+// The layer segments of a Get, copied to the host and digested: "<format> <layer> <k> <v>", then
+// " <sink k> <sink v>" when the layer has sink segments.
 std::vector<std::string> SegmentDigests(const char* format, const v1::NcclGetDescriptor& d,
                                         const uint8_t* device_buffer) {
   std::vector<std::string> lines;
   std::vector<uint8_t> host;
+  auto digest = [&](uint64_t at, uint64_t bytes) {
+    host.resize(bytes);
+    EXPECT_EQ(cudaMemcpy(host.data(), device_buffer + at, bytes, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    return nccl_test::Digest(host.data(), host.size());
+  };
   for (const v1::NcclLayerSegments& s : d.layers()) {
-    host.resize(s.bytes());
-    uint64_t digest[2];
-    for (int kv = 0; kv < 2; ++kv) {
-      const uint64_t at = kv == 0 ? s.k_offset() : s.v_offset();
-      EXPECT_EQ(cudaMemcpy(host.data(), device_buffer + at, s.bytes(), cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      digest[kv] = nccl_test::Digest(host.data(), host.size());
+    std::string line = absl::StrCat(format, " ", s.layer(), " ", digest(s.k_offset(), s.bytes()),
+                                    " ", digest(s.v_offset(), s.bytes()));
+    if (s.sink_bytes() > 0) {
+      absl::StrAppend(&line, " ", digest(s.sink_k_offset(), s.sink_bytes()), " ",
+                      digest(s.sink_v_offset(), s.sink_bytes()));
     }
-    lines.push_back(absl::StrCat(format, " ", s.layer(), " ", digest[0], " ", digest[1]));
+    lines.push_back(std::move(line));
   }
   return lines;
 }
@@ -86,7 +99,7 @@ TEST(NcclWorker, Main) {
       absl::Seconds(60));
   ASSERT_TRUE(channel.ok()) << channel.status();
   ASSERT_EQ(cudaSetDevice(kWorkerDevice), cudaSuccess);
-  const NamespaceConfig config = nccl_test::TestNamespace(kNs, 0);
+  const NamespaceConfig config = TestNamespace(kNs, 0);
   const uint64_t layer_bytes =
       uint64_t{kTokens} * config.num_kv_heads * config.head_dim * sizeof(uint16_t);
   const uint64_t capacity = 2 * layer_bytes * config.num_layers;
@@ -275,7 +288,7 @@ class NcclTransferTest : public ::testing::Test {
     ASSERT_TRUE(store.ok()) << store.status();
     store_ = *std::move(store);
     for (const char* name : {kNs, "ref"}) {
-      ASSERT_TRUE(store_->CreateNamespace(nccl_test::TestNamespace(name, uint64_t{3} << 29)).ok());
+      ASSERT_TRUE(store_->CreateNamespace(TestNamespace(name, uint64_t{3} << 29)).ok());
     }
     rpc_metrics_ = std::make_unique<RpcMetrics>(&registry_);
     service_ = std::make_unique<KvPoolService>(store_.get(), rpc_metrics_.get(), ServiceOptions{});
@@ -326,7 +339,7 @@ class NcclTransferTest : public ::testing::Test {
 
   // The digest lines a worker must report for `lease`, from the store's own host-path reads.
   std::vector<std::string> ExpectedDigests(const char* format, uint64_t lease) {
-    const NamespaceConfig config = nccl_test::TestNamespace(kNs, 0);
+    const NamespaceConfig config = TestNamespace(kNs, 0);
     const uint32_t blocks = kTokens / config.block_tokens;
     const bool raw = std::string(format) == "raw";
     std::vector<std::string> lines;
@@ -344,13 +357,23 @@ class NcclTransferTest : public ::testing::Test {
       EXPECT_TRUE(s.ok()) << s;
       lines.push_back(absl::StrCat(format, " ", layer, " ", nccl_test::Digest(k.data(), bytes),
                                    " ", nccl_test::Digest(v.data(), bytes)));
+      if (raw) {  // the first block's sink rows, as the RAW NcclGet sends them after V
+        const size_t sink_bytes = size_t{static_cast<uint32_t>(config.sink_tokens)} *
+                                  config.num_kv_heads * config.head_dim * sizeof(uint16_t);
+        std::vector<uint8_t> sink_k(sink_bytes), sink_v(sink_bytes);
+        EXPECT_TRUE(
+            store_->ReadRawSinks(lease, layer, 0, config.num_kv_heads, sink_k.data(), sink_v.data())
+                .ok());
+        absl::StrAppend(&lines.back(), " ", nccl_test::Digest(sink_k.data(), sink_bytes), " ",
+                        nccl_test::Digest(sink_v.data(), sink_bytes));
+      }
     }
     return lines;
   }
 
   // Puts the test sequence into namespace `ns` through the host path and matches it.
   uint64_t HostPut(const char* ns) {
-    const NamespaceConfig config = nccl_test::TestNamespace(ns, 0);
+    const NamespaceConfig config = TestNamespace(ns, 0);
     std::vector<uint16_t> k, v;
     nccl_test::FillSequenceKv(kSeed, config, kTokens, &k, &v);
     const std::vector<int32_t> ids = nccl_test::SequenceTokens(kSeed, kTokens);
@@ -394,7 +417,8 @@ TEST_F(NcclTransferTest, PutAndOverFourGiBOfGetsAreByteExactAcrossProcesses) {
   // The NCCL Put quantized exactly what the host Put path quantizes from the same data.
   const uint64_t ref = HostPut("ref");
   ASSERT_NE(ref, 0u);
-  const NamespaceConfig config = nccl_test::TestNamespace(kNs, 0);
+  EXPECT_EQ(ExpectedDigests("raw", ref), raw);  // the same sink rows (and pages, checked below)
+  const NamespaceConfig config = TestNamespace(kNs, 0);
   const uint32_t blocks = kTokens / config.block_tokens;
   for (int layer = 0; layer < config.num_layers; ++layer) {
     const size_t bytes =
