@@ -1,7 +1,7 @@
 // The CUDA backend's transfer paths (GatherArena, DequantizeToArena, QuantizeAppendFromArena,
 // CheckHalfRangeArena: inputs and outputs in device memory, used by the NCCL data plane), and
 // ReadRuns (the runs to host memory), against the CPU backend on the same data, and against the
-// CUDA backend's own host-memory paths.
+// CUDA backend's own host-memory paths; the store's arena read behind a RAW NcclGet.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,6 +18,7 @@
 #include "kernels/fp16.h"
 #include "kernels/kv_kernels.h"
 #include "service/store/compute_backend.h"
+#include "service/store/kv_store.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -389,6 +390,90 @@ TEST(CudaTransferBackend, CheckHalfRangeArenaFindsTheFirstBadValueLikeTheCpuBack
     }
   }
   EXPECT_TRUE(gpu->CheckHalfRangeArena(nullptr, 0, kHalfMaxFiniteBits, "v").ok());
+}
+
+// The store's raw read into device memory behind a RAW NcclGet, on the CUDA backend, from a
+// namespace with sink tokens: each layer's K and V pages, then its sink rows, K then V, as ReadRaw
+// and ReadRawSinks return them (heads 1 and 2 of 4), the sink rows the fp16 K/V put, bit for bit.
+TEST(CudaTransferBackend, StoreArenaRawReadWithSinksMatchesItsHostReads) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  KvStore::Options options;
+  options.pool_bytes = 16 << 20;
+  options.backend = gpu.get();
+  absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Create(options);
+  ASSERT_TRUE(store.ok()) << store.status();
+  const PageLayout l = TestLayout(KvDtype::kInt4);
+  NamespaceConfig c;
+  c.name = "sinks";
+  c.num_layers = 2;
+  c.num_kv_heads = l.num_kv_heads;
+  c.head_dim = l.head_dim;
+  c.block_tokens = l.block_tokens;
+  c.layer_dtypes = {KvDtype::kInt4, KvDtype::kFp8E4M3};
+  c.rotation_block = l.rot_block;
+  c.group_size = l.group_size;
+  c.sink_tokens = l.sink_tokens;
+  c.capacity_bytes = 8 << 20;
+  ASSERT_TRUE((*store)->CreateNamespace(c).ok());
+  constexpr uint32_t kPut = 48;  // three blocks
+  std::vector<int32_t> ids(kPut);
+  for (uint32_t t = 0; t < kPut; ++t) ids[t] = static_cast<int32_t>(1000 + t);
+  auto put = (*store)->BeginPut("sinks", ids);
+  ASSERT_TRUE(put.ok()) << put.status();
+  const size_t dim = l.head_dim, heads = l.num_kv_heads, sink_rows = l.sink_tokens;
+  std::vector<std::vector<uint16_t>> k(2), v(2);
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    const testing::KvData kv =
+        testing::MakeKv(kPut, l.num_kv_heads, l.head_dim, testing::Outliers::kOffset, 30 + layer);
+    k[layer] = testing::ToHalf(kv.k);
+    v[layer] = testing::ToHalf(kv.v);
+    ASSERT_TRUE((*put)->AddChunk(layer, 0, kPut, k[layer].data(), v[layer].data()).ok());
+  }
+  ASSERT_TRUE((*put)->Commit().ok());
+  auto lease = (*store)->Match("sinks", ids, absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  const uint32_t blocks = kPut / l.block_tokens;
+  ASSERT_EQ(lease->num_blocks, blocks);
+  constexpr uint32_t kHeadBegin = 1, kHeadEnd = 3;
+  const size_t sink_bytes = (kHeadEnd - kHeadBegin) * sink_rows * dim * sizeof(uint16_t);
+  std::vector<uint8_t> want;
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    const size_t pages = size_t{blocks} * (kHeadEnd - kHeadBegin) *
+                         LayerLayout(c, static_cast<int>(layer)).head_page_bytes();
+    std::vector<uint8_t> pk(pages), pv(pages), sk(sink_bytes), sv(sink_bytes);
+    ASSERT_TRUE(
+        (*store)
+            ->ReadRaw(lease->lease_id, layer, 0, blocks, kHeadBegin, kHeadEnd, pk.data(), pv.data())
+            .ok());
+    ASSERT_TRUE(
+        (*store)
+            ->ReadRawSinks(lease->lease_id, layer, kHeadBegin, kHeadEnd, sk.data(), sv.data())
+            .ok());
+    // The sink rows are the rows put: [heads][sink_rows][dim] from [tokens][heads][dim].
+    for (size_t h = kHeadBegin; h < kHeadEnd; ++h) {
+      for (size_t t = 0; t < sink_rows; ++t) {
+        const size_t at = ((h - kHeadBegin) * sink_rows + t) * dim * sizeof(uint16_t);
+        const size_t from = (t * heads + h) * dim;
+        EXPECT_EQ(std::memcmp(sk.data() + at, &k[layer][from], dim * sizeof(uint16_t)), 0);
+        EXPECT_EQ(std::memcmp(sv.data() + at, &v[layer][from], dim * sizeof(uint16_t)), 0);
+      }
+    }
+    for (const std::vector<uint8_t>* part : {&pk, &pv, &sk, &sv}) {
+      want.insert(want.end(), part->begin(), part->end());
+    }
+  }
+  const std::vector<uint8_t> ones(want.size(), 0xff);
+  uint8_t* arena = Upload(*gpu, ones.data(), ones.size());
+  ASSERT_NE(arena, nullptr);
+  ASSERT_TRUE((*store)
+                  ->ReadRawToArena(lease->lease_id, 0, 2, 0, blocks, kHeadBegin, kHeadEnd,
+                                   /*sinks=*/true, arena)
+                  .ok());
+  EXPECT_EQ(Download(*gpu, arena, want.size()), want);
+  gpu->FreeArena(arena);
+  ASSERT_TRUE((*store)->Release(lease->lease_id).ok());
 }
 
 }  // namespace
