@@ -21,9 +21,10 @@ namespace kvpool {
 using attend_socket::FrameConnection;
 using attend_socket::FrameType;
 
-// After a session's status: how long a client may send nothing before the server stops reading
-// what it still sends, and closes.
+// After refusing a frame from its header: how long a client may send nothing before the server
+// stops reading what it still sends, and how long it reads at most, before it closes.
 constexpr absl::Duration kDiscardQuiet = absl::Seconds(1);
+constexpr absl::Duration kDiscardLimit = absl::Seconds(10);
 
 class AttendSocketServer::PinnedRegion {
  public:
@@ -234,6 +235,7 @@ void AttendSocketServer::Serve(Session* session) {
   std::unique_ptr<PinnedRegion> region;  // once attached
   absl::Status end;                      // what ends the session: OK when the client closes it
   bool tell_peer = true;                 // false once the socket itself has failed
+  bool frame_unread = false;             // the last frame was refused from its header
   for (;;) {
     const bool spin = spinning_.fetch_add(1, std::memory_order_relaxed) < options_.max_spinning;
     if (!spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
@@ -246,6 +248,7 @@ void AttendSocketServer::Serve(Session* session) {
     if (!frame.ok()) {
       if (!absl::IsOutOfRange(frame.status())) end = frame.status();
       tell_peer = !absl::IsUnavailable(end);
+      frame_unread = absl::IsInvalidArgument(end) || absl::IsResourceExhausted(end);
       break;
     }
     const absl::Time begin = absl::Now();
@@ -292,12 +295,9 @@ void AttendSocketServer::Serve(Session* session) {
   // The peer is told why, unless the socket itself failed.
   if (!end.ok() && tell_peer) {
     conn.WriteStatus(end, absl::Now() + absl::Seconds(1)).IgnoreError();
-    // A client still writing the frame that ended the session (one over --max_message_bytes)
-    // gets to finish it and read the status, rather than block until its deadline. A silent one
-    // (the idle timeout) has nothing more to send.
-    if (!absl::IsDeadlineExceeded(end)) {
-      conn.DiscardInput(kDiscardQuiet, absl::Now() + options_.idle_timeout);
-    }
+    // A client still writing the refused frame (one over --max_message_bytes) gets to finish it
+    // and read the status, rather than block until its deadline.
+    if (frame_unread) conn.DiscardInput(kDiscardQuiet, absl::Now() + kDiscardLimit);
   }
   // The peer sees the close now; the descriptor itself is closed when the session is reaped, so
   // that Shutdown never acts on a number the kernel has handed out again.

@@ -6,8 +6,7 @@
 //   Concurrent      several fuzzers on one server, each with its own leases
 //   Chaos           several fuzzers racing on shared leases: codes and accounting only
 //
-// The defaults take ~10 s on two cores (CI allows the binary ~30 s). Environment, for longer
-// runs:
+// The defaults take ~12 s on two cores. Environment, for longer runs:
 //   FUZZ_SEED     first seed (1)
 //   FUZZ_SEEDS    how many seeds each test runs, from FUZZ_SEED on (1)
 //   FUZZ_ITERS    operations per fuzzer (RandomRequests 600, Concurrent and Chaos 300)
@@ -18,8 +17,9 @@
 //   FUZZ_VERBOSE  1: print every call that did not succeed, and (Concurrent, Chaos) each
 //                 fuzzer's code counts (RandomRequests prints its own always)
 // A failure names its fuzzer's seed (Concurrent and Chaos: FUZZ_SEED * 1000 + thread) and step.
-// RandomRequests replays it exactly with FUZZ_SEED=<seed> FUZZ_VERBOSE=1; the threaded tests
-// interleave differently on every run.
+// RandomRequests replays it with FUZZ_SEED=<seed> FUZZ_VERBOSE=1 (exactly, unless an AttendSocket
+// session was closed as idle in one run and not the other); the threaded tests interleave
+// differently on every run.
 #include <unistd.h>
 
 #include <atomic>

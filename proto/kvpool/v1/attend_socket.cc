@@ -183,7 +183,7 @@ int FrameConnection::TakeReceivedFd() {
 void FrameConnection::DiscardInput(absl::Duration quiet, absl::Time deadline) {
   shutdown(fd_, SHUT_WR);
   char dropped[64 << 10];
-  for (;;) {
+  while (absl::Now() < deadline) {
     // Descriptors passed along (Unix sockets) are closed by the kernel, as recv takes none.
     const ssize_t r = recv(fd_, dropped, sizeof(dropped), MSG_DONTWAIT);
     if (r > 0) continue;

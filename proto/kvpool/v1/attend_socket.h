@@ -12,9 +12,10 @@
 //   bytes 12-15  zero
 // The client sends a request and reads its response before the next request, in order, like an
 // AttendStream step. The server answers a failed step, a bad frame or a refused connection with a
-// status frame and closes the connection (after a session's status it first reads and drops what
-// the client still sends, such as the rest of a frame over its size limit, so that the client's
-// write completes and it reads the status); the client closing the connection ends the session.
+// status frame and closes the connection (after refusing a frame from its header, one over the
+// size limit or not of this format, it first reads and drops what the client still sends, for up
+// to 10 s, so that the client's write completes and it reads the status); the client closing the
+// connection ends the session.
 // Over a Unix socket a client may also attach a shared-memory region and run region requests,
 // whose bulk bytes stay in the region (attend_region.h).
 #ifndef KVPOOL_PROTO_KVPOOL_V1_ATTEND_SOCKET_H_
@@ -82,8 +83,9 @@ class FrameConnection {
   // Writes a status frame carrying `status` (not OK).
   absl::Status WriteStatus(const absl::Status& status, absl::Time deadline);
   // Ends the writing side, then reads and drops what the peer still sends until it closes the
-  // connection, sends nothing for `quiet`, or `deadline`: a peer still writing a frame that was
-  // refused (one over the size limit) then completes its write and reads the status frame.
+  // connection, sends nothing for `quiet`, or `deadline` (checked as bytes arrive too): a peer
+  // still writing a frame that was refused from its header (one over the size limit) then
+  // completes its write and reads the status frame.
   void DiscardInput(absl::Duration quiet, absl::Time deadline);
   // shutdown(2) on both directions: a Read or Write in another thread returns at once.
   void Shutdown();
