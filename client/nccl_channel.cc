@@ -133,6 +133,7 @@ class NcclChannelImpl final : public NcclChannel {
     if (comm_ == nullptr) return absl::UnavailableError("NCCL channel aborted");
     request.set_channel_id(id_);
     request.set_buffer_bytes(capacity);
+    request.set_sink_rows(true);  // received below
     request.set_timeout_ms(ProtocolMilliseconds(timeout));
     const absl::Time deadline = absl::Now() + timeout;
     grpc::ClientContext ctx;

@@ -318,9 +318,10 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     last.mutable_done()->set_bytes(0);
     return emit(last);
   }
-  // RAW from a namespace with sink tokens: each layer's sink rows of the first block (always in
-  // the transfer, which spans the lease's blocks) follow its V, as a RAW Get sends them.
-  const bool sinks = raw && config.sink_tokens > 0;
+  // RAW from a namespace with sink tokens, to a worker that takes them: each layer's sink rows of
+  // the first block (always in the transfer, which spans the lease's blocks) follow its V, as a
+  // RAW Get sends them.
+  const bool sinks = raw && request.sink_rows() && config.sink_tokens > 0;
   const uint64_t sink_bytes =
       sinks ? uint64_t{heads} * config.sink_tokens * config.head_dim * sizeof(uint16_t) : 0;
   uint32_t valid = lease->layer_tokens.empty() ? 0 : lease->layer_tokens[layer_begin];

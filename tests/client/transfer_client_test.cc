@@ -459,6 +459,7 @@ class FakeTransportChannel final : public NcclChannel {
   void SetCloseDeadline(absl::Time) override {}
   absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,
                                             uint64_t capacity, absl::Duration) override {
+    request.set_sink_rows(true);  // as NcclChannel's Get
     v1::NcclGetDescriptor header;
     std::vector<uint8_t> payload;
     if (absl::Status s = worker_->Get(request, &header, &payload, capacity); !s.ok()) return s;

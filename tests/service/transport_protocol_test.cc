@@ -136,18 +136,25 @@ TEST_F(TransportProtocolTest, RawGetSendsEachLayersExactSinkRowsAfterItsPages) {
 
 // Without sink rows to send the layout is as it always was, K and V per layer back to back and no
 // sink segment: RAW from a namespace without sinks, FP16 from one with them (an fp16 read has its
-// sink tokens exact in its rows).
+// sink tokens exact in its rows), and RAW with sinks to a worker that does not ask for them.
 TEST_F(TransportProtocolTest, GetsWithoutSinkRowsListNoSinkSegments) {
-  for (const int sink_tokens : {0, 3}) {
-    MakeStore(32, sink_tokens);
+  struct Case {
+    int sink_tokens;
+    v1::GetFormat format;
+    bool sink_rows;  // false: a worker built before sink segments existed
+  };
+  for (const Case c : {Case{0, v1::GET_FORMAT_RAW, true}, Case{3, v1::GET_FORMAT_FP16, true},
+                       Case{3, v1::GET_FORMAT_RAW, false}}) {
+    MakeStore(32, c.sink_tokens);
     StartService();
     const uint64_t lease = PutAndMatch(13, 7);
     TestWorker w(stub_.get(), &network_);
     ASSERT_TRUE(w.Open().ok());
-    const v1::GetFormat format = sink_tokens == 0 ? v1::GET_FORMAT_RAW : v1::GET_FORMAT_FP16;
+    v1::NcclGetRequest req = NcclGetOf(lease, c.format);
+    req.set_sink_rows(c.sink_rows);
     v1::NcclGetDescriptor header;
     std::vector<uint8_t> buf;
-    ASSERT_TRUE(w.Get(NcclGetOf(lease, format), &header, &buf).ok());
+    ASSERT_TRUE(w.Get(req, &header, &buf).ok());
     ASSERT_EQ(header.layers_size(), config_.num_layers);
     uint64_t offset = 0;
     for (const v1::NcclLayerSegments& l : header.layers()) {

@@ -128,12 +128,14 @@ class TestWorker {
   std::unique_ptr<PeerTransport> end_;
 };
 
-// An NcclGet of every layer and head of `lease` in `format`.
+// An NcclGet of every layer and head of `lease` in `format`, from a worker that takes sink
+// segments (as NcclChannel).
 inline v1::NcclGetRequest NcclGetOf(uint64_t lease,
                                     v1::GetFormat format = v1::GET_FORMAT_UNSPECIFIED) {
   v1::NcclGetRequest req;
   req.set_lease_id(lease);
   req.set_format(format);
+  req.set_sink_rows(true);
   return req;
 }
 
