@@ -246,6 +246,7 @@ TEST(AttendSocket, AClientWritingAFrameOverTheLimitReadsTheStatus) {
       sent += static_cast<size_t>(n);
       continue;
     }
+    if (n < 0 && errno == EINTR) continue;
     pollfd writable{fd, POLLOUT, 0};
     if (n < 0 && errno == EAGAIN && poll(&writable, 1, /*timeout_ms=*/10000) == 1) continue;
     break;
