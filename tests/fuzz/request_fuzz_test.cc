@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -109,16 +110,28 @@ class FuzzServer {
   FuzzTarget target_;
 };
 
-// Runs every fuzzer on a thread of its own for `steps` steps.
-void RunConcurrently(const std::vector<std::unique_ptr<RequestFuzzer>>& fuzzers, uint64_t steps) {
-  std::vector<std::thread> threads;
-  for (const auto& f : fuzzers) threads.emplace_back([&f, steps] { f->Run(steps); });
-  for (std::thread& t : threads) t.join();
-}
-
 void PrintCodes(const RequestFuzzer& f) {
   std::printf("seed %lu: %d failures\n%s", static_cast<unsigned long>(f.seed()), f.failures(),
               f.CodeSummary().c_str());
+}
+
+// `threads` fuzzers on `server`, fuzzer i with `options(i)`, each on a thread of its own for
+// `steps` steps; then every lease released, a round trip, and the idle server checked.
+void RunThreaded(const FuzzServer& server, uint64_t threads, uint64_t steps, const FuzzOpMix& mix,
+                 const std::function<FuzzOptions(uint64_t)>& options) {
+  std::vector<std::unique_ptr<RequestFuzzer>> fuzzers;
+  for (uint64_t i = 0; i < threads; ++i) {
+    fuzzers.push_back(std::make_unique<RequestFuzzer>(server.target(), options(i), mix));
+  }
+  std::vector<std::thread> running;
+  for (const auto& f : fuzzers) running.emplace_back([&f, steps] { f->Run(steps); });
+  for (std::thread& t : running) t.join();
+  for (const auto& f : fuzzers) f->ReleaseAll();
+  fuzzers[0]->RoundTrip();
+  fuzzers[0]->CheckIdleServer();
+  if (EnvOr("FUZZ_VERBOSE", 0) != 0) {
+    for (const auto& f : fuzzers) PrintCodes(*f);
+  }
 }
 
 TEST(RequestFuzz, RandomRequests) {
@@ -147,19 +160,11 @@ TEST(RequestFuzz, Concurrent) {
     FuzzOpMix mix;
     mix.create_namespace = 3;
     mix.put = 19;
-    std::vector<std::unique_ptr<RequestFuzzer>> fuzzers;
-    for (uint64_t i = 0; i < threads; ++i) {
+    RunThreaded(server, threads, steps, mix, [seed](uint64_t i) {
       FuzzOptions o = OptionsFromEnv(FuzzMode::kOwnLeases, seed * 1000 + i, 30);
       o.max_leases = 10;
-      fuzzers.push_back(std::make_unique<RequestFuzzer>(server.target(), o, mix));
-    }
-    RunConcurrently(fuzzers, steps);
-    for (const auto& f : fuzzers) f->ReleaseAll();
-    fuzzers[0]->RoundTrip();
-    fuzzers[0]->CheckIdleServer();
-    if (EnvOr("FUZZ_VERBOSE", 0) != 0) {
-      for (const auto& f : fuzzers) PrintCodes(*f);
-    }
+      return o;
+    });
   }
 }
 
@@ -180,19 +185,11 @@ TEST(RequestFuzz, Chaos) {
     mix.attend_stream = 8;
     mix.release = 6;
     mix.socket = 17;
-    std::vector<std::unique_ptr<RequestFuzzer>> fuzzers;
-    for (uint64_t i = 0; i < threads; ++i) {
+    RunThreaded(server, threads, steps, mix, [seed, &pool](uint64_t i) {
       FuzzOptions o = OptionsFromEnv(FuzzMode::kSharedLeases, seed * 1000 + i, 10);
       o.shared_leases = &pool;
-      fuzzers.push_back(std::make_unique<RequestFuzzer>(server.target(), o, mix));
-    }
-    RunConcurrently(fuzzers, steps);
-    fuzzers[0]->ReleaseAll();
-    fuzzers[0]->RoundTrip();
-    fuzzers[0]->CheckIdleServer();
-    if (EnvOr("FUZZ_VERBOSE", 0) != 0) {
-      for (const auto& f : fuzzers) PrintCodes(*f);
-    }
+      return o;
+    });
   }
 }
 
