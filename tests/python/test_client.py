@@ -205,6 +205,25 @@ def test_attend_socket_answer_over_max_message_bytes_is_resource_exhausted(
         client.release(m.lease_id)
 
 
+def test_attend_socket_request_over_the_servers_limit_is_resource_exhausted(
+        server, attend_socket_port, client):
+    """A step over the server's --max_message_bytes (64 MiB) is refused from its frame's header;
+    the server reads the rest, so the client's send completes and it reads the status at once."""
+    ids, _, _, _ = put_sequence(client, 32, seed=50)
+    m = client.match(ids, namespace="pytest")
+    q = np.ones(((65 << 20) // (2 * DIM), DIM), np.float16)  # 65 MiB
+    try:
+        with Client(server, timeout=30, attend_socket_port=attend_socket_port,
+                    max_message_bytes=128 << 20) as c, c.attend_stream() as stream:
+            start = time.monotonic()
+            with pytest.raises(AttendSocketError) as e:
+                stream.step(0, [AttendItem(m.lease_id, q)])
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert time.monotonic() - start < 10  # not the session's 30 s timeout
+    finally:
+        client.release(m.lease_id)
+
+
 def test_attend_socket_step_past_the_session_deadline_is_not_sent(server, attend_socket_port,
                                                                    client):
     """The step raises DEADLINE_EXCEEDED, appends nothing, and closes the session's socket."""
