@@ -9,18 +9,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <set>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -33,40 +28,10 @@
 #include "service/store/namespace_config.h"
 #include "tests/service/kv_store_test_util.h"
 #include "tests/service/store_content_oracle.h"
+#include "tests/service/store_stress_support.h"
 
 namespace kvpool::testing {
 namespace {
-
-int EnvInt(const char* name, int def) {
-  const char* v = std::getenv(name);
-  return v != nullptr ? std::atoi(v) : def;
-}
-
-thread_local int tl_fail_permille = 0;
-thread_local std::mt19937* tl_rng = nullptr;
-std::atomic<int> g_injected{0};
-bool ShouldFail() {
-  const bool f = tl_fail_permille > 0 && tl_rng != nullptr &&
-                 static_cast<int>((*tl_rng)() % 1000) < tl_fail_permille;
-  if (f) g_injected++;
-  return f;
-}
-
-class FlakyBackend : public ForwardingBackend {
- public:
-  absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
-    if (ShouldFail()) return absl::InternalError("injected QuantizeAppend failure");
-    return ForwardingBackend::QuantizeAppend(p);
-  }
-  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
-                                    const QuantizeAppendParams* append) override {
-    if (append != nullptr && ShouldFail()) {
-      if ((*tl_rng)() % 2 == 0) (void)inner().QuantizeAppend(*append);  // written, then failed
-      return absl::InternalError("injected attend failure");
-    }
-    return ForwardingBackend::PagedDecodeAttention(p, append);
-  }
-};
 
 struct LeaseRec {
   uint64_t id = 0;
@@ -94,27 +59,9 @@ class ContentStress : public StoreTest {
     const int threads = EnvInt("STRESS_THREADS", 6);
     const int steps = EnvInt("STRESS_STEPS", 1500);
     const int seed = EnvInt("STRESS_SEED", 1);
-    std::atomic<bool> done{false};
-    std::mutex wd_mu;
-    std::condition_variable wd_cv;
-    const int wd_s = EnvInt("STRESS_WATCHDOG_S", 600);
-    std::thread watchdog([&] {
-      std::unique_lock<std::mutex> l(wd_mu);
-      if (!wd_cv.wait_for(l, std::chrono::seconds(wd_s), [&] { return done.load(); })) {
-        std::fprintf(stderr, "WATCHDOG: no progress in %d s, deadlock?\n", wd_s);
-        std::abort();
-      }
-    });
     const auto t0 = std::chrono::steady_clock::now();
-    std::vector<std::thread> pool;
-    for (int t = 0; t < threads; ++t) pool.emplace_back([&, t] { Work(seed * 1000 + t, steps); });
-    for (auto& t : pool) t.join();
-    {
-      std::lock_guard<std::mutex> l(wd_mu);
-      done = true;
-    }
-    wd_cv.notify_all();
-    watchdog.join();
+    RunThreadsWithWatchdog(threads, EnvInt("STRESS_WATCHDOG_S", 600),
+                           [&](int t) { Work(seed * 1000 + t, steps); });
     std::fprintf(stderr,
                  "ran %d threads x %d steps in %.1f s; ops ok: put %d match %d append %d "
                  "attend %d read %d\n",
@@ -192,18 +139,6 @@ class ContentStress : public StoreTest {
     if (unexpected_.size() < 50) unexpected_.push_back(s);
   }
 
-  std::vector<int32_t> MakeIds(std::mt19937& rng, int max_len) {
-    const int len = static_cast<int>(rng() % (max_len + 1));
-    const int fam = static_cast<int>(rng() % 3);
-    const int split = static_cast<int>(rng() % (len + 1));
-    const int branch = static_cast<int>(rng() % 3);
-    std::vector<int32_t> ids(len);
-    for (int i = 0; i < len; ++i) {
-      ids[i] = i < split ? fam * 10000 + i : fam * 10000 + (branch + 1) * 1000 + i;
-    }
-    return ids;
-  }
-
   void Remember(const std::vector<int32_t>& ids) {
     if (ids.empty()) return;
     std::lock_guard<std::mutex> l(seq_mu_);
@@ -226,33 +161,19 @@ class ContentStress : public StoreTest {
       return;
     }
     n_read_++;
-    std::vector<uint16_t> ek(pt), ev(pt);
     for (uint32_t row = 0; row < blocks * bt; ++row) {
-      const uint16_t* gk = k.data() + row * pt;
-      const uint16_t* gv = v.data() + row * pt;
       if (!r.chaos && row >= r.plan.size()) {
         Bad(absl::StrFormat("%s: row %d past plan", what, row));
         return;
       }
-      oracle_->Expected(r.chaos ? r.chaos_hash : r.hashes[row], layer,
-                        static_cast<int>(row) < config_.sink_tokens, ek.data(), ev.data());
-      const bool match =
-          std::equal(ek.begin(), ek.end(), gk) && std::equal(ev.begin(), ev.end(), gv);
-      if (match) continue;
-      const bool zero = std::all_of(gk, gk + pt, [](uint16_t x) { return x == 0; }) &&
-                        std::all_of(gv, gv + pt, [](uint16_t x) { return x == 0; });
-      if (row >= w && zero) continue;
-      double err = 0, norm = 0;
-      for (size_t i = 0; i < pt; ++i) {
-        const double d = HalfToFloat(gk[i]) - HalfToFloat(ek[i]);
-        err += d * d;
-        norm += double(HalfToFloat(ek[i])) * HalfToFloat(ek[i]);
-      }
+      const std::string diff = oracle_->RowDifference(r.chaos ? r.chaos_hash : r.hashes[row], layer,
+                                                      static_cast<int>(row) < config_.sink_tokens,
+                                                      k.data() + row * pt, v.data() + row * pt);
+      if (diff.empty() || (row >= w && diff == "zeros")) continue;
       Bad(absl::StrFormat(
           "%s: lease %d layer %d row %d (written %d, matched %d, match ids %d, plan len %d) "
-          "content wrong: %s, K rel err %.3f",
-          what, r.id, layer, row, w, r.matched, r.match_ids, r.plan.size(),
-          zero ? "zeros" : "other data", std::sqrt(err / norm)));
+          "content wrong: %s",
+          what, r.id, layer, row, w, r.matched, r.match_ids, r.plan.size(), diff));
       return;
     }
   }
@@ -273,7 +194,7 @@ class ContentStress : public StoreTest {
   }
 
   void DoPut(std::mt19937& rng) {
-    std::vector<int32_t> ids = MakeIds(rng, 28);
+    std::vector<int32_t> ids = RandomIds(rng, 28);
     if (ids.empty()) ids.push_back(1);
     const std::vector<uint64_t> h = PrefixHashes(ids);
     const size_t pt = oracle_->pt();
@@ -338,7 +259,7 @@ class ContentStress : public StoreTest {
 
   void DoMatch(std::mt19937& rng) {
     auto rec = std::make_shared<LeaseRec>();
-    std::vector<int32_t> ids = MakeIds(rng, 28);
+    std::vector<int32_t> ids = RandomIds(rng, 28);
     if (rng() % 20 == 0) ids.clear();
     bool rejoin = false;
     if (rng() % 4 == 0) {
@@ -648,19 +569,9 @@ class ContentStress : public StoreTest {
         clock_.Advance(absl::Seconds(1));
         store_->ExpireLeases();
       } else {
-        const StoreStats st = store_->Stats();
-        const NamespaceStoreStats& ns = st.namespaces[0];
-        if (ns.blocks_free + ns.blocks_evictable > ns.blocks_total ||
-            ns.sink_blocks_free > ns.sink_blocks_total || ns.sink_blocks_free > ns.blocks_free ||
-            ns.tokens_stored % config_.block_tokens != 0 ||
-            ns.tokens_stored / config_.block_tokens > ns.blocks_total ||
-            ns.tokens_stored / config_.block_tokens < ns.blocks_evictable) {
-          Bad(absl::StrFormat(
-              "stats inconsistent: total %d free %d evictable %d in_use %d "
-              "sink %d/%d tokens %d",
-              ns.blocks_total, ns.blocks_free, ns.blocks_evictable, ns.blocks_in_use,
-              ns.sink_blocks_free, ns.sink_blocks_total, ns.tokens_stored));
-        }
+        const std::string why =
+            PoolCountsInconsistency(store_->Stats().namespaces[0], config_.block_tokens);
+        if (!why.empty()) Bad(why);
       }
     }
     tl_rng = nullptr;

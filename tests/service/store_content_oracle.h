@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -42,6 +43,23 @@ class Oracle {
     std::normal_distribution<float> n(0.f, 1.f);
     for (size_t i = 0; i < pt_; ++i) k[i] = FloatToHalf(n(g));
     for (size_t i = 0; i < pt_; ++i) v[i] = FloatToHalf(n(g));
+  }
+  // How a read row (K and V, pt() values each) of the token whose prefix hash is h differs from
+  // Expected: "" when it does not, else "zeros" or the relative L2 error of its K.
+  std::string RowDifference(uint64_t h, int layer, bool sink_exact, const uint16_t* k,
+                            const uint16_t* v) const {
+    std::vector<uint16_t> ek(pt_), ev(pt_);
+    Expected(h, layer, sink_exact, ek.data(), ev.data());
+    if (std::equal(ek.begin(), ek.end(), k) && std::equal(ev.begin(), ev.end(), v)) return "";
+    auto zero = [](uint16_t x) { return x == 0; };
+    if (std::all_of(k, k + pt_, zero) && std::all_of(v, v + pt_, zero)) return "zeros";
+    double err = 0, norm = 0;
+    for (size_t i = 0; i < pt_; ++i) {
+      const double d = HalfToFloat(k[i]) - HalfToFloat(ek[i]);
+      err += d * d;
+      norm += double(HalfToFloat(ek[i])) * HalfToFloat(ek[i]);
+    }
+    return "other data, K rel err " + std::to_string(std::sqrt(err / norm));
   }
   // What a read returns for it: quantized, or exact for a sink position read from block 0.
   void Expected(uint64_t h, int layer, bool sink_exact, uint16_t* k, uint16_t* v) const {
