@@ -335,13 +335,11 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
       const uint32_t pos = lease.layer_tokens[layer]++;
       slots->push_back(static_cast<int64_t>(lease.blocks[pos / bt].id) * bt + pos % bt);
       positions->push_back(static_cast<int32_t>(pos));
-      if (!plan.token_ids.empty() && plan.token_ids[i] >= 0) {
-        if (lease.token_ids.size() <= pos) {
-          lease_token_ids_ += pos + 1 - lease.token_ids.size();
-          lease.token_ids.resize(pos + 1, -1);
-        }
-        lease.ids_before_appends.try_emplace(pos, lease.token_ids[pos]);
-        lease.token_ids[pos] = plan.token_ids[i];
+      // Room for the ids the plan names, taken now (the limit was checked above); they are
+      // written when the append completes.
+      if (!plan.token_ids.empty() && plan.token_ids[i] >= 0 && lease.token_ids.size() <= pos) {
+        lease_token_ids_ += pos + 1 - lease.token_ids.size();
+        lease.token_ids.resize(pos + 1, -1);
       }
     }
   }
@@ -352,8 +350,10 @@ void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
                                       absl::Span<const AppendPlan> plans) {
   for (const AppendPlan& plan : plans) {
     Lease& lease = *plan.lease;
+    // The ids a plan names stand only once its tokens are written: a failed append leaves the
+    // ids the lease had (its Match's, or those of a completed append), whatever other layers hold.
     for (uint32_t i = 0; i < plan.token_ids.size(); ++i) {
-      if (plan.token_ids[i] >= 0) lease.ids_before_appends.erase(plan.begin + i);
+      if (plan.token_ids[i] >= 0) lease.token_ids[plan.begin + i] = plan.token_ids[i];
     }
     uint32_t& written = lease.layer_written[layer];
     std::vector<std::pair<uint32_t, uint32_t>>& ahead = lease.written_ahead[layer];
@@ -375,20 +375,8 @@ void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
 void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan> plans) {
   for (auto plan = plans.rbegin(); plan != plans.rend(); ++plan) {
     Lease& lease = *plan->lease;
-    if (lease.layer_tokens[layer] != plan->begin + plan->num_tokens) continue;
-    lease.layer_tokens[layer] = plan->begin;
-    // The token ids the plan named (ReserveAppendsLocked kept them), at positions no layer holds
-    // now: a later append there may be another token, and must not be published under these
-    // ids, nor under those of another failed append there. The ids the lease had before any
-    // append named them (its Match's, or none) come back.
-    if (plan->token_ids.empty()) continue;
-    const uint32_t held = *std::max_element(lease.layer_tokens.begin(), lease.layer_tokens.end());
-    const size_t end = std::min<size_t>(plan->begin + plan->num_tokens, lease.token_ids.size());
-    for (size_t pos = std::max(held, plan->begin); pos < end; ++pos) {
-      if (plan->token_ids[pos - plan->begin] < 0) continue;
-      auto before = lease.ids_before_appends.find(static_cast<uint32_t>(pos));
-      lease.token_ids[pos] = before != lease.ids_before_appends.end() ? before->second : -1;
-      if (before != lease.ids_before_appends.end()) lease.ids_before_appends.erase(before);
+    if (lease.layer_tokens[layer] == plan->begin + plan->num_tokens) {
+      lease.layer_tokens[layer] = plan->begin;
     }
   }
 }

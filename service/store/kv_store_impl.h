@@ -199,7 +199,8 @@ class StoreImpl final : public KvStore {
                                     std::vector<int32_t>* positions)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Marks the planned tokens written (the written watermark moves once the positions before them
-  // are written too) and publishes every tail block that is now complete.
+  // are written too), takes the token ids the plans name and publishes every tail block that is
+  // now complete.
   void CompleteAppendsLocked(NamespaceState& ns, uint32_t layer, absl::Span<const AppendPlan> plans)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a failed backend call: gives back the plans' reservations where nothing was reserved

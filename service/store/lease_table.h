@@ -40,7 +40,7 @@ struct Lease {
   uint64_t id = 0;          // set by LeaseTable::Add
   int namespace_index = 0;  // the store's namespace
   absl::Duration ttl;
-  absl::Time expires;       // set by the table
+  absl::Time expires;         // set by the table
   std::vector<Block> blocks;  // grown by AddBlock only
   // blocks[0, hashed_blocks) know their prefix hash: the matched ones, then tail blocks as they
   // are published, in order.
@@ -58,12 +58,9 @@ struct Lease {
   std::vector<uint32_t> layer_tokens;
   std::vector<uint32_t> layer_written;
   std::vector<std::vector<std::pair<uint32_t, uint32_t>>> written_ahead;
-  // Token ids from position 0 as far as known; -1 = not given.
+  // Token ids from position 0 as far as known (the Match's, then those named by appends that
+  // completed); -1 = not given. Appends in flight have room reserved here for the ids they name.
   std::vector<int32_t> token_ids;
-  // For each position an append in flight named: its id before the first such append (the
-  // Match's, or -1), which a failed append puts back when no layer holds the position. Dropped
-  // once an append there completes (the position is then held for good).
-  absl::flat_hash_map<uint32_t, int32_t> ids_before_appends;
   // Calls using the lease's blocks outside the store lock right now. A lease dropped (released
   // or expired) while users > 0 is unpinned by its last user.
   int users = 0;

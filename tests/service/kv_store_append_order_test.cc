@@ -189,64 +189,79 @@ TEST_F(AppendOrderTest, AFailedNamedAppendGivesBackTheIdsOfTheMatch) {
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
-// The CPU backend, except that while armed each layer's QuantizeAppend (layer 0 INT4, layer 1
-// INT8 in SmallConfig) waits until that layer is released, then fails without writing.
+// The CPU backend, except that each layer's QuantizeAppend (layer 0 INT4, layer 1 INT8 in
+// SmallConfig) waits while that layer is armed until it is released, then fails without writing.
 class TwoLayerFailBackend final : public ForwardingBackend {
  public:
-  std::atomic<bool> armed{false};
+  std::atomic<bool> armed[2] = {false, false};
   absl::Notification entered[2], release[2];
   absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
-    if (!armed.load()) return inner().QuantizeAppend(p);
     const int layer = p.layout.dtype == KvDtype::kInt4 ? 0 : 1;
+    if (!armed[layer].load()) return inner().QuantizeAppend(p);
     entered[layer].Notify();
     release[layer].WaitForNotification();
     return absl::InternalError("injected backend failure");
   }
 };
 
-// Two layers' appends naming the same wrong ids at the same positions both fail, the one reserved
-// first failing first: the tokens appended there later, unnamed, publish under the Match's ids
-// when it gave some, and under none otherwise (before, the second failure put back the first
-// one's wrong ids, and the block was published under them).
-TEST_F(StoreTest, TwoFailedAppendsAtOnePositionGiveBackTheMatchsIds) {
-  for (const bool match_all_ids : {false, true}) {
-    store_.reset();  // before the backend it uses
-    auto backend = std::make_unique<TwoLayerFailBackend>();
-    TwoLayerFailBackend* gate = backend.get();
-    backend_ = std::move(backend);
-    MakeStore(16);
-    const std::vector<int32_t> ids = TokenIds(16, 7);
-    const SequenceKv kv = MakeSequenceKv(config_, 16, 31);
-    ASSERT_TRUE(Put(std::vector<int32_t>(ids.begin(), ids.begin() + 8), kv).ok());
-    auto lease = store_->Match(
-        "main", std::vector<int32_t>(ids.begin(), ids.begin() + (match_all_ids ? 16 : 8)),
-        absl::ZeroDuration());
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    const size_t pt = PerToken();
-    auto append = [&](uint32_t layer, absl::Span<const int32_t> named) {
-      return store_->Append(lease->lease_id, layer, named, 4, kv.k[layer].data() + 8 * pt,
-                            kv.v[layer].data() + 8 * pt);
-    };
-    const std::vector<int32_t> wrong = {90001, 90002, 90003, 90004};
-    gate->armed = true;
-    std::thread first([&] { EXPECT_FALSE(append(0, wrong).ok()); });
-    gate->entered[0].WaitForNotification();
-    std::thread second([&] { EXPECT_FALSE(append(1, wrong).ok()); });
-    gate->entered[1].WaitForNotification();
-    gate->release[0].Notify();
-    first.join();
-    gate->release[1].Notify();
-    second.join();
-    gate->armed = false;
-    for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(append(layer, {}).ok());
-    std::vector<int32_t> under_wrong(ids.begin(), ids.begin() + 8);
-    under_wrong.insert(under_wrong.end(), wrong.begin(), wrong.end());
-    for (const auto& [probe_ids, want] :
-         {std::pair{under_wrong, 8u}, std::pair{ids, match_all_ids ? 12u : 8u}}) {
-      auto probe = store_->Match("main", probe_ids, absl::ZeroDuration());
-      ASSERT_TRUE(probe.ok()) << probe.status();
-      EXPECT_EQ(probe->cached_tokens, want) << "match_all_ids " << match_all_ids;
-      ASSERT_TRUE(store_->Release(probe->lease_id).ok());
+// Layer 0's append naming wrong ids fails after layer 1's append at the same positions began:
+// layer 1's names the same wrong ids and fails after it, or names none and completes. The tokens
+// appended there later, unnamed, publish under the Match's ids when it gave some, and under none
+// otherwise. Before, the second failure put back the first one's wrong ids, and the block was
+// published under them; and a completed unnamed append held the positions, so the wrong ids
+// stayed.
+TEST_F(StoreTest, AFailedAppendsIdsNameNothingWhateverTheOtherLayerDid) {
+  for (const bool layer_one_completes : {false, true}) {
+    for (const bool match_all_ids : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << "layer_one_completes " << layer_one_completes
+                                        << ", match_all_ids " << match_all_ids);
+      store_.reset();  // before the backend it uses
+      auto backend = std::make_unique<TwoLayerFailBackend>();
+      TwoLayerFailBackend* gate = backend.get();
+      backend_ = std::move(backend);
+      MakeStore(16);
+      const std::vector<int32_t> ids = TokenIds(16, 7);
+      const SequenceKv kv = MakeSequenceKv(config_, 16, 31);
+      ASSERT_TRUE(Put(std::vector<int32_t>(ids.begin(), ids.begin() + 8), kv).ok());
+      auto lease = store_->Match(
+          "main", std::vector<int32_t>(ids.begin(), ids.begin() + (match_all_ids ? 16 : 8)),
+          absl::ZeroDuration());
+      ASSERT_TRUE(lease.ok()) << lease.status();
+      const size_t pt = PerToken();
+      auto append = [&](uint32_t layer, absl::Span<const int32_t> named) {
+        return store_->Append(lease->lease_id, layer, named, 4, kv.k[layer].data() + 8 * pt,
+                              kv.v[layer].data() + 8 * pt);
+      };
+      const std::vector<int32_t> wrong = {90001, 90002, 90003, 90004};
+      gate->armed[0] = true;
+      gate->armed[1] = !layer_one_completes;
+      std::thread first([&] { EXPECT_FALSE(append(0, wrong).ok()); });
+      gate->entered[0].WaitForNotification();
+      if (layer_one_completes) {
+        ASSERT_TRUE(append(1, {}).ok());
+        gate->release[0].Notify();
+        first.join();
+      } else {
+        std::thread second([&] { EXPECT_FALSE(append(1, wrong).ok()); });
+        gate->entered[1].WaitForNotification();
+        gate->release[0].Notify();
+        first.join();
+        gate->release[1].Notify();
+        second.join();
+      }
+      gate->armed[0] = gate->armed[1] = false;
+      for (uint32_t layer = 0; layer < (layer_one_completes ? 1u : 2u); ++layer) {
+        ASSERT_TRUE(append(layer, {}).ok());
+      }
+      std::vector<int32_t> under_wrong(ids.begin(), ids.begin() + 8);
+      under_wrong.insert(under_wrong.end(), wrong.begin(), wrong.end());
+      for (const auto& [probe_ids, want] :
+           {std::pair{under_wrong, 8u}, std::pair{ids, match_all_ids ? 12u : 8u}}) {
+        auto probe = store_->Match("main", probe_ids, absl::ZeroDuration());
+        ASSERT_TRUE(probe.ok()) << probe.status();
+        EXPECT_EQ(probe->cached_tokens, want);
+        ASSERT_TRUE(store_->Release(probe->lease_id).ok());
+      }
     }
   }
 }
