@@ -11,11 +11,13 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -359,17 +361,34 @@ class ContentStress : public StoreTest {
     std::vector<uint16_t> kk(k * pt), vv(k * pt);
     std::vector<int32_t> ids;
     const bool named = rng() % 2 == 0;
+    // Wrong ids (another sequence's) on an append that fails, after the other layer's append of
+    // the same positions completed meanwhile: no block may be published under them. The final
+    // check matches the sequence they name.
+    const bool wrong = named && rng() % 8 == 0;
     for (uint32_t i = 0; i < k; ++i) {
       oracle_->Input(rec->hashes[n + i], layer, kk.data() + i * pt, vv.data() + i * pt);
-      if (named) ids.push_back(rng() % 5 == 0 ? -1 : rec->plan[n + i]);
+      if (wrong) {
+        ids.push_back(rec->plan[n + i] | 0x40000000);
+      } else if (named) {
+        ids.push_back(rng() % 5 == 0 ? -1 : rec->plan[n + i]);
+      }
+    }
+    if (wrong) {
+      std::vector<int32_t> named_seq = rec->plan;
+      std::copy(ids.begin(), ids.end(), named_seq.begin() + n);
+      Remember(named_seq);
     }
     const bool nan = rng() % 20 == 0;
     if (nan) vv[rng() % vv.size()] = 0x7C00;
-    tl_fail_permille = 100;
+    const std::function<void()> other_layer = [&] { AppendOtherLayer(*rec, 1 - layer, n, k); };
+    tl_fail_permille = wrong ? 1000 : 100;
+    if (wrong) tl_before_append_failure = &other_layer;
     auto r = store_->Append(rec->id, layer, ids, k, kk.data(), vv.data());
     tl_fail_permille = 0;
+    tl_before_append_failure = nullptr;
     if (r.ok()) {
       if (nan) Bad("Append with Inf accepted");
+      if (wrong) Bad("Append with an injected failure succeeded");
       if (*r != n + k) {
         Bad(absl::StrFormat("Append returned %d, expected %d (lease %d layer %d)", *r, n + k,
                             rec->id, layer));
@@ -381,6 +400,27 @@ class ContentStress : public StoreTest {
     const absl::StatusCode c = r.status().code();
     if (c == absl::StatusCode::kNotFound) Forget(rec->id);
     if (!AppendMayFail(c, nan)) Bad("Append: " + r.status().ToString());
+  }
+
+  // Appends tokens [n, n + k) of `rec`'s plan to `layer`, unnamed, when that layer holds n tokens
+  // and no other append of the test is on it.
+  void AppendOtherLayer(LeaseRec& rec, int layer, uint32_t n, uint32_t k) {
+    std::unique_lock<std::mutex> l(rec.layer_mu[layer], std::try_to_lock);
+    if (!l.owns_lock() || rec.count[layer] != n) return;
+    const size_t pt = oracle_->pt();
+    std::vector<uint16_t> kk(k * pt), vv(k * pt);
+    for (uint32_t i = 0; i < k; ++i) {
+      oracle_->Input(rec.hashes[n + i], layer, kk.data() + i * pt, vv.data() + i * pt);
+    }
+    const int permille = std::exchange(tl_fail_permille, 0);
+    auto r = store_->Append(rec.id, layer, {}, k, kk.data(), vv.data());
+    tl_fail_permille = permille;
+    if (r.ok()) {
+      rec.count[layer] = *r;
+      n_append_++;
+    } else if (!AppendMayFail(r.status().code(), false)) {
+      Bad("Append beside a failing one: " + r.status().ToString());
+    }
   }
 
   void DoAttend(std::mt19937& rng) {

@@ -29,9 +29,12 @@ inline int EnvInt(const char* name, int fallback) {
 }
 
 // Failure injection: a thread sets its rate (per mille) and its generator; FlakyBackend then fails
-// that share of its appends and of its attends that append.
+// that share of its appends and of its attends that append. A failing QuantizeAppend first runs
+// the thread's tl_before_append_failure, when set (other calls of the store while the append is
+// in flight).
 inline thread_local int tl_fail_permille = 0;
 inline thread_local std::mt19937* tl_rng = nullptr;
+inline thread_local const std::function<void()>* tl_before_append_failure = nullptr;
 inline std::atomic<int> g_injected{0};
 
 inline bool ShouldFail() {
@@ -44,8 +47,9 @@ inline bool ShouldFail() {
 class FlakyBackend : public ForwardingBackend {
  public:
   absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
-    if (ShouldFail()) return absl::InternalError("injected QuantizeAppend failure");
-    return ForwardingBackend::QuantizeAppend(p);
+    if (!ShouldFail()) return ForwardingBackend::QuantizeAppend(p);
+    if (tl_before_append_failure != nullptr) (*tl_before_append_failure)();
+    return absl::InternalError("injected QuantizeAppend failure");
   }
   absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
                                     const QuantizeAppendParams* append) override {
