@@ -147,12 +147,14 @@ absl::StatusOr<TransferPutResult> TransferClient::Put(std::string_view ns,
   return result;
 }
 
-absl::StatusOr<TransferGetResult> TransferClient::GrpcGet(const v1::GetRequest& request,
-                                                          void* dst, uint64_t capacity,
+absl::StatusOr<TransferGetResult> TransferClient::GrpcGet(const v1::GetRequest& request, void* dst,
+                                                          uint64_t capacity,
                                                           absl::Duration timeout) {
   CallOptions call;
   call.deadline = timeout;
-  absl::StatusOr<GetResult> got = kv_->Get(request, call);
+  v1::GetRequest over_lease_blocks = request;
+  over_lease_blocks.set_lease_blocks(true);  // every layer as NcclGet lays it out
+  absl::StatusOr<GetResult> got = kv_->Get(over_lease_blocks, call);
   if (!got.ok()) return got.status();
   TransferGetResult result;
   result.path = TransferPath::kGrpc;
@@ -161,6 +163,11 @@ absl::StatusOr<TransferGetResult> TransferClient::GrpcGet(const v1::GetRequest& 
       return absl::DataLossError(absl::StrFormat(
           "layer %d: K holds %d bytes, V %d; sink K %d, sink V %d", layer.layer, layer.k.size(),
           layer.v.size(), layer.sink_k.size(), layer.sink_v.size()));
+    }
+    if (!result.layers.empty() && layer.num_blocks != result.num_blocks) {
+      return absl::DataLossError(absl::StrFormat(
+          "layer %d spans %d blocks, layer %d %d: a server that ignores GetRequest.lease_blocks",
+          layer.layer, layer.num_blocks, result.layers.back().layer(), result.num_blocks));
     }
     // As NcclGet lays a layer out: K, V, then the sink rows (RAW with sinks), K then V.
     v1::NcclLayerSegments& seg = result.layers.emplace_back();

@@ -57,10 +57,11 @@ struct TransferGetResult {
   // RAW: [num_blocks][heads] head pages and `layout`, and from a namespace with sink tokens the
   // first block's sink rows at sink_k_offset and sink_v_offset, `sink_bytes` each
   // ([heads][layout.sink_tokens][head_dim] fp16, the first sink_tokens tokens exact); FP16:
-  // [num_blocks * block_tokens][heads][head_dim] fp16. When the layers hold different token counts
-  // (a decode step's appends in flight) the two paths differ: over NCCL every layer spans the
-  // lease's blocks; over gRPC each layer spans its own, a layer holding none is left out, and
-  // num_blocks is the last layer's.
+  // [num_blocks * block_tokens][heads][head_dim] fp16. Every layer spans the lease's blocks on both
+  // paths, rows past the tokens a layer holds zeros (a decode step's appends in flight). The gRPC
+  // path asks for that (GetRequest.lease_blocks). From a server older than that field, whose
+  // layers span the tokens each holds, layers of different block counts are refused (DATA_LOSS)
+  // and a layer holding none is left out.
   std::vector<v1::NcclLayerSegments> layers;
   uint32_t num_blocks = 0;
   uint32_t valid_tokens = 0;  // real tokens in every listed layer (min over them)
@@ -98,8 +99,8 @@ class TransferClient {
   // which holds `capacity` bytes. RESOURCE_EXHAUSTED when the payload does not fit. Both calls
   // take a positive timeout (INVALID_ARGUMENT otherwise) that covers the call, a gRPC retry
   // after a failed NCCL attempt included.
-  absl::StatusOr<TransferGetResult> Get(const v1::GetRequest& request, void* dst,
-                                        uint64_t capacity, absl::Duration timeout);
+  absl::StatusOr<TransferGetResult> Get(const v1::GetRequest& request, void* dst, uint64_t capacity,
+                                        absl::Duration timeout);
   // Stores the sequence `token_ids` of namespace `ns` from `src`; only the tokens the server
   // does not hold yet move over NCCL, the whole sequence over gRPC.
   absl::StatusOr<TransferPutResult> Put(std::string_view ns, absl::Span<const int32_t> token_ids,

@@ -103,10 +103,10 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
                                : std::min(request_.max_chunk_bytes(), options_->get_chunk_bytes),
                            options_->max_message_bytes - kMessageOverheadBytes));
     block_ = 0;
-    // The checks passed. Each read renews the lease; a Get that reads nothing (no layer holds a
-    // token) renews it here.
+    // The checks passed. Each read renews the lease; a Get that reads nothing (no block to send)
+    // renews it here.
     for (uint32_t l = layer_; l < layer_end_; ++l) {
-      if (LayerTokens(l) > 0) return absl::OkStatus();
+      if (LayerBlocks(l) > 0) return absl::OkStatus();
     }
     return store_->RenewLease(request_.lease_id());
   }
@@ -132,11 +132,18 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
     return lease_.num_blocks * static_cast<uint32_t>(lease_.info.config.block_tokens);
   }
 
+  // Blocks sent for `layer`: the lease's (lease_blocks), or those holding its tokens.
+  uint32_t LayerBlocks(uint32_t layer) const {
+    if (request_.lease_blocks()) return lease_.num_blocks;
+    const uint32_t bt = static_cast<uint32_t>(lease_.info.config.block_tokens);
+    return (LayerTokens(layer) + bt - 1) / bt;
+  }
+
   void Next() {
     const NamespaceConfig& c = lease_.info.config;
     const uint32_t bt = static_cast<uint32_t>(c.block_tokens);
     // Skip layers with nothing (left) to send.
-    while (layer_ < layer_end_ && block_ * bt >= LayerTokens(layer_)) {
+    while (layer_ < layer_end_ && block_ >= LayerBlocks(layer_)) {
       ++layer_;
       block_ = 0;
     }
@@ -145,7 +152,7 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
       return;
     }
     const uint32_t layer_tokens = LayerTokens(layer_);
-    const uint32_t layer_blocks = (layer_tokens + bt - 1) / bt;
+    const uint32_t layer_blocks = LayerBlocks(layer_);
     const PageLayout layout = LayerLayout(c, static_cast<int>(layer_));
     const uint64_t block_bytes = BlockBytes(layer_);
     const uint64_t sink_bytes = block_ == 0 ? SinkBytes(layer_) : 0;
@@ -157,7 +164,8 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
     response_.set_layer(layer_);
     response_.set_block_begin(block_);
     response_.set_num_blocks(n);
-    response_.set_valid_tokens(std::min(n * bt, layer_tokens - block_ * bt));
+    response_.set_valid_tokens(
+        layer_tokens > block_ * bt ? std::min(n * bt, layer_tokens - block_ * bt) : 0);
     if (block_ == 0) ToProtoLayout(layout, response_.mutable_layout());
     std::string* k = response_.mutable_k();
     std::string* v = response_.mutable_v();

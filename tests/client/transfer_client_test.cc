@@ -8,6 +8,8 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
@@ -110,8 +112,8 @@ class FakeNcclChannel final : public NcclChannel {
   }
 
   bool healthy_ = true;
-  absl::Status error_;  // returned by every transfer when not OK
-  bool breaks_ = false;  // whether a failure breaks the channel
+  absl::Status error_;    // returned by every transfer when not OK
+  bool breaks_ = false;   // whether a failure breaks the channel
   absl::Duration delay_;  // before each transfer returns
   std::string payload_;
   v1::NcclGetDescriptor descriptor_;
@@ -336,9 +338,8 @@ TEST_F(TransferClientTest, NcclErrorThatLeavesTheChannelHealthyIsReturnedWithout
   EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound);
   const std::vector<int32_t> ids(16, 3);
   const std::vector<uint16_t> k(kLayers * ids.size() * kHeads * kDim, 0x3c00);
-  absl::StatusOr<TransferPutResult> put =
-      client.Put("ns", ids, PutSource{kLayers, kHeads, kDim, k.data(), k.data()},
-                 absl::Seconds(10));
+  absl::StatusOr<TransferPutResult> put = client.Put(
+      "ns", ids, PutSource{kLayers, kHeads, kDim, k.data(), k.data()}, absl::Seconds(10));
   EXPECT_EQ(put.status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client.path(), TransferPath::kNccl);
   EXPECT_FALSE(log.destroyed);
@@ -353,15 +354,13 @@ TEST_F(TransferClientTest, PutOverGrpcSendsTheWholeSequenceFromTheBuffer) {
   TransferClient client(kv_.get(), HostBufferCopy(), std::move(channel));
   EXPECT_EQ(client.path(), TransferPath::kGrpc);
   const uint32_t tokens = 37;
-  const testing::KvData d =
-      testing::MakeKv(static_cast<int>(kLayers * tokens), kHeads, kDim,
-                      testing::Outliers::kSpikes, 77);
+  const testing::KvData d = testing::MakeKv(static_cast<int>(kLayers * tokens), kHeads, kDim,
+                                            testing::Outliers::kSpikes, 77);
   const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
   std::vector<int32_t> ids(tokens);
   for (uint32_t i = 0; i < tokens; ++i) ids[i] = static_cast<int32_t>(500 + 3 * i);
-  absl::StatusOr<TransferPutResult> r =
-      client.Put("ns", ids, PutSource{kLayers, kHeads, kDim, k.data(), v.data()},
-                 absl::Seconds(10));
+  absl::StatusOr<TransferPutResult> r = client.Put(
+      "ns", ids, PutSource{kLayers, kHeads, kDim, k.data(), v.data()}, absl::Seconds(10));
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_EQ(r->path, TransferPath::kGrpc);
   EXPECT_EQ(log.puts, 0);
@@ -476,34 +475,30 @@ class FakeTransportChannel final : public NcclChannel {
 };
 
 // TransferClient over a store that keeps 3 sink tokens: the same Get over NCCL and over gRPC fills
-// the buffer with the same bytes and lists the same layers. In RAW each layer's sink rows follow
-// its V, the selected head's fp16 rows that were Put, exact.
-class TransferClientPathsTest : public testing::TransportProtocolTest {};
+// the buffer with the same bytes and lists the same layers.
+class TransferClientPathsTest : public testing::TransportProtocolTest {
+ protected:
+  void SetUp() override {
+    MakeStore(32, /*sink_tokens=*/3);
+    StartService();
+    pool_ = KvPoolClient::Create(server_->InProcessChannel(grpc::ChannelArguments()));
+    worker_ = std::make_unique<testing::TestWorker>(stub_.get(), &network_);
+    ASSERT_TRUE(worker_->Open().ok());
+    over_nccl_ = std::make_unique<TransferClient>(
+        pool_.get(), HostBufferCopy(), std::make_unique<FakeTransportChannel>(worker_.get()));
+    over_grpc_ = std::make_unique<TransferClient>(pool_.get(), HostBufferCopy());
+  }
 
-TEST_F(TransferClientPathsTest, NcclAndGrpcGetsGiveTheSameBytesSinkRowsIncluded) {
-  MakeStore(32, /*sink_tokens=*/3);
-  StartService();
-  testing::SequenceKv kv;
-  const uint64_t lease = PutAndMatch(13, 6, &kv);  // 3 full blocks
-  std::unique_ptr<KvPoolClient> pool =
-      KvPoolClient::Create(server_->InProcessChannel(grpc::ChannelArguments()));
-  testing::TestWorker worker(stub_.get(), &network_);
-  ASSERT_TRUE(worker.Open().ok());
-  TransferClient over_nccl(pool.get(), HostBufferCopy(),
-                           std::make_unique<FakeTransportChannel>(&worker));
-  TransferClient over_grpc(pool.get(), HostBufferCopy());
-  const size_t dim = config_.head_dim, heads = config_.num_kv_heads;
-  for (const v1::GetFormat format : {v1::GET_FORMAT_RAW, v1::GET_FORMAT_FP16}) {
-    v1::GetRequest request;
-    request.set_lease_id(lease);
-    request.set_layer_begin(1);
-    request.set_head_begin(1);
-    request.set_format(format);
-    std::string nccl_buffer(1 << 20, '\x5a'), grpc_buffer(1 << 20, '\x5a');
+  // Runs `request` over both paths and expects the same result and bytes; the gRPC path's
+  // result and buffer come back.
+  void ExpectSameGets(const v1::GetRequest& request, TransferGetResult* result,
+                      std::string* buffer) {
+    std::string nccl_buffer(1 << 20, '\x5a');
+    *buffer = nccl_buffer;
     absl::StatusOr<TransferGetResult> nccl =
-        over_nccl.Get(request, nccl_buffer.data(), nccl_buffer.size(), absl::Seconds(10));
+        over_nccl_->Get(request, nccl_buffer.data(), nccl_buffer.size(), absl::Seconds(10));
     absl::StatusOr<TransferGetResult> grpc =
-        over_grpc.Get(request, grpc_buffer.data(), grpc_buffer.size(), absl::Seconds(10));
+        over_grpc_->Get(request, buffer->data(), buffer->size(), absl::Seconds(10));
     ASSERT_TRUE(nccl.ok()) << nccl.status();
     ASSERT_TRUE(grpc.ok()) << grpc.status();
     EXPECT_EQ(nccl->path, TransferPath::kNccl);
@@ -511,11 +506,36 @@ TEST_F(TransferClientPathsTest, NcclAndGrpcGetsGiveTheSameBytesSinkRowsIncluded)
     EXPECT_EQ(nccl->num_blocks, grpc->num_blocks);
     EXPECT_EQ(nccl->valid_tokens, grpc->valid_tokens);
     ASSERT_EQ(nccl->total_bytes, grpc->total_bytes);
-    EXPECT_EQ(nccl_buffer, grpc_buffer);
-    ASSERT_EQ(nccl->layers.size(), 1u);
-    ASSERT_EQ(grpc->layers.size(), 1u);
-    EXPECT_EQ(nccl->layers[0].SerializeAsString(), grpc->layers[0].SerializeAsString());
-    const v1::NcclLayerSegments& l = grpc->layers[0];
+    EXPECT_EQ(nccl_buffer, *buffer);
+    ASSERT_EQ(nccl->layers.size(), grpc->layers.size());
+    for (size_t i = 0; i < nccl->layers.size(); ++i) {
+      EXPECT_EQ(nccl->layers[i].SerializeAsString(), grpc->layers[i].SerializeAsString())
+          << "layer " << i;
+    }
+    *result = *std::move(grpc);
+  }
+
+  std::unique_ptr<KvPoolClient> pool_;
+  std::unique_ptr<testing::TestWorker> worker_;
+  std::unique_ptr<TransferClient> over_nccl_, over_grpc_;
+};
+
+// In RAW each layer's sink rows follow its V, the selected head's fp16 rows that were Put, exact.
+TEST_F(TransferClientPathsTest, NcclAndGrpcGetsGiveTheSameBytesSinkRowsIncluded) {
+  testing::SequenceKv kv;
+  const uint64_t lease = PutAndMatch(13, 6, &kv);  // 3 full blocks
+  const size_t dim = config_.head_dim, heads = config_.num_kv_heads;
+  for (const v1::GetFormat format : {v1::GET_FORMAT_RAW, v1::GET_FORMAT_FP16}) {
+    v1::GetRequest request;
+    request.set_lease_id(lease);
+    request.set_layer_begin(1);
+    request.set_head_begin(1);
+    request.set_format(format);
+    TransferGetResult grpc;
+    std::string grpc_buffer;
+    ASSERT_NO_FATAL_FAILURE(ExpectSameGets(request, &grpc, &grpc_buffer));
+    ASSERT_EQ(grpc.layers.size(), 1u);
+    const v1::NcclLayerSegments& l = grpc.layers[0];
     if (format == v1::GET_FORMAT_FP16) {
       EXPECT_EQ(l.sink_bytes(), 0u);
       continue;
@@ -523,7 +543,7 @@ TEST_F(TransferClientPathsTest, NcclAndGrpcGetsGiveTheSameBytesSinkRowsIncluded)
     ASSERT_EQ(l.sink_bytes(), 3 * dim * sizeof(uint16_t));
     EXPECT_EQ(l.sink_k_offset(), l.v_offset() + l.bytes());
     EXPECT_EQ(l.sink_v_offset(), l.sink_k_offset() + l.sink_bytes());
-    EXPECT_EQ(grpc->total_bytes, l.sink_v_offset() + l.sink_bytes());
+    EXPECT_EQ(grpc.total_bytes, l.sink_v_offset() + l.sink_bytes());
     for (size_t t = 0; t < 3; ++t) {
       const size_t put = (t * heads + 1) * dim;  // token t, head 1 of [tokens][heads][dim]
       EXPECT_EQ(std::memcmp(grpc_buffer.data() + l.sink_k_offset() + t * dim * 2,
@@ -534,6 +554,35 @@ TEST_F(TransferClientPathsTest, NcclAndGrpcGetsGiveTheSameBytesSinkRowsIncluded)
                             kv.v[1].data() + put, dim * 2),
                 0)
           << "V token " << t;
+    }
+  }
+}
+
+// Layers holding different token counts (one layer's appends ahead of the other's): both paths
+// lay every layer over the lease's blocks, a layer holding none included (before, the gRPC path
+// gave each layer its own blocks and left out a layer holding none).
+TEST_F(TransferClientPathsTest, LayersOfDifferentLengthsSpanTheLeasesBlocksOnBothPaths) {
+  const uint64_t matched = PutAndMatch(13, 6);  // 3 full blocks on both layers
+  auto empty = store_->Match("main", testing::TokenIds(8, 77), absl::ZeroDuration());
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  ASSERT_EQ(empty->cached_tokens, 0u);
+  // lease, layer appended to, tokens: layer 0 holds 18 tokens (5 blocks) and layer 1 12; layer 1
+  // holds 3 tokens (1 block) and layer 0 none.
+  for (const auto& [lease, layer, tokens] :
+       {std::tuple{matched, 0u, 6u}, std::tuple{empty->lease_id, 1u, 3u}}) {
+    const testing::SequenceKv kv = testing::MakeSequenceKv(config_, static_cast<int>(tokens), 9);
+    ASSERT_TRUE(
+        store_->Append(lease, layer, {}, tokens, kv.k[layer].data(), kv.v[layer].data()).ok());
+    for (const v1::GetFormat format : {v1::GET_FORMAT_RAW, v1::GET_FORMAT_FP16}) {
+      v1::GetRequest request;
+      request.set_lease_id(lease);
+      request.set_format(format);
+      TransferGetResult grpc;
+      std::string buffer;
+      ASSERT_NO_FATAL_FAILURE(ExpectSameGets(request, &grpc, &buffer));
+      EXPECT_EQ(grpc.num_blocks, lease == matched ? 5u : 1u);
+      EXPECT_EQ(grpc.valid_tokens, lease == matched ? 12u : 0u);
+      EXPECT_EQ(grpc.layers.size(), 2u);
     }
   }
 }
