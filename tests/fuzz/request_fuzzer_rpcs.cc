@@ -251,6 +251,7 @@ void RequestFuzzer::Get() {
   req.set_format(static_cast<v1::GetFormat>(Chance(0.9) ? Below(3) : EdgeU32()));
   const uint32_t chunk_bytes[] = {0, 1, 2, 100, 4096, 0xffffffffu};
   req.set_max_chunk_bytes(chunk_bytes[Below(std::size(chunk_bytes))]);
+  req.set_lease_blocks(Chance(0.3));
   std::vector<v1::GetResponse> out;
   const grpc::Status st = ReadAll(stub_, req, &out, kCallTimeout);
   CheckCode("Get", st.error_code(), kLeaseCallCodes,
@@ -262,13 +263,14 @@ void RequestFuzzer::Get() {
   const uint32_t layer_begin = req.layer_begin();
   const uint32_t layer_end = req.layer_end() == 0 ? layers : req.layer_end();
   const uint32_t head_count = (req.head_end() == 0 ? heads : req.head_end()) - req.head_begin();
-  std::map<uint32_t, int64_t> tokens;  // per layer
+  std::map<uint32_t, int64_t> tokens, blocks;  // per layer
   int64_t last_layer = -1;
   for (const v1::GetResponse& m : out) {
     if (m.layer() < layer_begin || m.layer() >= layer_end) Fail("Get layer out of range");
     if (static_cast<int64_t>(m.layer()) < last_layer) Fail("Get layers not ascending");
     last_layer = m.layer();
     tokens[m.layer()] += m.valid_tokens();
+    blocks[m.layer()] += m.num_blocks();
     if (m.valid_tokens() > uint64_t{m.num_blocks()} * g->block_tokens) {
       Fail("Get valid_tokens past its blocks: " + m.ShortDebugString().substr(0, 200));
     }
@@ -278,6 +280,13 @@ void RequestFuzzer::Get() {
         Fail(absl::StrCat("Get fp16 payload ", m.k().size(), "/", m.v().size(), " bytes, want ",
                           want));
       }
+    }
+  }
+  // lease_blocks: every selected layer spans the lease's blocks, or none does (no block).
+  for (uint32_t layer = layer_begin; layer < layer_end && req.lease_blocks(); ++layer) {
+    if (blocks[layer] != blocks[layer_begin]) {
+      Fail(absl::StrCat("Get lease_blocks: layer ", layer, " spans ", blocks[layer],
+                        " blocks, layer ", layer_begin, " ", blocks[layer_begin]));
     }
   }
   if (!ModelsTokens()) return;
