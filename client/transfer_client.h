@@ -60,8 +60,9 @@ struct TransferGetResult {
   // [num_blocks * block_tokens][heads][head_dim] fp16. Every layer spans the lease's blocks on both
   // paths, rows past the tokens a layer holds zeros (a decode step's appends in flight). The gRPC
   // path asks for that (GetRequest.lease_blocks). From a server older than that field, whose
-  // layers span the tokens each holds, layers of different block counts are refused (DATA_LOSS)
-  // and a layer holding none is left out.
+  // layers span the tokens each holds, layers of different block counts are refused (DATA_LOSS),
+  // a layer holding none is left out, and num_blocks can be smaller than NcclGet's (a tail block
+  // the lease took past every layer's tokens); the segments still describe the buffer.
   std::vector<v1::NcclLayerSegments> layers;
   uint32_t num_blocks = 0;
   uint32_t valid_tokens = 0;  // real tokens in every listed layer (min over them)

@@ -185,7 +185,8 @@ TEST(NcclWorker, Main) {
     const std::vector<int32_t> other = nccl_test::SequenceTokens(kSeed + 1, kTokens);
     EXPECT_EQ((*fresh)
                   ->Put(kNs, other, config.num_layers - 1, buffer, buffer + capacity / 2,
-                        uint64_t{config.num_kv_heads} * config.head_dim * 2, absl::Seconds(30))
+                        static_cast<uint64_t>(config.num_kv_heads) * config.head_dim * 2,
+                        absl::Seconds(30))
                   .status()
                   .code(),
               absl::StatusCode::kInvalidArgument);

@@ -354,41 +354,22 @@ class ContentStress : public StoreTest {
     if (rec->chaos) return ChaosAppend(rng, *rec, layer);
     std::lock_guard<std::mutex> l(rec->layer_mu[layer]);
     const uint32_t n = rec->count[layer];
+    if (n < rec->plan.size() && rng() % 16 == 0) return WrongIdsAppend(*rec, layer, n);
     uint32_t k = 1 + rng() % 3;
     if (n + k > rec->plan.size()) k = static_cast<uint32_t>(rec->plan.size()) - n;
     if (k == 0) return;
-    const size_t pt = oracle_->pt();
-    std::vector<uint16_t> kk(k * pt), vv(k * pt);
+    auto [kk, vv] = PlanRows(*rec, layer, n, k);
     std::vector<int32_t> ids;
-    const bool named = rng() % 2 == 0;
-    // Wrong ids (another sequence's) on an append that fails, after the other layer's append of
-    // the same positions completed meanwhile: no block may be published under them. The final
-    // check matches the sequence they name.
-    const bool wrong = named && rng() % 8 == 0;
-    for (uint32_t i = 0; i < k; ++i) {
-      oracle_->Input(rec->hashes[n + i], layer, kk.data() + i * pt, vv.data() + i * pt);
-      if (wrong) {
-        ids.push_back(rec->plan[n + i] | 0x40000000);
-      } else if (named) {
-        ids.push_back(rng() % 5 == 0 ? -1 : rec->plan[n + i]);
-      }
-    }
-    if (wrong) {
-      std::vector<int32_t> named_seq = rec->plan;
-      std::copy(ids.begin(), ids.end(), named_seq.begin() + n);
-      Remember(named_seq);
+    if (rng() % 2 == 0) {
+      for (uint32_t i = 0; i < k; ++i) ids.push_back(rng() % 5 == 0 ? -1 : rec->plan[n + i]);
     }
     const bool nan = rng() % 20 == 0;
     if (nan) vv[rng() % vv.size()] = 0x7C00;
-    const std::function<void()> other_layer = [&] { AppendOtherLayer(*rec, 1 - layer, n, k); };
-    tl_fail_permille = wrong ? 1000 : 100;
-    if (wrong) tl_before_append_failure = &other_layer;
+    tl_fail_permille = 100;
     auto r = store_->Append(rec->id, layer, ids, k, kk.data(), vv.data());
     tl_fail_permille = 0;
-    tl_before_append_failure = nullptr;
     if (r.ok()) {
       if (nan) Bad("Append with Inf accepted");
-      if (wrong) Bad("Append with an injected failure succeeded");
       if (*r != n + k) {
         Bad(absl::StrFormat("Append returned %d, expected %d (lease %d layer %d)", *r, n + k,
                             rec->id, layer));
@@ -402,25 +383,85 @@ class ContentStress : public StoreTest {
     if (!AppendMayFail(c, nan)) Bad("Append: " + r.status().ToString());
   }
 
-  // Appends tokens [n, n + k) of `rec`'s plan to `layer`, unnamed, when that layer holds n tokens
-  // and no other append of the test is on it.
-  void AppendOtherLayer(LeaseRec& rec, int layer, uint32_t n, uint32_t k) {
-    std::unique_lock<std::mutex> l(rec.layer_mu[layer], std::try_to_lock);
-    if (!l.owns_lock() || rec.count[layer] != n) return;
+  // The oracle's input rows (K, V) of tokens [n, n + k) of `rec`'s plan at `layer`.
+  std::pair<std::vector<uint16_t>, std::vector<uint16_t>> PlanRows(const LeaseRec& rec, int layer,
+                                                                   uint32_t n, uint32_t k) const {
     const size_t pt = oracle_->pt();
     std::vector<uint16_t> kk(k * pt), vv(k * pt);
     for (uint32_t i = 0; i < k; ++i) {
       oracle_->Input(rec.hashes[n + i], layer, kk.data() + i * pt, vv.data() + i * pt);
     }
+    return {std::move(kk), std::move(vv)};
+  }
+
+  // An append of tokens [n, end of n's block) that names wrong ids (another sequence's) and that
+  // the backend fails, after the other layer's unnamed append of the same tokens completed from
+  // inside the failing call. Retried unnamed, the tokens fill their block on both layers: nothing
+  // may be cached under the wrong ids then, nor at the final check (which matches them too).
+  void WrongIdsAppend(LeaseRec& rec, int layer, uint32_t n) {
+    const uint32_t bt = static_cast<uint32_t>(config_.block_tokens);
+    const uint32_t k = std::min<uint32_t>(static_cast<uint32_t>(rec.plan.size()) - n, bt - n % bt);
+    const auto [kk, vv] = PlanRows(rec, layer, n, k);
+    std::vector<int32_t> named = rec.plan;
+    for (uint32_t i = n; i < n + k; ++i) named[i] |= 0x40000000;
+    Remember(named);
+    bool other_done = false;
+    const std::function<void()> other_layer = [&] {
+      other_done = AppendOtherLayer(rec, 1 - layer, n, k);
+    };
+    tl_fail_permille = 1000;
+    tl_before_append_failure = &other_layer;
+    auto r = store_->Append(rec.id, layer, absl::MakeConstSpan(named).subspan(n, k), k, kk.data(),
+                            vv.data());
+    tl_fail_permille = 0;
+    tl_before_append_failure = nullptr;
+    if (r.ok()) {
+      Bad("Append with an injected failure succeeded");
+      rec.count[layer] = *r;
+      return;
+    }
+    if (r.status().code() == absl::StatusCode::kNotFound) Forget(rec.id);
+    if (!AppendMayFail(r.status().code(), false)) Bad("wrong-ids Append: " + r.status().ToString());
+    if (!other_done) return;
+    r = store_->Append(rec.id, layer, {}, k, kk.data(), vv.data());
+    if (!r.ok()) {
+      if (r.status().code() == absl::StatusCode::kNotFound) Forget(rec.id);
+      if (!AppendMayFail(r.status().code(), false)) Bad("retried Append: " + r.status().ToString());
+      return;
+    }
+    rec.count[layer] = *r;
+    n_append_++;
+    auto probe = store_->Match(config_.name, named, absl::Seconds(5));
+    if (!probe.ok()) {
+      if (probe.status().code() != absl::StatusCode::kResourceExhausted)
+        Bad("Match: " + probe.status().ToString());
+      return;
+    }
+    if (probe->cached_tokens > n - n % bt) {
+      Bad(absl::StrFormat("lease %d: %d tokens cached under a failed append's ids at [%d, %d)",
+                          rec.id, probe->cached_tokens, n, n + k));
+    }
+    (void)store_->Release(probe->lease_id);
+  }
+
+  // Appends tokens [n, n + k) of `rec`'s plan to `layer`, unnamed, when that layer holds n tokens
+  // and no other append of the test is on it: whether it did.
+  bool AppendOtherLayer(LeaseRec& rec, int layer, uint32_t n, uint32_t k) {
+    std::unique_lock<std::mutex> l(rec.layer_mu[layer], std::try_to_lock);
+    if (!l.owns_lock() || rec.count[layer] != n) return false;
+    const auto [kk, vv] = PlanRows(rec, layer, n, k);
     const int permille = std::exchange(tl_fail_permille, 0);
     auto r = store_->Append(rec.id, layer, {}, k, kk.data(), vv.data());
     tl_fail_permille = permille;
-    if (r.ok()) {
-      rec.count[layer] = *r;
-      n_append_++;
-    } else if (!AppendMayFail(r.status().code(), false)) {
-      Bad("Append beside a failing one: " + r.status().ToString());
+    if (!r.ok()) {
+      if (!AppendMayFail(r.status().code(), false)) {
+        Bad("Append beside a failing one: " + r.status().ToString());
+      }
+      return false;
     }
+    rec.count[layer] = *r;
+    n_append_++;
+    return true;
   }
 
   void DoAttend(std::mt19937& rng) {
