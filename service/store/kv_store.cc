@@ -293,6 +293,7 @@ absl::StatusOr<KvStore::MatchResult> StoreImpl::Match(std::string_view ns_name,
   lease->layer_tokens.assign(ns.num_layers(), lease->matched_tokens);
   lease->layer_written = lease->layer_tokens;
   lease->written_ahead.resize(ns.num_layers());
+  lease->lost.resize(ns.num_layers());
   for (size_t b = 0; b < matched; ++b) {
     Lease::Block block;
     block.id = *ns.index.Find(chain[b]);

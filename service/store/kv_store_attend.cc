@@ -131,6 +131,9 @@ absl::Status StoreImpl::Attend(uint32_t layer, uint32_t num_q_heads, float sm_sc
     for (size_t i = 0; i < items.size(); ++i) {
       const AttendItem& item = items[i];
       const Lease& lease = *leases[i];
+      if (absl::Status s = lease.CheckLayerUsable(layer); !s.ok()) {
+        return absl::FailedPreconditionError(absl::StrFormat("item %d: %s", i, s.message()));
+      }
       if (lease.layer_written[layer] != lease.layer_tokens[layer]) {
         return absl::FailedPreconditionError(absl::StrFormat(
             "item %d: lease %d has an append in flight at layer %d (%d tokens reserved, %d "

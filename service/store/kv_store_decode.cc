@@ -375,8 +375,22 @@ void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
 void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan> plans) {
   for (auto plan = plans.rbegin(); plan != plans.rend(); ++plan) {
     Lease& lease = *plan->lease;
-    if (lease.layer_tokens[layer] == plan->begin + plan->num_tokens) {
-      lease.layer_tokens[layer] = plan->begin;
+    uint32_t& tokens = lease.layer_tokens[layer];
+    std::vector<std::pair<uint32_t, uint32_t>>& lost = lease.lost[layer];
+    if (tokens != plan->begin + plan->num_tokens) {
+      lost.emplace_back(plan->begin, plan->begin + plan->num_tokens);
+      continue;
+    }
+    tokens = plan->begin;
+    // Ranges lost before this one that now end the layer are given back too.
+    for (auto it = lost.begin(); it != lost.end();) {
+      if (it->second != tokens) {
+        ++it;
+        continue;
+      }
+      tokens = it->first;
+      lost.erase(it);
+      it = lost.begin();
     }
   }
 }
@@ -453,6 +467,7 @@ absl::StatusOr<uint32_t> StoreImpl::Append(uint64_t lease_id, uint32_t layer,
     ExpireLocked();
     absl::StatusOr<std::shared_ptr<Lease>> lease = FindLeaseLocked(lease_id);
     if (!lease.ok()) return lease.status();
+    if (absl::Status s = (*lease)->CheckLayerUsable(layer); !s.ok()) return s;
     plan = AppendPlan{lease->get(), num_tokens, token_ids};
     if (absl::Status s =
             ReserveAppendsLocked(*ns, layer, absl::MakeSpan(&plan, 1), &slots, &positions);

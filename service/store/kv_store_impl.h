@@ -205,7 +205,8 @@ class StoreImpl final : public KvStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // After a failed backend call: gives back the plans' reservations where nothing was reserved
   // after them (the tail blocks stay with the lease for the next append). A reservation followed
-  // by another stays, and the layer's written watermark stops below it.
+  // by another stays lost (Lease::lost), and the layer's written watermark stops below it, until
+  // every reservation after it is given back too.
   void AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan> plans)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Publishes, in order, the lease's tail blocks that every layer has filled and whose token

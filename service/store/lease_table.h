@@ -9,6 +9,7 @@
 #ifndef KVPOOL_SERVICE_STORE_LEASE_TABLE_H_
 #define KVPOOL_SERVICE_STORE_LEASE_TABLE_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -18,7 +19,9 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/random/random.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/time.h"
 #include "service/store/prefix_index.h"
 
@@ -58,6 +61,22 @@ struct Lease {
   std::vector<uint32_t> layer_tokens;
   std::vector<uint32_t> layer_written;
   std::vector<std::vector<std::pair<uint32_t, uint32_t>>> written_ahead;
+  // Per layer, the [begin, end) ranges of failed appends that a later append had already
+  // reserved past. Nothing writes them, so the layer's written watermark stops below them, and
+  // CheckLayerUsable refuses Append and Attend on the layer; when every reservation after such a
+  // range is given back too, so is the range (AbandonAppendsLocked).
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> lost;
+  // FAILED_PRECONDITION when `layer` lost tokens to a failed append (`lost`), else OK.
+  absl::Status CheckLayerUsable(uint32_t layer) const {
+    if (lost[layer].empty()) return absl::OkStatus();
+    uint32_t first = lost[layer][0].first;
+    for (const auto& range : lost[layer]) first = std::min(first, range.first);
+    return absl::FailedPreconditionError(absl::StrFormat(
+        "lease %d lost layer %d's tokens from position %d: an append there failed after a later "
+        "append had reserved the positions after it, so Append and Attend on the layer are "
+        "refused; release the lease",
+        id, layer, first));
+  }
   // Token ids from position 0 as far as known (the Match's, then those named by appends that
   // completed); -1 = not given. Appends in flight have room reserved here for the ids they name.
   std::vector<int32_t> token_ids;

@@ -1,7 +1,9 @@
 // Appends that overlap on one lease and layer, and appends whose backend call fails: the store
 // publishes and serves only positions that are written, in order.
 #include <atomic>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -10,6 +12,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store.h"
@@ -191,19 +194,81 @@ TEST_F(AppendOrderTest, AFailedNamedAppendGivesBackTheIdsOfTheMatch) {
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
-// The CPU backend, except that each layer's QuantizeAppend (layer 0 INT4, layer 1 INT8 in
-// SmallConfig) waits while that layer is armed until it is released, then fails without writing.
-class TwoLayerFailBackend final : public ForwardingBackend {
+// The CPU backend, except that every QuantizeAppend while `armed` waits until released, then
+// fails without writing: the i-th such call (from 0) once Release(n) has let n > i fail.
+class OrderedFailBackend final : public ForwardingBackend {
  public:
-  std::atomic<bool> armed[2] = {false, false};
-  absl::Notification entered[2], release[2];
+  std::atomic<bool> armed{false};
+  // Waits until `n` armed calls have begun.
+  void WaitEntered(int n) {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return entered_ >= n; });
+  }
+  void Release(int n) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      released_ = n;
+    }
+    cv_.notify_all();
+  }
   absl::Status QuantizeAppend(const QuantizeAppendParams& p) override {
-    const int layer = p.layout.dtype == KvDtype::kInt4 ? 0 : 1;
-    if (!armed[layer].load()) return inner().QuantizeAppend(p);
-    entered[layer].Notify();
-    release[layer].WaitForNotification();
+    if (!armed.load()) return inner().QuantizeAppend(p);
+    std::unique_lock<std::mutex> l(mu_);
+    const int index = entered_++;
+    cv_.notify_all();
+    cv_.wait(l, [&] { return released_ > index; });
     return absl::InternalError("injected backend failure");
   }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int entered_ = 0, released_ = 0;
+};
+
+// A store over an OrderedFailBackend holding tokens [0, 8) of 16 (blocks of 4), and a lease on
+// them, matched with all 16 ids or the first 8.
+class FailedAppendTest : public StoreTest {
+ protected:
+  void SetUpLease(bool match_all_ids) {
+    store_.reset();  // before the backend it uses
+    auto backend = std::make_unique<OrderedFailBackend>();
+    gate_ = backend.get();
+    backend_ = std::move(backend);
+    MakeStore(16);
+    ids_ = TokenIds(16, 7);
+    kv_ = MakeSequenceKv(config_, 16, 31);
+    ASSERT_TRUE(Put(std::vector<int32_t>(ids_.begin(), ids_.begin() + 8), kv_).ok());
+    auto lease = store_->Match(
+        "main", std::vector<int32_t>(ids_.begin(), ids_.begin() + (match_all_ids ? 16 : 8)),
+        absl::ZeroDuration());
+    ASSERT_TRUE(lease.ok()) << lease.status();
+    lease_ = lease->lease_id;
+  }
+
+  // Appends the sequence's tokens [first, first + n) to `layer`, naming `named` (or none).
+  absl::Status Append(uint32_t layer, int first, int n, absl::Span<const int32_t> named = {}) {
+    const size_t pt = PerToken();
+    return store_
+        ->Append(lease_, layer, named, n, kv_.k[layer].data() + first * pt,
+                 kv_.v[layer].data() + first * pt)
+        .status();
+  }
+
+  // A decode step over `layer` without a new token: its status, and the context it attended.
+  absl::Status Attend(uint32_t layer, uint32_t* context) {
+    const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 5));
+    std::vector<float> out(q.size());
+    KvStore::AttendItem item;
+    item.lease_id = lease_;
+    item.q = q.data();
+    return store_->Attend(layer, 2, 0.f, {item}, {out.data(), nullptr, nullptr, context});
+  }
+
+  OrderedFailBackend* gate_ = nullptr;
+  std::vector<int32_t> ids_;
+  SequenceKv kv_;
+  uint64_t lease_ = 0;
 };
 
 // Layer 0's append naming wrong ids fails after layer 1's append at the same positions began:
@@ -212,53 +277,37 @@ class TwoLayerFailBackend final : public ForwardingBackend {
 // otherwise. Before, the second failure put back the first one's wrong ids, and the block was
 // published under them; and a completed unnamed append held the positions, so the wrong ids
 // stayed.
-TEST_F(StoreTest, AFailedAppendsIdsNameNothingWhateverTheOtherLayerDid) {
+TEST_F(FailedAppendTest, AFailedAppendsIdsNameNothingWhateverTheOtherLayerDid) {
   for (const bool layer_one_completes : {false, true}) {
     for (const bool match_all_ids : {false, true}) {
       SCOPED_TRACE(::testing::Message() << "layer_one_completes " << layer_one_completes
                                         << ", match_all_ids " << match_all_ids);
-      store_.reset();  // before the backend it uses
-      auto backend = std::make_unique<TwoLayerFailBackend>();
-      TwoLayerFailBackend* gate = backend.get();
-      backend_ = std::move(backend);
-      MakeStore(16);
-      const std::vector<int32_t> ids = TokenIds(16, 7);
-      const SequenceKv kv = MakeSequenceKv(config_, 16, 31);
-      ASSERT_TRUE(Put(std::vector<int32_t>(ids.begin(), ids.begin() + 8), kv).ok());
-      auto lease = store_->Match(
-          "main", std::vector<int32_t>(ids.begin(), ids.begin() + (match_all_ids ? 16 : 8)),
-          absl::ZeroDuration());
-      ASSERT_TRUE(lease.ok()) << lease.status();
-      const size_t pt = PerToken();
-      auto append = [&](uint32_t layer, absl::Span<const int32_t> named) {
-        return store_->Append(lease->lease_id, layer, named, 4, kv.k[layer].data() + 8 * pt,
-                              kv.v[layer].data() + 8 * pt);
-      };
+      ASSERT_NO_FATAL_FAILURE(SetUpLease(match_all_ids));
       const std::vector<int32_t> wrong = {90001, 90002, 90003, 90004};
-      gate->armed[0] = true;
-      gate->armed[1] = !layer_one_completes;
-      std::thread first([&] { EXPECT_FALSE(append(0, wrong).ok()); });
-      gate->entered[0].WaitForNotification();
+      gate_->armed = true;
+      std::thread first([&] { EXPECT_FALSE(Append(0, 8, 4, wrong).ok()); });
+      gate_->WaitEntered(1);
       if (layer_one_completes) {
-        EXPECT_TRUE(append(1, {}).ok());  // not ASSERT: the first thread must be released
-        gate->release[0].Notify();
+        gate_->armed = false;
+        EXPECT_TRUE(Append(1, 8, 4).ok());  // not ASSERT: the first thread must be released
+        gate_->Release(1);
         first.join();
       } else {
-        std::thread second([&] { EXPECT_FALSE(append(1, wrong).ok()); });
-        gate->entered[1].WaitForNotification();
-        gate->release[0].Notify();
+        std::thread second([&] { EXPECT_FALSE(Append(1, 8, 4, wrong).ok()); });
+        gate_->WaitEntered(2);
+        gate_->Release(1);
         first.join();
-        gate->release[1].Notify();
+        gate_->Release(2);
         second.join();
       }
-      gate->armed[0] = gate->armed[1] = false;
+      gate_->armed = false;
       for (uint32_t layer = 0; layer < (layer_one_completes ? 1u : 2u); ++layer) {
-        ASSERT_TRUE(append(layer, {}).ok());
+        ASSERT_TRUE(Append(layer, 8, 4).ok());
       }
-      std::vector<int32_t> under_wrong(ids.begin(), ids.begin() + 8);
+      std::vector<int32_t> under_wrong(ids_.begin(), ids_.begin() + 8);
       under_wrong.insert(under_wrong.end(), wrong.begin(), wrong.end());
       for (const auto& [probe_ids, want] :
-           {std::pair{under_wrong, 8u}, std::pair{ids, match_all_ids ? 12u : 8u}}) {
+           {std::pair{under_wrong, 8u}, std::pair{ids_, match_all_ids ? 12u : 8u}}) {
         auto probe = store_->Match("main", probe_ids, absl::ZeroDuration());
         ASSERT_TRUE(probe.ok()) << probe.status();
         EXPECT_EQ(probe->cached_tokens, want);
@@ -266,6 +315,55 @@ TEST_F(StoreTest, AFailedAppendsIdsNameNothingWhateverTheOtherLayerDid) {
       }
     }
   }
+}
+
+// An append that fails after a later one on its layer completed leaves positions nothing will
+// write: Append and Attend on that layer then say so (FAILED_PRECONDITION, "lost"), and the other
+// layer goes on. Before, Append went on taking positions that never became readable, and Attend
+// said an append was in flight, for the rest of the lease.
+TEST_F(FailedAppendTest, AFailedAppendBeforeACompletedOneLosesItsLayer) {
+  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
+  gate_->armed = true;
+  std::thread first([&] { EXPECT_EQ(Append(0, 8, 2).code(), absl::StatusCode::kInternal); });
+  gate_->WaitEntered(1);
+  gate_->armed = false;
+  EXPECT_TRUE(Append(0, 10, 6).ok());
+  gate_->Release(1);
+  first.join();
+  const absl::Status append = Append(0, 8, 1);
+  EXPECT_EQ(append.code(), absl::StatusCode::kFailedPrecondition) << append;
+  EXPECT_THAT(append.message(), ::testing::HasSubstr("lost layer 0's tokens from position 8"));
+  uint32_t context = 0;
+  const absl::Status attend = Attend(0, &context);
+  EXPECT_EQ(attend.code(), absl::StatusCode::kFailedPrecondition) << attend;
+  EXPECT_THAT(attend.message(), ::testing::HasSubstr("lost layer 0's tokens"));
+  auto view = store_->DescribeLease(lease_);
+  ASSERT_TRUE(view.ok()) << view.status();
+  EXPECT_EQ(view->layer_tokens[0], 8u);
+  ASSERT_TRUE(Append(1, 8, 8).ok());
+  ASSERT_TRUE(Attend(1, &context).ok());
+  EXPECT_EQ(context, 16u);
+}
+
+// When the append after a failed one fails too, both are given back, and the layer goes on from
+// the first one's positions.
+TEST_F(FailedAppendTest, FailedAppendsGiveTheLayerBackWhenTheLaterOnesFailToo) {
+  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
+  gate_->armed = true;
+  std::thread first([&] { EXPECT_EQ(Append(0, 8, 2).code(), absl::StatusCode::kInternal); });
+  gate_->WaitEntered(1);
+  std::thread second([&] { EXPECT_EQ(Append(0, 10, 6).code(), absl::StatusCode::kInternal); });
+  gate_->WaitEntered(2);
+  gate_->armed = false;
+  gate_->Release(1);
+  first.join();
+  EXPECT_EQ(Append(0, 8, 1).code(), absl::StatusCode::kFailedPrecondition);
+  gate_->Release(2);
+  second.join();
+  ASSERT_TRUE(Append(0, 8, 8).ok());
+  uint32_t context = 0;
+  ASSERT_TRUE(Attend(0, &context).ok());
+  EXPECT_EQ(context, 16u);
 }
 
 }  // namespace
