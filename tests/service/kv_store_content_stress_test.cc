@@ -14,9 +14,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
-#include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -30,25 +31,11 @@
 #include "service/store/namespace_config.h"
 #include "tests/service/kv_store_test_util.h"
 #include "tests/service/store_content_oracle.h"
+#include "tests/service/store_content_stress_record.h"
 #include "tests/service/store_stress_support.h"
 
 namespace kvpool::testing {
 namespace {
-
-struct LeaseRec {
-  uint64_t id = 0;
-  std::vector<int32_t> plan;
-  std::vector<uint64_t> hashes;
-  uint32_t matched = 0;
-  uint32_t match_ids = 0;
-  // A chaos lease: matched with no ids, every appended row is the same per layer (X), so that
-  // many threads append and attend on one layer at once without the test knowing positions.
-  bool chaos = false;
-  int32_t chaos_id = 0;
-  uint64_t chaos_hash = 0;
-  std::mutex layer_mu[2];
-  uint32_t count[2] = {0, 0};  // guarded by layer_mu[l]
-};
 
 class ContentStress : public StoreTest {
  protected:
@@ -71,13 +58,9 @@ class ContentStress : public StoreTest {
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
                  n_put_.load(), n_match_.load(), n_append_.load(), n_attend_.load(),
                  n_read_.load());
-    for (const std::string& u : unexpected_) ADD_FAILURE() << u;
+    for (const std::string& u : record_.Failures()) ADD_FAILURE() << u;
     // Settle.
-    {
-      std::lock_guard<std::mutex> l(table_mu_);
-      for (auto& r : leases_) (void)store_->Release(r->id);
-      leases_.clear();
-    }
+    for (const auto& r : record_.TakeLeases()) (void)store_->Release(r->id);
     clock_.Advance(absl::Hours(1));
     store_->ExpireLeases();
     const StoreStats st = store_->Stats();
@@ -88,11 +71,7 @@ class ContentStress : public StoreTest {
     EXPECT_EQ(ns.blocks_free + ns.blocks_evictable, ns.blocks_total);
     EXPECT_EQ(ns.tokens_stored, ns.blocks_evictable * config_.block_tokens);
     // Every sequence ever used: whatever of it is cached reads back right.
-    std::vector<std::vector<int32_t>> seqs;
-    {
-      std::lock_guard<std::mutex> l(seq_mu_);
-      seqs.assign(seen_.begin(), seen_.end());
-    }
+    const std::vector<std::vector<int32_t>> seqs = record_.Sequences();
     int checked_blocks = 0;
     for (const auto& ids : seqs) {
       auto m = store_->Match(config_.name, ids, absl::Seconds(5));
@@ -109,13 +88,8 @@ class ContentStress : public StoreTest {
       }
       ASSERT_TRUE(store_->Release(m->lease_id).ok());
     }
-    std::vector<std::pair<int32_t, uint64_t>> chaos;
-    {
-      std::lock_guard<std::mutex> l(chaos_mu_);
-      chaos = chaos_;
-    }
     int chaos_blocks = 0;
-    for (const auto& [cid, ch] : chaos) {
+    for (const auto& [cid, ch] : record_.Chaos()) {
       const std::vector<int32_t> ids(64, cid);
       auto m = store_->Match(config_.name, ids, absl::Seconds(5));
       ASSERT_TRUE(m.ok()) << m.status();
@@ -130,21 +104,10 @@ class ContentStress : public StoreTest {
     }
     std::fprintf(stderr, "final: %d published chaos blocks verified; during run %d; injected %d\n",
                  chaos_blocks, n_chaos_hits_.load(), g_injected.load());
-    for (const std::string& u : unexpected_) ADD_FAILURE() << u;
+    for (const std::string& u : record_.Failures()) ADD_FAILURE() << u;
     std::fprintf(stderr, "final: %zu sequences, %d cached blocks verified, evictions %llu\n",
                  seqs.size(), checked_blocks,
                  (unsigned long long)store_->Stats().namespaces[0].evictions);
-  }
-
-  void Bad(const std::string& s) {
-    std::lock_guard<std::mutex> l(bad_mu_);
-    if (unexpected_.size() < 50) unexpected_.push_back(s);
-  }
-
-  void Remember(const std::vector<int32_t>& ids) {
-    if (ids.empty()) return;
-    std::lock_guard<std::mutex> l(seq_mu_);
-    seen_.insert(ids);
   }
 
   // ReadFp16 of blocks [0, ceil(w/bt)) of `layer`; rows < w must be the oracle's, rows past
@@ -159,39 +122,24 @@ class ContentStress : public StoreTest {
         store_->ReadFp16(r.id, layer, 0, blocks, 0, config_.num_kv_heads, k.data(), v.data());
     if (s.code() == absl::StatusCode::kNotFound) return;
     if (!s.ok()) {
-      Bad(absl::StrFormat("%s ReadFp16: %s", what, s.ToString()));
+      record_.Bad(absl::StrFormat("%s ReadFp16: %s", what, s.ToString()));
       return;
     }
     n_read_++;
     for (uint32_t row = 0; row < blocks * bt; ++row) {
       if (!r.chaos && row >= r.plan.size()) {
-        Bad(absl::StrFormat("%s: row %d past plan", what, row));
+        record_.Bad(absl::StrFormat("%s: row %d past plan", what, row));
         return;
       }
       const std::string diff = oracle_->RowDifference(r.chaos ? r.chaos_hash : r.hashes[row], layer,
                                                       static_cast<int>(row) < config_.sink_tokens,
                                                       k.data() + row * pt, v.data() + row * pt);
       if (diff.empty() || (row >= w && diff == "zeros")) continue;
-      Bad(absl::StrFormat(
+      record_.Bad(absl::StrFormat(
           "%s: lease %d layer %d row %d (written %d, matched %d, match ids %d, plan len %d) "
           "content wrong: %s",
           what, r.id, layer, row, w, r.matched, r.match_ids, r.plan.size(), diff));
       return;
-    }
-  }
-
-  std::shared_ptr<LeaseRec> PickLease(std::mt19937& rng) {
-    std::lock_guard<std::mutex> l(table_mu_);
-    if (leases_.empty()) return nullptr;
-    return leases_[rng() % leases_.size()];
-  }
-  void Forget(uint64_t id) {
-    std::lock_guard<std::mutex> l(table_mu_);
-    for (size_t i = 0; i < leases_.size(); ++i) {
-      if (leases_[i]->id == id) {
-        leases_.erase(leases_.begin() + i);
-        return;
-      }
     }
   }
 
@@ -210,7 +158,7 @@ class ContentStress : public StoreTest {
     auto session = store_->BeginPut(config_.name, ids);
     if (!session.ok()) {
       if (session.status().code() != absl::StatusCode::kResourceExhausted)
-        Bad("BeginPut: " + session.status().ToString());
+        record_.Bad("BeginPut: " + session.status().ToString());
       return;
     }
     struct Chunk {
@@ -238,12 +186,13 @@ class ContentStress : public StoreTest {
       absl::Status s = (*session)->AddChunk(c.layer, c.begin, c.len, ck.data(),
                                             v[c.layer].data() + c.begin * pt);
       if (nan && i == nan_chunk) {
-        if (s.code() != absl::StatusCode::kInvalidArgument) Bad("NaN chunk: " + s.ToString());
+        if (s.code() != absl::StatusCode::kInvalidArgument)
+          record_.Bad("NaN chunk: " + s.ToString());
         tl_fail_permille = 0;
         return;
       }
       if (!s.ok()) {
-        if (s.code() != absl::StatusCode::kInternal) Bad("AddChunk: " + s.ToString());
+        if (s.code() != absl::StatusCode::kInternal) record_.Bad("AddChunk: " + s.ToString());
         tl_fail_permille = 0;
         return;
       }
@@ -252,11 +201,11 @@ class ContentStress : public StoreTest {
     if (abandon) return;
     auto r = (*session)->Commit();
     if (!r.ok()) {
-      Bad("Commit: " + r.status().ToString());
+      record_.Bad("Commit: " + r.status().ToString());
       return;
     }
     n_put_++;
-    Remember(ids);
+    record_.Remember(ids);
   }
 
   void DoMatch(std::mt19937& rng) {
@@ -267,12 +216,10 @@ class ContentStress : public StoreTest {
     if (rng() % 4 == 0) {
       ids.clear();
       rec->chaos = true;
-      std::lock_guard<std::mutex> l(chaos_mu_);
-      if (!chaos_.empty() && rng() % 2 == 0) {  // an earlier chaos sequence, maybe published
-        const auto& [cid, ch] = chaos_[rng() % chaos_.size()];
-        rec->chaos_id = cid;
-        rec->chaos_hash = ch;
-        ids.assign(4 + rng() % 20, cid);
+      const auto earlier = rng() % 2 == 0 ? record_.PickChaos(rng) : std::nullopt;
+      if (earlier.has_value()) {  // an earlier chaos sequence, maybe published
+        std::tie(rec->chaos_id, rec->chaos_hash) = *earlier;
+        ids.assign(4 + rng() % 20, rec->chaos_id);
         rejoin = true;
       }
     }
@@ -288,7 +235,7 @@ class ContentStress : public StoreTest {
     auto m = store_->Match(config_.name, ids, absl::Seconds(1 + rng() % 5));
     if (!m.ok()) {
       if (m.status().code() != absl::StatusCode::kResourceExhausted)
-        Bad("Match: " + m.status().ToString());
+        record_.Bad("Match: " + m.status().ToString());
       return;
     }
     n_match_++;
@@ -299,17 +246,15 @@ class ContentStress : public StoreTest {
     } else if (rec->chaos) {
       rec->chaos_id = 100000000 + static_cast<int32_t>(Mix(rec->id) % 1000000000);
       rec->chaos_hash = Mix(rec->id ^ 0xC4A05);
-      std::lock_guard<std::mutex> l(chaos_mu_);
-      chaos_.push_back({rec->chaos_id, rec->chaos_hash});
+      record_.AddChaos(rec->chaos_id, rec->chaos_hash);
     }
     rec->count[0] = rec->count[1] = m->cached_tokens;
     if (!rec->chaos) {
-      Remember(ids);
-      Remember(rec->plan);
+      record_.Remember(ids);
+      record_.Remember(rec->plan);
     }
     for (int layer = 0; layer < 2; ++layer) CheckRead(*rec, layer, rec->matched, "match");
-    std::lock_guard<std::mutex> l(table_mu_);
-    leases_.push_back(rec);
+    record_.AddLease(std::move(rec));
   }
 
   void ChaosAppend(std::mt19937& rng, LeaseRec& rec, int layer) {
@@ -331,16 +276,16 @@ class ContentStress : public StoreTest {
     auto r = store_->Append(rec.id, layer, ids, k, kk.data(), vv.data());
     tl_fail_permille = 0;
     if (r.ok()) {
-      if (nan) Bad("chaos Append with -Inf accepted");
-      if (*r < k) Bad(absl::StrFormat("chaos Append returned %d < %d", *r, k));
+      if (nan) record_.Bad("chaos Append with -Inf accepted");
+      if (*r < k) record_.Bad(absl::StrFormat("chaos Append returned %d < %d", *r, k));
       n_append_++;
       return;
     }
     const absl::StatusCode c = r.status().code();
-    if (c == absl::StatusCode::kNotFound) Forget(rec.id);
+    if (c == absl::StatusCode::kNotFound) record_.Forget(rec.id);
     // A layer with appends in flight together is lost when one fails before a later one.
     const bool lost = c == absl::StatusCode::kFailedPrecondition;
-    if (!AppendMayFail(c, nan) && !lost) Bad("chaos Append: " + r.status().ToString());
+    if (!AppendMayFail(c, nan) && !lost) record_.Bad("chaos Append: " + r.status().ToString());
   }
 
   // The codes an append may fail with: its lease gone, its Inf, a full pool, an injected failure.
@@ -350,7 +295,7 @@ class ContentStress : public StoreTest {
   }
 
   void DoAppend(std::mt19937& rng) {
-    auto rec = PickLease(rng);
+    auto rec = record_.PickLease(rng);
     if (rec == nullptr) return;
     const int layer = static_cast<int>(rng() % 2);
     if (rec->chaos) return ChaosAppend(rng, *rec, layer);
@@ -371,18 +316,18 @@ class ContentStress : public StoreTest {
     auto r = store_->Append(rec->id, layer, ids, k, kk.data(), vv.data());
     tl_fail_permille = 0;
     if (r.ok()) {
-      if (nan) Bad("Append with Inf accepted");
+      if (nan) record_.Bad("Append with Inf accepted");
       if (*r != n + k) {
-        Bad(absl::StrFormat("Append returned %d, expected %d (lease %d layer %d)", *r, n + k,
-                            rec->id, layer));
+        record_.Bad(absl::StrFormat("Append returned %d, expected %d (lease %d layer %d)", *r,
+                                    n + k, rec->id, layer));
       }
       rec->count[layer] = *r;
       n_append_++;
       return;
     }
     const absl::StatusCode c = r.status().code();
-    if (c == absl::StatusCode::kNotFound) Forget(rec->id);
-    if (!AppendMayFail(c, nan)) Bad("Append: " + r.status().ToString());
+    if (c == absl::StatusCode::kNotFound) record_.Forget(rec->id);
+    if (!AppendMayFail(c, nan)) record_.Bad("Append: " + r.status().ToString());
   }
 
   // The oracle's input rows (K, V) of tokens [n, n + k) of `rec`'s plan at `layer`.
@@ -406,7 +351,7 @@ class ContentStress : public StoreTest {
     const auto [kk, vv] = PlanRows(rec, layer, n, k);
     std::vector<int32_t> named = rec.plan;
     for (uint32_t i = n; i < n + k; ++i) named[i] |= 0x40000000;
-    Remember(named);
+    record_.Remember(named);
     bool other_done = false;
     const std::function<void()> other_layer = [&] {
       other_done = AppendOtherLayer(rec, 1 - layer, n, k);
@@ -418,17 +363,19 @@ class ContentStress : public StoreTest {
     tl_fail_permille = 0;
     tl_before_append_failure = nullptr;
     if (r.ok()) {
-      Bad("Append with an injected failure succeeded");
+      record_.Bad("Append with an injected failure succeeded");
       rec.count[layer] = *r;
       return;
     }
-    if (r.status().code() == absl::StatusCode::kNotFound) Forget(rec.id);
-    if (!AppendMayFail(r.status().code(), false)) Bad("wrong-ids Append: " + r.status().ToString());
+    if (r.status().code() == absl::StatusCode::kNotFound) record_.Forget(rec.id);
+    if (!AppendMayFail(r.status().code(), false))
+      record_.Bad("wrong-ids Append: " + r.status().ToString());
     if (!other_done) return;
     r = store_->Append(rec.id, layer, {}, k, kk.data(), vv.data());
     if (!r.ok()) {
-      if (r.status().code() == absl::StatusCode::kNotFound) Forget(rec.id);
-      if (!AppendMayFail(r.status().code(), false)) Bad("retried Append: " + r.status().ToString());
+      if (r.status().code() == absl::StatusCode::kNotFound) record_.Forget(rec.id);
+      if (!AppendMayFail(r.status().code(), false))
+        record_.Bad("retried Append: " + r.status().ToString());
       return;
     }
     rec.count[layer] = *r;
@@ -436,11 +383,12 @@ class ContentStress : public StoreTest {
     auto probe = store_->Match(config_.name, named, absl::Seconds(5));
     if (!probe.ok()) {
       if (probe.status().code() != absl::StatusCode::kResourceExhausted)
-        Bad("Match: " + probe.status().ToString());
+        record_.Bad("Match: " + probe.status().ToString());
       return;
     }
     if (probe->cached_tokens > n - n % bt) {
-      Bad(absl::StrFormat("lease %d: %d tokens cached under a failed append's ids at [%d, %d)",
+      record_.Bad(
+          absl::StrFormat("lease %d: %d tokens cached under a failed append's ids at [%d, %d)",
                           rec.id, probe->cached_tokens, n, n + k));
     }
     (void)store_->Release(probe->lease_id);
@@ -457,7 +405,7 @@ class ContentStress : public StoreTest {
     tl_fail_permille = permille;
     if (!r.ok()) {
       if (!AppendMayFail(r.status().code(), false)) {
-        Bad("Append beside a failing one: " + r.status().ToString());
+        record_.Bad("Append beside a failing one: " + r.status().ToString());
       }
       return false;
     }
@@ -470,7 +418,7 @@ class ContentStress : public StoreTest {
     const int m = 1 + static_cast<int>(rng() % 4);
     std::vector<std::shared_ptr<LeaseRec>> recs;
     for (int i = 0; i < m; ++i) {
-      auto r = PickLease(rng);
+      auto r = record_.PickLease(rng);
       if (r == nullptr) return;
       recs.push_back(r);
     }
@@ -546,12 +494,12 @@ class ContentStress : public StoreTest {
                             (any_new && (c == absl::StatusCode::kResourceExhausted ||
                                          c == absl::StatusCode::kInternal));
       if (!may_fail) {
-        Bad(absl::StrFormat("Attend (mode %d, %d items, layer %d): %s", mode, m, layer,
-                            s.ToString()));
+        record_.Bad(absl::StrFormat("Attend (mode %d, %d items, layer %d): %s", mode, m, layer,
+                                    s.ToString()));
       }
       return;
     }
-    if (expect_invalid && !any_chaos) Bad("Attend on an empty lease succeeded");
+    if (expect_invalid && !any_chaos) record_.Bad("Attend on an empty lease succeeded");
     n_attend_++;
     for (size_t d = 0; d < distinct.size(); ++d) {
       if (!distinct[d]->chaos) distinct[d]->count[layer] = after[d];
@@ -561,14 +509,14 @@ class ContentStress : public StoreTest {
       LeaseRec* r = recs[i].get();
       const uint32_t len = r->chaos ? ctx[i] : has_new[i] ? pos[i] + 1 : after[di(r)];
       if (ctx[i] != len || len == 0) {
-        Bad(absl::StrFormat("Attend item %d: context %d, expected %d", i, ctx[i], len));
+        record_.Bad(absl::StrFormat("Attend item %d: context %d, expected %d", i, ctx[i], len));
         continue;
       }
       const double worst = oracle_->AttentionError(
           q.data() + i * pt, out.data() + i * pt, layer, len,
           [&](uint32_t t) { return r->chaos ? r->chaos_hash : r->hashes[t]; });
       if (worst > 0.02) {
-        Bad(
+        record_.Bad(
             absl::StrFormat("Attend item %d (lease %d, layer %d, len %d, new %d): output off by "
                             "%.4f",
                             i, r->id, layer, len, int(has_new[i]), worst));
@@ -577,15 +525,15 @@ class ContentStress : public StoreTest {
   }
 
   void DoRead(std::mt19937& rng) {
-    auto rec = PickLease(rng);
+    auto rec = record_.PickLease(rng);
     if (rec == nullptr) return;
     const int layer = static_cast<int>(rng() % 2);
     auto view = store_->DescribeLease(rec->id);
     if (!view.ok()) {
       if (view.status().code() == absl::StatusCode::kNotFound) {
-        Forget(rec->id);
+        record_.Forget(rec->id);
       } else {
-        Bad("DescribeLease: " + view.status().ToString());
+        record_.Bad("DescribeLease: " + view.status().ToString());
       }
       return;
     }
@@ -599,7 +547,8 @@ class ContentStress : public StoreTest {
       std::vector<uint8_t> k(blocks * l.num_kv_heads * l.head_page_bytes()), v(k.size());
       absl::Status s =
           store_->ReadRaw(rec->id, layer, 0, blocks, 0, config_.num_kv_heads, k.data(), v.data());
-      if (!s.ok() && s.code() != absl::StatusCode::kNotFound) Bad("ReadRaw: " + s.ToString());
+      if (!s.ok() && s.code() != absl::StatusCode::kNotFound)
+        record_.Bad("ReadRaw: " + s.ToString());
     } else if (config_.sink_tokens > 0) {
       const size_t hd = config_.head_dim;
       std::vector<uint16_t> k(config_.num_kv_heads * config_.sink_tokens * hd), v(k.size());
@@ -608,7 +557,7 @@ class ContentStress : public StoreTest {
                                             reinterpret_cast<uint8_t*>(v.data()));
       if (s.code() == absl::StatusCode::kNotFound) return;
       if (!s.ok()) {
-        Bad("ReadRawSinks: " + s.ToString());
+        record_.Bad("ReadRawSinks: " + s.ToString());
         return;
       }
       std::vector<uint16_t> ik(oracle_->pt()), iv(oracle_->pt());
@@ -617,7 +566,8 @@ class ContentStress : public StoreTest {
         for (int h = 0; h < config_.num_kv_heads; ++h) {
           const uint16_t* g = k.data() + (h * config_.sink_tokens + t) * hd;
           if (!std::equal(g, g + hd, ik.data() + h * hd)) {
-            Bad(absl::StrFormat("ReadRawSinks lease %d layer %d token %d head %d wrong (w %d)",
+            record_.Bad(
+                absl::StrFormat("ReadRawSinks lease %d layer %d token %d head %d wrong (w %d)",
                                 rec->id, layer, t, h, w));
             return;
           }
@@ -642,11 +592,12 @@ class ContentStress : public StoreTest {
       } else if (op < 85) {
         DoRead(rng);
       } else if (op < 95) {
-        auto rec = PickLease(rng);
+        auto rec = record_.PickLease(rng);
         if (rec != nullptr) {
-          Forget(rec->id);
+          record_.Forget(rec->id);
           absl::Status s = store_->Release(rec->id);
-          if (!s.ok() && s.code() != absl::StatusCode::kNotFound) Bad("Release: " + s.ToString());
+          if (!s.ok() && s.code() != absl::StatusCode::kNotFound)
+            record_.Bad("Release: " + s.ToString());
         }
       } else if (op < 98) {
         clock_.Advance(absl::Seconds(1));
@@ -654,21 +605,14 @@ class ContentStress : public StoreTest {
       } else {
         const std::string why =
             PoolCountsInconsistency(store_->Stats().namespaces[0], config_.block_tokens);
-        if (!why.empty()) Bad(why);
+        if (!why.empty()) record_.Bad(why);
       }
     }
     tl_rng = nullptr;
   }
 
   std::unique_ptr<Oracle> oracle_;
-  std::mutex table_mu_;
-  std::vector<std::shared_ptr<LeaseRec>> leases_;
-  std::mutex chaos_mu_;
-  std::vector<std::pair<int32_t, uint64_t>> chaos_;
-  std::mutex seq_mu_;
-  std::set<std::vector<int32_t>> seen_;
-  std::mutex bad_mu_;
-  std::vector<std::string> unexpected_;
+  StressRecord record_;
   std::atomic<int> n_chaos_hits_{0};
   std::atomic<int> n_put_{0}, n_match_{0}, n_append_{0}, n_attend_{0}, n_read_{0};
 };
