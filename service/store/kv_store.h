@@ -197,7 +197,8 @@ class KvStore {
   // ---- Decode ---------------------------------------------------------------------------------
   // Appends fp16 K/V [num_tokens][num_kv_heads][head_dim] to `layer` of the lease's tail.
   // token_ids (empty or num_tokens long) name the tokens, for publishing full tail blocks.
-  // Returns the tokens now held for that layer.
+  // Returns the tokens now reserved for that layer (appends in flight included).
+  // FAILED_PRECONDITION on a layer that lost tokens to a failed append (Lease::lost).
   virtual absl::StatusOr<uint32_t> Append(uint64_t lease_id, uint32_t layer,
                                           absl::Span<const int32_t> token_ids, uint32_t num_tokens,
                                           const uint16_t* k, const uint16_t* v) = 0;

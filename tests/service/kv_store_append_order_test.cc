@@ -1,6 +1,8 @@
 // Appends that overlap on one lease and layer, and appends whose backend call fails: the store
 // publishes and serves only positions that are written, in order.
 #include <atomic>
+#include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -194,15 +196,20 @@ TEST_F(AppendOrderTest, AFailedNamedAppendGivesBackTheIdsOfTheMatch) {
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
-// The CPU backend, except that every QuantizeAppend while `armed` waits until released, then
-// fails without writing: the i-th such call (from 0) once Release(n) has let n > i fail.
+// The CPU backend, except that every append while `armed` (QuantizeAppend, or the append of a
+// decode step) waits until released, then fails without writing: the i-th such call (from 0)
+// once Release(n) has let n > i fail.
 class OrderedFailBackend final : public ForwardingBackend {
  public:
   std::atomic<bool> armed{false};
-  // Waits until `n` armed calls have begun.
-  void WaitEntered(int n) {
+  // Whether `n` armed calls have begun within 10 s; if not, every armed call is let fail, so
+  // that the test's threads end.
+  bool WaitEntered(int n) {
     std::unique_lock<std::mutex> l(mu_);
-    cv_.wait(l, [&] { return entered_ >= n; });
+    if (cv_.wait_for(l, std::chrono::seconds(10), [&] { return entered_ >= n; })) return true;
+    released_ = INT_MAX;
+    cv_.notify_all();
+    return false;
   }
   void Release(int n) {
     {
@@ -218,6 +225,13 @@ class OrderedFailBackend final : public ForwardingBackend {
     cv_.notify_all();
     cv_.wait(l, [&] { return released_ > index; });
     return absl::InternalError("injected backend failure");
+  }
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
+    if (append != nullptr) {
+      if (absl::Status s = QuantizeAppend(*append); !s.ok()) return s;
+    }
+    return inner().PagedDecodeAttention(p, nullptr);
   }
 
  private:
@@ -257,12 +271,29 @@ class FailedAppendTest : public StoreTest {
 
   // A decode step over `layer` without a new token: its status, and the context it attended.
   absl::Status Attend(uint32_t layer, uint32_t* context) {
+    return AttendBatch(layer, 1, -1, context);
+  }
+
+  // A decode step over `layer` with the lease as `items` items, each appending the sequence's next
+  // token from `first` on (none when `first` < 0).
+  absl::Status AttendBatch(uint32_t layer, int items, int first, uint32_t* context) {
     const std::vector<uint16_t> q = ToHalf(MakeNormal(2 * config_.head_dim, 5));
-    std::vector<float> out(q.size());
-    KvStore::AttendItem item;
-    item.lease_id = lease_;
-    item.q = q.data();
-    return store_->Attend(layer, 2, 0.f, {item}, {out.data(), nullptr, nullptr, context});
+    const size_t pt = PerToken();
+    std::vector<float> out(items * q.size());
+    std::vector<uint32_t> contexts(items);
+    std::vector<KvStore::AttendItem> batch(items);
+    for (int i = 0; i < items; ++i) {
+      batch[i].lease_id = lease_;
+      batch[i].q = q.data();
+      if (first < 0) continue;
+      batch[i].new_k = kv_.k[layer].data() + (first + i) * pt;
+      batch[i].new_v = kv_.v[layer].data() + (first + i) * pt;
+      batch[i].new_token_id = -1;
+    }
+    const absl::Status s =
+        store_->Attend(layer, 2, 0.f, batch, {out.data(), nullptr, nullptr, contexts.data()});
+    *context = contexts.back();
+    return s;
   }
 
   OrderedFailBackend* gate_ = nullptr;
@@ -286,7 +317,7 @@ TEST_F(FailedAppendTest, AFailedAppendsIdsNameNothingWhateverTheOtherLayerDid) {
       const std::vector<int32_t> wrong = {90001, 90002, 90003, 90004};
       gate_->armed = true;
       std::thread first([&] { EXPECT_FALSE(Append(0, 8, 4, wrong).ok()); });
-      gate_->WaitEntered(1);
+      EXPECT_TRUE(gate_->WaitEntered(1));
       if (layer_one_completes) {
         gate_->armed = false;
         EXPECT_TRUE(Append(1, 8, 4).ok());  // not ASSERT: the first thread must be released
@@ -294,7 +325,7 @@ TEST_F(FailedAppendTest, AFailedAppendsIdsNameNothingWhateverTheOtherLayerDid) {
         first.join();
       } else {
         std::thread second([&] { EXPECT_FALSE(Append(1, 8, 4, wrong).ok()); });
-        gate_->WaitEntered(2);
+        EXPECT_TRUE(gate_->WaitEntered(2));
         gate_->Release(1);
         first.join();
         gate_->Release(2);
@@ -325,7 +356,7 @@ TEST_F(FailedAppendTest, AFailedAppendBeforeACompletedOneLosesItsLayer) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
   gate_->armed = true;
   std::thread first([&] { EXPECT_EQ(Append(0, 8, 2).code(), absl::StatusCode::kInternal); });
-  gate_->WaitEntered(1);
+  EXPECT_TRUE(gate_->WaitEntered(1));
   gate_->armed = false;
   EXPECT_TRUE(Append(0, 10, 6).ok());
   gate_->Release(1);
@@ -345,15 +376,42 @@ TEST_F(FailedAppendTest, AFailedAppendBeforeACompletedOneLosesItsLayer) {
   EXPECT_EQ(context, 16u);
 }
 
+// A decode step whose two items append to one lease (tokens 8 and 9) fails after an append of
+// tokens 10 to 15 took the positions after them: both items' positions are lost. When that append
+// fails too, all three are given back, and the layer goes on from position 8.
+TEST_F(FailedAppendTest, AFailedBatchAndTheAppendAfterItGiveTheLayerBack) {
+  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
+  gate_->armed = true;
+  uint32_t context = 0;
+  std::thread step([&] {
+    uint32_t c = 0;
+    EXPECT_EQ(AttendBatch(0, 2, 8, &c).code(), absl::StatusCode::kInternal);
+  });
+  EXPECT_TRUE(gate_->WaitEntered(1));
+  std::thread append([&] { EXPECT_EQ(Append(0, 10, 6).code(), absl::StatusCode::kInternal); });
+  EXPECT_TRUE(gate_->WaitEntered(2));
+  gate_->armed = false;
+  gate_->Release(1);
+  step.join();
+  const absl::Status lost = Attend(0, &context);
+  EXPECT_EQ(lost.code(), absl::StatusCode::kFailedPrecondition) << lost;
+  EXPECT_THAT(lost.message(), ::testing::HasSubstr("lost layer 0's tokens from position 8"));
+  gate_->Release(2);
+  append.join();
+  ASSERT_TRUE(Append(0, 8, 8).ok());
+  ASSERT_TRUE(Attend(0, &context).ok());
+  EXPECT_EQ(context, 16u);
+}
+
 // When the append after a failed one fails too, both are given back, and the layer goes on from
 // the first one's positions.
 TEST_F(FailedAppendTest, FailedAppendsGiveTheLayerBackWhenTheLaterOnesFailToo) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
   gate_->armed = true;
   std::thread first([&] { EXPECT_EQ(Append(0, 8, 2).code(), absl::StatusCode::kInternal); });
-  gate_->WaitEntered(1);
+  EXPECT_TRUE(gate_->WaitEntered(1));
   std::thread second([&] { EXPECT_EQ(Append(0, 10, 6).code(), absl::StatusCode::kInternal); });
-  gate_->WaitEntered(2);
+  EXPECT_TRUE(gate_->WaitEntered(2));
   gate_->armed = false;
   gate_->Release(1);
   first.join();
