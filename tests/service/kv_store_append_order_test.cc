@@ -23,9 +23,22 @@
 namespace kvpool::testing {
 namespace {
 
+// A ForwardingBackend whose decode steps run their append through QuantizeAppend, so that the
+// test backends below, which override it, see both kinds of append.
+class StepAppendsBackend : public ForwardingBackend {
+ public:
+  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
+                                    const QuantizeAppendParams* append) override {
+    if (append != nullptr) {
+      if (absl::Status s = QuantizeAppend(*append); !s.ok()) return s;
+    }
+    return inner().PagedDecodeAttention(p, nullptr);
+  }
+};
+
 // The CPU backend, except that the QuantizeAppend call after Arm() waits until released, or
 // fails without writing.
-class GatedBackend final : public ForwardingBackend {
+class GatedBackend final : public StepAppendsBackend {
  public:
   enum class Mode { kHold, kFail };
 
@@ -43,13 +56,6 @@ class GatedBackend final : public ForwardingBackend {
       release_.WaitForNotification();
     }
     return inner().QuantizeAppend(p);
-  }
-  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
-                                    const QuantizeAppendParams* append) override {
-    if (append != nullptr) {
-      if (absl::Status s = QuantizeAppend(*append); !s.ok()) return s;
-    }
-    return inner().PagedDecodeAttention(p, nullptr);
   }
 
  private:
@@ -199,7 +205,7 @@ TEST_F(AppendOrderTest, AFailedNamedAppendGivesBackTheIdsOfTheMatch) {
 // The CPU backend, except that every append while `armed` (QuantizeAppend, or the append of a
 // decode step) waits until released, then fails without writing: the i-th such call (from 0)
 // once Release(n) has let n > i fail.
-class OrderedFailBackend final : public ForwardingBackend {
+class OrderedFailBackend final : public StepAppendsBackend {
  public:
   std::atomic<bool> armed{false};
   // Whether `n` armed calls have begun within 10 s; if not, every armed call is let fail, so
@@ -225,13 +231,6 @@ class OrderedFailBackend final : public ForwardingBackend {
     cv_.notify_all();
     cv_.wait(l, [&] { return released_ > index; });
     return absl::InternalError("injected backend failure");
-  }
-  absl::Status PagedDecodeAttention(const PagedDecodeAttentionParams& p,
-                                    const QuantizeAppendParams* append) override {
-    if (append != nullptr) {
-      if (absl::Status s = QuantizeAppend(*append); !s.ok()) return s;
-    }
-    return inner().PagedDecodeAttention(p, nullptr);
   }
 
  private:
@@ -376,52 +375,36 @@ TEST_F(FailedAppendTest, AFailedAppendBeforeACompletedOneLosesItsLayer) {
   EXPECT_EQ(context, 16u);
 }
 
-// A decode step whose two items append to one lease (tokens 8 and 9) fails after an append of
-// tokens 10 to 15 took the positions after them: both items' positions are lost. When that append
-// fails too, all three are given back, and the layer goes on from position 8.
-TEST_F(FailedAppendTest, AFailedBatchAndTheAppendAfterItGiveTheLayerBack) {
-  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
-  gate_->armed = true;
-  uint32_t context = 0;
-  std::thread step([&] {
-    uint32_t c = 0;
-    EXPECT_EQ(AttendBatch(0, 2, 8, &c).code(), absl::StatusCode::kInternal);
-  });
-  EXPECT_TRUE(gate_->WaitEntered(1));
-  std::thread append([&] { EXPECT_EQ(Append(0, 10, 6).code(), absl::StatusCode::kInternal); });
-  EXPECT_TRUE(gate_->WaitEntered(2));
-  gate_->armed = false;
-  gate_->Release(1);
-  step.join();
-  const absl::Status lost = Attend(0, &context);
-  EXPECT_EQ(lost.code(), absl::StatusCode::kFailedPrecondition) << lost;
-  EXPECT_THAT(lost.message(), ::testing::HasSubstr("lost layer 0's tokens from position 8"));
-  gate_->Release(2);
-  append.join();
-  ASSERT_TRUE(Append(0, 8, 8).ok());
-  ASSERT_TRUE(Attend(0, &context).ok());
-  EXPECT_EQ(context, 16u);
-}
-
-// When the append after a failed one fails too, both are given back, and the layer goes on from
-// the first one's positions.
+// An append of tokens 8 and 9, or a decode step whose two items append them to one lease, fails
+// after an append of tokens 10 to 15 took the positions after them: their positions are lost.
+// When that append fails too, all are given back, and the layer goes on from position 8.
 TEST_F(FailedAppendTest, FailedAppendsGiveTheLayerBackWhenTheLaterOnesFailToo) {
-  ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
-  gate_->armed = true;
-  std::thread first([&] { EXPECT_EQ(Append(0, 8, 2).code(), absl::StatusCode::kInternal); });
-  EXPECT_TRUE(gate_->WaitEntered(1));
-  std::thread second([&] { EXPECT_EQ(Append(0, 10, 6).code(), absl::StatusCode::kInternal); });
-  EXPECT_TRUE(gate_->WaitEntered(2));
-  gate_->armed = false;
-  gate_->Release(1);
-  first.join();
-  EXPECT_EQ(Append(0, 8, 1).code(), absl::StatusCode::kFailedPrecondition);
-  gate_->Release(2);
-  second.join();
-  ASSERT_TRUE(Append(0, 8, 8).ok());
-  uint32_t context = 0;
-  ASSERT_TRUE(Attend(0, &context).ok());
-  EXPECT_EQ(context, 16u);
+  for (const bool first_is_a_step : {false, true}) {
+    SCOPED_TRACE(first_is_a_step ? "a decode step first" : "an append first");
+    ASSERT_NO_FATAL_FAILURE(SetUpLease(/*match_all_ids=*/false));
+    gate_->armed = true;
+    std::thread first([&] {
+      uint32_t c = 0;
+      const absl::Status s = first_is_a_step ? AttendBatch(0, 2, 8, &c) : Append(0, 8, 2);
+      EXPECT_EQ(s.code(), absl::StatusCode::kInternal) << s;
+    });
+    EXPECT_TRUE(gate_->WaitEntered(1));
+    std::thread second([&] { EXPECT_EQ(Append(0, 10, 6).code(), absl::StatusCode::kInternal); });
+    EXPECT_TRUE(gate_->WaitEntered(2));
+    gate_->armed = false;
+    gate_->Release(1);
+    first.join();
+    uint32_t context = 0;
+    const absl::Status lost = Attend(0, &context);
+    EXPECT_EQ(lost.code(), absl::StatusCode::kFailedPrecondition) << lost;
+    EXPECT_THAT(lost.message(), ::testing::HasSubstr("lost layer 0's tokens from position 8"));
+    EXPECT_EQ(Append(0, 8, 1).code(), absl::StatusCode::kFailedPrecondition);
+    gate_->Release(2);
+    second.join();
+    ASSERT_TRUE(Append(0, 8, 8).ok());
+    ASSERT_TRUE(Attend(0, &context).ok());
+    EXPECT_EQ(context, 16u);
+  }
 }
 
 }  // namespace
