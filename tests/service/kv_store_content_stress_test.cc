@@ -127,21 +127,20 @@ class ContentStress : public StoreTest {
       return;
     }
     n_read_++;
-    for (uint32_t row = 0; row < blocks * bt; ++row) {
-      if (!r.chaos && row >= r.plan.size()) {
-        record_.Bad(absl::StrFormat("%s: row %d past plan", what, row));
-        return;
-      }
-      const std::string diff = oracle_->RowDifference(r.chaos ? r.chaos_hash : r.hashes[row], layer,
-                                                      static_cast<int>(row) < config_.sink_tokens,
-                                                      k.data() + row * pt, v.data() + row * pt);
-      if (diff.empty() || (row >= w && diff == "zeros")) continue;
-      record_.Bad(absl::StrFormat(
-          "%s: lease %d layer %d row %d (written %d, matched %d, match ids %d, plan len %d) "
-          "content wrong: %s",
-          what, r.id, layer, row, w, r.matched, r.match_ids, r.plan.size(), diff));
+    const uint32_t rows = blocks * bt;
+    if (!r.chaos && rows > r.plan.size()) {
+      record_.Bad(
+          absl::StrFormat("%s: rows up to %d, past the plan's %d", what, rows, r.plan.size()));
       return;
     }
+    const std::string diff = oracle_->ReadDifference(
+        k.data(), v.data(), rows, w, layer,
+        [&](uint32_t row) { return r.chaos ? r.chaos_hash : r.hashes[row]; });
+    if (diff.empty()) return;
+    record_.Bad(
+        absl::StrFormat("%s: lease %d layer %d (written %d, matched %d, match ids %d, plan len %d) "
+                        "content wrong at %s",
+                        what, r.id, layer, w, r.matched, r.match_ids, r.plan.size(), diff));
   }
 
   void DoPut(std::mt19937& rng) {
@@ -150,11 +149,9 @@ class ContentStress : public StoreTest {
     const std::vector<uint64_t> h = PrefixHashes(ids);
     const size_t pt = oracle_->pt();
     const int n = static_cast<int>(ids.size());
-    std::vector<std::vector<uint16_t>> k(2, std::vector<uint16_t>(n * pt)), v = k;
+    std::vector<std::vector<uint16_t>> k(2), v(2);
     for (int layer = 0; layer < 2; ++layer) {
-      for (int t = 0; t < n; ++t) {
-        oracle_->Input(h[t], layer, k[layer].data() + t * pt, v[layer].data() + t * pt);
-      }
+      std::tie(k[layer], v[layer]) = oracle_->InputRows(h.data(), n, layer);
     }
     auto session = store_->BeginPut(config_.name, ids);
     if (!session.ok()) {
@@ -262,11 +259,8 @@ class ContentStress : public StoreTest {
     auto view = store_->DescribeLease(rec.id);
     if (!view.ok() || view->num_blocks >= 6) return;
     const uint32_t k = 1 + rng() % 3;
-    const size_t pt = oracle_->pt();
-    std::vector<uint16_t> kk(k * pt), vv(k * pt);
-    for (uint32_t i = 0; i < k; ++i) {
-      oracle_->Input(rec.chaos_hash, layer, kk.data() + i * pt, vv.data() + i * pt);
-    }
+    const std::vector<uint64_t> hashes(k, rec.chaos_hash);
+    auto [kk, vv] = oracle_->InputRows(hashes.data(), k, layer);
     std::vector<int32_t> ids;
     if (rng() % 8 != 0) {
       for (uint32_t i = 0; i < k; ++i) ids.push_back(rng() % 32 == 0 ? -1 : rec.chaos_id);
@@ -307,7 +301,7 @@ class ContentStress : public StoreTest {
     uint32_t k = 1 + rng() % 3;
     if (n + k > rec->plan.size()) k = static_cast<uint32_t>(rec->plan.size()) - n;
     if (k == 0) return;
-    auto [kk, vv] = PlanRows(*rec, layer, n, k);
+    auto [kk, vv] = oracle_->InputRows(rec->hashes.data() + n, k, layer);
     std::vector<int32_t> ids;
     if (rng() % 2 == 0) {
       for (uint32_t i = 0; i < k; ++i) ids.push_back(rng() % 5 == 0 ? -1 : rec->plan[n + i]);
@@ -332,17 +326,6 @@ class ContentStress : public StoreTest {
     if (!AppendMayFail(c, nan)) record_.Bad("Append: " + r.status().ToString());
   }
 
-  // The oracle's input rows (K, V) of tokens [n, n + k) of `rec`'s plan at `layer`.
-  std::pair<std::vector<uint16_t>, std::vector<uint16_t>> PlanRows(const LeaseRec& rec, int layer,
-                                                                   uint32_t n, uint32_t k) const {
-    const size_t pt = oracle_->pt();
-    std::vector<uint16_t> kk(k * pt), vv(k * pt);
-    for (uint32_t i = 0; i < k; ++i) {
-      oracle_->Input(rec.hashes[n + i], layer, kk.data() + i * pt, vv.data() + i * pt);
-    }
-    return {std::move(kk), std::move(vv)};
-  }
-
   // An append of tokens [n, end of n's block) that names wrong ids (another sequence's) and that
   // the backend fails, after the other layer's unnamed append of the same tokens completed from
   // inside the failing call. Retried unnamed, the tokens fill their block on both layers: nothing
@@ -350,7 +333,7 @@ class ContentStress : public StoreTest {
   void WrongIdsAppend(LeaseRec& rec, int layer, uint32_t n) {
     const uint32_t bt = static_cast<uint32_t>(config_.block_tokens);
     const uint32_t k = std::min<uint32_t>(static_cast<uint32_t>(rec.plan.size()) - n, bt - n % bt);
-    const auto [kk, vv] = PlanRows(rec, layer, n, k);
+    const auto [kk, vv] = oracle_->InputRows(rec.hashes.data() + n, k, layer);
     std::vector<int32_t> named = rec.plan;
     for (uint32_t i = n; i < n + k; ++i) named[i] |= 0x40000000;
     record_.Remember(named);
@@ -401,7 +384,7 @@ class ContentStress : public StoreTest {
   bool AppendOtherLayer(LeaseRec& rec, int layer, uint32_t n, uint32_t k) {
     std::unique_lock<std::mutex> l(rec.layer_mu[layer], std::try_to_lock);
     if (!l.owns_lock() || rec.count[layer] != n) return false;
-    const auto [kk, vv] = PlanRows(rec, layer, n, k);
+    const auto [kk, vv] = oracle_->InputRows(rec.hashes.data() + n, k, layer);
     const int permille = std::exchange(tl_fail_permille, 0);
     auto r = store_->Append(rec.id, layer, {}, k, kk.data(), vv.data());
     tl_fail_permille = permille;

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -44,6 +45,13 @@ class Oracle {
     for (size_t i = 0; i < pt_; ++i) k[i] = FloatToHalf(n(g));
     for (size_t i = 0; i < pt_; ++i) v[i] = FloatToHalf(n(g));
   }
+  // Input rows of n tokens, K and V each [n][pt()], token i's prefix hash hashes[i].
+  std::pair<std::vector<uint16_t>, std::vector<uint16_t>> InputRows(const uint64_t* hashes,
+                                                                    size_t n, int layer) const {
+    std::vector<uint16_t> k(n * pt_), v(n * pt_);
+    for (size_t i = 0; i < n; ++i) Input(hashes[i], layer, k.data() + i * pt_, v.data() + i * pt_);
+    return {std::move(k), std::move(v)};
+  }
   // How a read row (K and V, pt() values each) of the token whose prefix hash is h differs from
   // Expected: "" when it does not, else "zeros" or the relative L2 error of its K.
   std::string RowDifference(uint64_t h, int layer, bool sink_exact, const uint16_t* k,
@@ -60,6 +68,20 @@ class Oracle {
       norm += double(HalfToFloat(ek[i])) * HalfToFloat(ek[i]);
     }
     return "other data, K rel err " + std::to_string(std::sqrt(err / norm));
+  }
+  // The first of `rows` rows read from a sequence's start (K and V, [rows][pt()] each) that
+  // differs from the oracle's, as "row R: <its difference>"; "" when none does. Rows from
+  // `written` on may also be zeros. hash(row) is the row's token's prefix hash.
+  template <typename Hash>
+  std::string ReadDifference(const uint16_t* k, const uint16_t* v, uint32_t rows, uint32_t written,
+                             int layer, Hash&& hash) const {
+    for (uint32_t row = 0; row < rows; ++row) {
+      const std::string d = RowDifference(hash(row), layer, static_cast<int>(row) < c_.sink_tokens,
+                                          k + row * pt_, v + row * pt_);
+      if (!d.empty() && (row < written || d != "zeros"))
+        return "row " + std::to_string(row) + ": " + d;
+    }
+    return "";
   }
   // What a read returns for it: quantized, or exact for a sink position read from block 0.
   void Expected(uint64_t h, int layer, bool sink_exact, uint16_t* k, uint16_t* v) const {
