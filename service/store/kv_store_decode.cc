@@ -346,6 +346,25 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
   return absl::OkStatus();
 }
 
+namespace {
+
+// Moves `mark` over every range of `ranges` it meets, removing them: forward across a range that
+// begins at it (to the range's end), or back across one that ends at it (to its begin).
+void MoveAcrossRanges(std::vector<std::pair<uint32_t, uint32_t>>& ranges, uint32_t& mark,
+                      bool forward) {
+  for (auto it = ranges.begin(); it != ranges.end();) {
+    if ((forward ? it->first : it->second) != mark) {
+      ++it;
+      continue;
+    }
+    mark = forward ? it->second : it->first;
+    ranges.erase(it);
+    it = ranges.begin();
+  }
+}
+
+}  // namespace
+
 void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
                                       absl::Span<const AppendPlan> plans) {
   for (const AppendPlan& plan : plans) {
@@ -358,16 +377,7 @@ void StoreImpl::CompleteAppendsLocked(NamespaceState& ns, uint32_t layer,
     uint32_t& written = lease.layer_written[layer];
     std::vector<std::pair<uint32_t, uint32_t>>& ahead = lease.written_ahead[layer];
     ahead.emplace_back(plan.begin, plan.begin + plan.num_tokens);
-    // Absorb every finished range that now starts at the watermark.
-    for (auto it = ahead.begin(); it != ahead.end();) {
-      if (it->first != written) {
-        ++it;
-        continue;
-      }
-      written = it->second;
-      ahead.erase(it);
-      it = ahead.begin();
-    }
+    MoveAcrossRanges(ahead, written, /*forward=*/true);  // every finished range it now reaches
   }
   for (const AppendPlan& plan : plans) PublishTailLocked(ns, *plan.lease);
 }
@@ -377,21 +387,10 @@ void StoreImpl::AbandonAppendsLocked(uint32_t layer, absl::Span<const AppendPlan
     Lease& lease = *plan->lease;
     uint32_t& tokens = lease.layer_tokens[layer];
     std::vector<std::pair<uint32_t, uint32_t>>& lost = lease.lost[layer];
-    if (tokens != plan->begin + plan->num_tokens) {
-      lost.emplace_back(plan->begin, plan->begin + plan->num_tokens);
-      continue;
-    }
-    tokens = plan->begin;
-    // Ranges lost before this one that now end the layer are given back too.
-    for (auto it = lost.begin(); it != lost.end();) {
-      if (it->second != tokens) {
-        ++it;
-        continue;
-      }
-      tokens = it->first;
-      lost.erase(it);
-      it = lost.begin();
-    }
+    lost.emplace_back(plan->begin, plan->begin + plan->num_tokens);
+    // Failed ranges that end the layer are given back: this one when nothing was reserved after
+    // it, and then those lost before it that end the layer.
+    MoveAcrossRanges(lost, tokens, /*forward=*/false);
   }
 }
 
