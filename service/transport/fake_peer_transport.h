@@ -1,9 +1,11 @@
 // An in-process PeerTransportFactory for tests: both ends of a channel live in this process and
 // move host memory (the CPU backend's arenas). Time comes from a FakeClock: each operation
-// "takes" op_latency on it, so tests exercise deadlines without sleeping, and a worker end can
-// die (Abort) at any point to play a killed worker.
+// "takes" op_latency on it (a QueueSend or a Recv; WaitSends takes none), so tests exercise
+// deadlines without sleeping, and a worker end can die (Abort) at any point to play a killed
+// worker.
 //
-// Sends are buffered (a Send completes without waiting for the Recv); a Recv waits until the
+// Sends are buffered (QueueSend copies the segments onto the wire, and WaitSends only reports a
+// broken channel: nothing waits for the Recv); a Recv waits until the
 // peer sent its segment or either end broke the channel. A Recv whose size differs from the
 // segment sent breaks the channel (INTERNAL), as a mismatched NCCL pair would.
 //
@@ -36,8 +38,8 @@ class FakePeerNetwork final : public PeerTransportFactory {
   // already joined.
   absl::StatusOr<std::unique_ptr<PeerTransport>> Join(const std::string& join_id);
 
-  // Every later Send or Recv first advances the clock by `latency`; one that would end after its
-  // deadline fails with DEADLINE_EXCEEDED (breaking the channel) without moving data.
+  // Every later QueueSend or Recv first advances the clock by `latency`; one that would end after
+  // its deadline fails with DEADLINE_EXCEEDED (breaking the channel) without moving data.
   void set_op_latency(absl::Duration latency) {
     absl::MutexLock l(&mu_);
     op_latency_ = latency;

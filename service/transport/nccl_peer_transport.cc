@@ -1,7 +1,7 @@
 // The NCCL PeerTransport: rank 0 of a 2-rank communicator on the CUDA backend's device, created
 // non-blocking (ncclConfig_t.blocking = 0) so that no call ever waits on the worker: every
-// operation is enqueued on the transport's own stream and then polled (communicator async error,
-// stream completion, Abort, deadline); any failure ends in ncclCommAbort.
+// operation is enqueued on the transport's own stream, an event recorded after it, and the event
+// polled (communicator async error, Abort, deadline); any failure ends in ncclCommAbort.
 #include <memory>
 
 #include "absl/status/status.h"
@@ -12,7 +12,9 @@
 #include <nccl.h>
 
 #include <atomic>
+#include <deque>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_format.h"
@@ -40,11 +42,10 @@ absl::Status CudaError(cudaError_t e, const char* what) {
 class NcclPeerTransport final : public PeerTransport {
  public:
   NcclPeerTransport(int device, Clock* clock, ncclComm_t comm, cudaStream_t stream,
-                    cudaEvent_t done, absl::Time join_deadline)
+                    absl::Time join_deadline)
       : device_(device),
         clock_(clock),
         stream_(stream),
-        done_(done),
         join_deadline_(join_deadline),
         comm_(comm) {}
 
@@ -52,12 +53,14 @@ class NcclPeerTransport final : public PeerTransport {
     absl::MutexLock l(&op_mu_);
     cudaSetDevice(device_);
     AbortLocked();
-    cudaEventDestroy(done_);
+    for (cudaEvent_t e : pending_) cudaEventDestroy(e);
+    for (cudaEvent_t e : idle_events_) cudaEventDestroy(e);
     cudaStreamDestroy(stream_);
   }
 
-  absl::Status Send(absl::Span<const SendSegment> segments, absl::Time deadline) override {
-    return Run(segments.size(), deadline, [&] {
+  absl::Status QueueSend(absl::Span<const SendSegment> segments, absl::Time deadline) override {
+    absl::MutexLock l(&op_mu_);
+    return EnqueueLocked(segments.size(), deadline, [&] {
       for (const SendSegment& s : segments) {
         const ncclResult_t r = ncclSend(s.data, s.bytes, ncclUint8, kWorkerRank, comm_, stream_);
         if (r != ncclSuccess && r != ncclInProgress) return r;
@@ -66,14 +69,21 @@ class NcclPeerTransport final : public PeerTransport {
     });
   }
 
+  absl::Status WaitSends(size_t pending, absl::Time deadline) override {
+    absl::MutexLock l(&op_mu_);
+    return WaitLocked(pending, deadline);
+  }
+
   absl::Status Recv(absl::Span<const RecvSegment> segments, absl::Time deadline) override {
-    return Run(segments.size(), deadline, [&] {
+    absl::MutexLock l(&op_mu_);
+    absl::Status s = EnqueueLocked(segments.size(), deadline, [&] {
       for (const RecvSegment& s : segments) {
         const ncclResult_t r = ncclRecv(s.data, s.bytes, ncclUint8, kWorkerRank, comm_, stream_);
         if (r != ncclSuccess && r != ncclInProgress) return r;
       }
       return ncclSuccess;
     });
+    return s.ok() ? WaitLocked(0, deadline) : s;
   }
 
   // An operation in flight sees abort_requested_ at its next poll and aborts the communicator
@@ -88,12 +98,12 @@ class NcclPeerTransport final : public PeerTransport {
   }
 
  private:
+  // Enqueues `enqueue`'s n operations as one group on stream_ and records an event after them
+  // in pending_.
   template <typename Enqueue>
-  absl::Status Run(size_t n, absl::Time deadline, Enqueue enqueue) {
-    absl::MutexLock l(&op_mu_);
-    if (comm_ == nullptr || abort_requested_.load()) {
-      return absl::UnavailableError("NCCL channel aborted");
-    }
+  absl::Status EnqueueLocked(size_t n, absl::Time deadline, Enqueue enqueue)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) {
+    if (absl::Status s = UsableLocked(); !s.ok()) return s;
     if (n == 0) return absl::OkStatus();
     if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) {
       AbortLocked();
@@ -112,13 +122,36 @@ class NcclPeerTransport final : public PeerTransport {
       return NcclError(r, "enqueueing NCCL send/recv");
     }
     if (absl::Status s = PollComm(deadline, "enqueueing"); !s.ok()) return s;
-    if (cudaError_t e = cudaEventRecord(done_, stream_); e != cudaSuccess) {
+    cudaEvent_t done = nullptr;
+    if (idle_events_.empty()) {
+      if (cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming);
+          e != cudaSuccess) {
+        AbortLocked();
+        return CudaError(e, "cudaEventCreate");
+      }
+    } else {
+      done = idle_events_.back();
+      idle_events_.pop_back();
+    }
+    pending_.push_back(done);  // destroyed with the transport whatever happens next
+    if (cudaError_t e = cudaEventRecord(done, stream_); e != cudaSuccess) {
       AbortLocked();
       return CudaError(e, "cudaEventRecord");
     }
-    while (true) {
-      const cudaError_t q = cudaEventQuery(done_);
-      if (q == cudaSuccess) return absl::OkStatus();
+    return absl::OkStatus();
+  }
+
+  // Polls the oldest pending operations until at most `pending` are left.
+  absl::Status WaitLocked(size_t pending, absl::Time deadline)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) {
+    if (absl::Status s = UsableLocked(); !s.ok()) return s;
+    while (pending_.size() > pending) {
+      const cudaError_t q = cudaEventQuery(pending_.front());
+      if (q == cudaSuccess) {
+        idle_events_.push_back(pending_.front());
+        pending_.pop_front();
+        continue;
+      }
       if (q != cudaErrorNotReady) {
         AbortLocked();
         return CudaError(q, "NCCL transfer");
@@ -126,6 +159,15 @@ class NcclPeerTransport final : public PeerTransport {
       if (absl::Status s = CheckLocked(deadline, "transferring"); !s.ok()) return s;
       absl::SleepFor(kPollInterval);
     }
+    return absl::OkStatus();
+  }
+
+  // UNAVAILABLE once aborted; an Abort that found an operation in flight may have left the
+  // communicator's abort to the next operation.
+  absl::Status UsableLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(op_mu_) {
+    if (comm_ != nullptr && !abort_requested_.load()) return absl::OkStatus();
+    AbortLocked();
+    return absl::UnavailableError("NCCL channel aborted");
   }
 
   // Polls ncclCommGetAsyncError until it is no longer in progress.
@@ -175,12 +217,14 @@ class NcclPeerTransport final : public PeerTransport {
   const int device_;
   Clock* const clock_;         // the deadlines'
   const cudaStream_t stream_;  // this transport's own stream
-  const cudaEvent_t done_;     // recorded after each operation's enqueue
   const absl::Time join_deadline_;
   std::atomic<bool> abort_requested_{false};
   // Held by the one operation in flight; guards comm_.
   absl::Mutex op_mu_;
   ncclComm_t comm_ ABSL_GUARDED_BY(op_mu_);
+  // Events recorded after the operations not yet seen done, oldest first, and spare ones.
+  std::deque<cudaEvent_t> pending_ ABSL_GUARDED_BY(op_mu_);
+  std::vector<cudaEvent_t> idle_events_ ABSL_GUARDED_BY(op_mu_);
 };
 
 class NcclTransportFactory final : public PeerTransportFactory {
@@ -200,24 +244,18 @@ class NcclTransportFactory final : public PeerTransportFactory {
         e != cudaSuccess) {
       return CudaError(e, "cudaStreamCreate");
     }
-    cudaEvent_t done = nullptr;
-    if (cudaError_t e = cudaEventCreateWithFlags(&done, cudaEventDisableTiming); e != cudaSuccess) {
-      cudaStreamDestroy(stream);
-      return CudaError(e, "cudaEventCreate");
-    }
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t comm = nullptr;
     const ncclResult_t r = ncclCommInitRankConfig(&comm, 2, id, 0, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
       if (comm != nullptr) ncclCommAbort(comm);
-      cudaEventDestroy(done);
       cudaStreamDestroy(stream);
       return NcclError(r, "ncclCommInitRankConfig");
     }
     OpenedTransport opened;
     opened.transport =
-        std::make_unique<NcclPeerTransport>(device_, clock_, comm, stream, done, join_deadline);
+        std::make_unique<NcclPeerTransport>(device_, clock_, comm, stream, join_deadline);
     opened.join_id.assign(id.internal, sizeof(id.internal));
     return opened;
   }

@@ -86,21 +86,25 @@ class CancelScope {
   std::atomic<bool> aborted_{false};
 };
 
+// A Get's first round takes at most this share of a staging buffer.
+constexpr uint64_t kFirstGetRoundShare = 8;
+
 // Consecutive layers [begin, end) moved in one round.
 struct Round {
   uint32_t begin = 0;
   uint32_t end = 0;
 };
 
-// Splits layers into rounds of at most `capacity` bytes, each layer taking 2 * layer_bytes[i]
-// (K and V, each with its sink rows if any); a layer larger than capacity is a round of its own.
+// Splits layers into rounds of at most `capacity` bytes, the first of at most `first_capacity`,
+// each layer taking 2 * layer_bytes[i] (K and V, each with its sink rows if any); a layer larger
+// than its round's capacity is a round of its own.
 std::vector<Round> PlanRounds(uint32_t first_layer, const std::vector<uint64_t>& layer_bytes,
-                              uint64_t capacity) {
+                              uint64_t first_capacity, uint64_t capacity) {
   std::vector<Round> rounds;
   uint64_t used = 0;
   for (uint32_t i = 0; i < layer_bytes.size(); ++i) {
     const uint64_t need = 2 * layer_bytes[i];
-    if (rounds.empty() || used + need > capacity) {
+    if (rounds.empty() || used + need > (rounds.size() == 1 ? first_capacity : capacity)) {
       rounds.push_back({first_layer + i, first_layer + i});
       used = 0;
     }
@@ -111,7 +115,7 @@ std::vector<Round> PlanRounds(uint32_t first_layer, const std::vector<uint64_t>&
 }
 
 // Runs op(0), ..., op(rounds - 1) in order on a thread of its own, each once the caller has
-// released it, so that the caller prepares the next round while this one moves. The first
+// released it, so that the caller stores a round while the next one is received. The first
 // failure stops the rest. The destructor waits for the operation in flight, if any.
 class RoundWorker {
  public:
@@ -354,10 +358,13 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
         "the payload is %d bytes, the worker's buffer %d", offset, request.buffer_bytes()));
   }
   // Two staging buffers when there is more than one round: round i + 1 is gathered into one
-  // while round i is sent from the other. Both are taken before the header goes out.
+  // while round i is sent from the other. Both are taken before the header goes out. The first
+  // round is gathered before any byte moves: it takes 1/kFirstGetRoundShare of a buffer (or one
+  // layer), so that the data starts sooner.
   const uint64_t largest = 2 * *std::max_element(layer_bytes.begin(), layer_bytes.end());
+  const uint64_t capacity = std::max(largest, options_.staging_bytes);
   const std::vector<Round> rounds =
-      PlanRounds(layer_begin, layer_bytes, std::max(largest, options_.staging_bytes));
+      PlanRounds(layer_begin, layer_bytes, capacity / kFirstGetRoundShare, capacity);
   absl::StatusOr<std::vector<Staging>> buffers = TakeBuffers(rounds.size(), largest);
   if (!buffers.ok()) return buffers.status();
   std::vector<SendSegment> segments[2];
@@ -394,20 +401,19 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
   {
     CancelScope scope(cancel, &*use);
     PeerTransport* transport = &use->transport();
-    auto send = [&](size_t i) { return transport->Send(segments[i % 2], deadline); };
+    // Round i is gathered while round i - 1 is sent, and queued behind it: the link does not
+    // wait for the host between rounds.
     absl::Status s;
-    if (rounds.size() == 1) {
-      s = send(0);
-    } else {  // round i is gathered while round i - 1 is sent
-      RoundWorker sender(rounds.size(), send);
-      for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
-        if (i >= 2) s = sender.WaitDone(i - 2);  // buffer i % 2 is free again
-        if (s.ok() && i > 0) s = gather(i);
-        if (s.ok()) sender.Release(i);
-      }
-      if (s.ok()) s = sender.WaitDone(rounds.size() - 1);
+    for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
+      if (i >= 2) s = transport->WaitSends(1, deadline);  // round i - 2 left buffer i % 2
+      if (s.ok() && i > 0) s = gather(i);
+      if (s.ok()) s = transport->QueueSend(segments[i % 2], deadline);
     }
+    if (s.ok()) s = transport->WaitSends(0, deadline);
     if (!s.ok()) {
+      // After a failed gather the rounds queued still read the staging buffers: they are
+      // delivered (or the transport fails) before the buffers go back.
+      transport->WaitSends(0, deadline).IgnoreError();
       use->Fail();
       return s;
     }
@@ -434,9 +440,9 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
   // As in Get, two staging buffers when there is more than one round: round i + 1 is received
   // into one while round i is quantized from the other.
   auto plan_rounds = [&](uint64_t layer_bytes) {
-    return layer_bytes > 0
-               ? PlanRounds(0, std::vector<uint64_t>(config.num_layers, layer_bytes), capacity)
-               : std::vector<Round>();
+    return layer_bytes > 0 ? PlanRounds(0, std::vector<uint64_t>(config.num_layers, layer_bytes),
+                                        capacity, capacity)
+                           : std::vector<Round>();
   };
   absl::StatusOr<std::vector<Staging>> buffers =
       TakeBuffers(plan_rounds(most_bytes).size(), 2 * most_bytes);

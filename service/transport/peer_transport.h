@@ -38,17 +38,30 @@ class PeerTransport {
  public:
   virtual ~PeerTransport() = default;
 
-  // Sends the segments, in order, to the peer and returns once they are delivered (their
-  // buffers may be reused). DEADLINE_EXCEEDED when not done by `deadline`, UNAVAILABLE when the
-  // peer or the link failed or Abort was called; either way the transport is broken.
-  [[nodiscard]] virtual absl::Status Send(absl::Span<const SendSegment> segments,
-                                          absl::Time deadline) = 0;
-  // Receives the segments, in order, from the peer; same errors as Send.
+  // Queues sends of the segments, in order, after every send queued before, and returns without
+  // waiting for them: their buffers must stay unchanged until WaitSends reports them delivered.
+  // A caller that queues the next sends before the earlier ones are delivered keeps the link
+  // busy between them. UNAVAILABLE when the peer or the link failed or Abort was called, and
+  // DEADLINE_EXCEEDED when the peer has not joined by `deadline`; either way the transport is
+  // broken.
+  [[nodiscard]] virtual absl::Status QueueSend(absl::Span<const SendSegment> segments,
+                                               absl::Time deadline) = 0;
+  // Returns once at most `pending` of the queued QueueSend calls are not yet delivered (0: all
+  // delivered, their buffers free). DEADLINE_EXCEEDED when they are not by `deadline`;
+  // UNAVAILABLE as QueueSend.
+  [[nodiscard]] virtual absl::Status WaitSends(size_t pending, absl::Time deadline) = 0;
+  // Sends the segments and returns once they are delivered: QueueSend, then WaitSends(0).
+  [[nodiscard]] absl::Status Send(absl::Span<const SendSegment> segments, absl::Time deadline) {
+    if (absl::Status s = QueueSend(segments, deadline); !s.ok()) return s;
+    return WaitSends(0, deadline);
+  }
+  // Receives the segments, in order, from the peer and returns once they arrived; errors as
+  // QueueSend and WaitSends.
   [[nodiscard]] virtual absl::Status Recv(absl::Span<const RecvSegment> segments,
                                           absl::Time deadline) = 0;
   // Breaks the transport: an operation in flight and every later one fail promptly with
   // UNAVAILABLE, and the communicator is torn down without waiting on the peer. Thread-safe,
-  // idempotent; may be called while another thread is in Send or Recv.
+  // idempotent; may be called while another thread is in an operation.
   virtual void Abort() = 0;
 };
 

@@ -198,9 +198,9 @@ TEST(NcclWorker, Main) {
 
 // ---- server side -------------------------------------------------------------------------------
 
-// Lets the test stop one transfer half-way: when armed, the next Send delivers the first half of
-// its segments, notifies `paused`, waits for `resume`, then sends the rest, and records how that
-// ended in `outcome` (then notifies `finished`).
+// Lets the test stop one transfer half-way: when armed, the next QueueSend delivers the first half
+// of its segments, notifies `paused`, waits for `resume`, then delivers the rest, and records how
+// that ended in `outcome` (then notifies `finished`).
 struct KillSwitch {
   absl::Mutex mu;
   bool armed ABSL_GUARDED_BY(mu) = false;
@@ -215,7 +215,7 @@ class KillSwitchTransport final : public PeerTransport {
   KillSwitchTransport(std::unique_ptr<PeerTransport> inner, KillSwitch* kill_switch)
       : inner_(std::move(inner)), switch_(kill_switch) {}
 
-  absl::Status Send(absl::Span<const SendSegment> segments, absl::Time deadline) override {
+  absl::Status QueueSend(absl::Span<const SendSegment> segments, absl::Time deadline) override {
     bool armed = false;
     bool fail = false;
     {
@@ -223,7 +223,7 @@ class KillSwitchTransport final : public PeerTransport {
       armed = std::exchange(switch_->armed, false) && segments.size() >= 2;
       fail = switch_->fail;
     }
-    if (!armed) return inner_->Send(segments, deadline);
+    if (!armed) return inner_->QueueSend(segments, deadline);
     const size_t half = segments.size() / 2;
     absl::Status s = inner_->Send(segments.subspan(0, half), deadline);
     if (fail) {
@@ -236,6 +236,9 @@ class KillSwitchTransport final : public PeerTransport {
     switch_->outcome = s;
     switch_->finished.Notify();
     return s;
+  }
+  absl::Status WaitSends(size_t pending, absl::Time deadline) override {
+    return inner_->WaitSends(pending, deadline);
   }
   absl::Status Recv(absl::Span<const RecvSegment> segments, absl::Time deadline) override {
     return inner_->Recv(segments, deadline);

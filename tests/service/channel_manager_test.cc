@@ -65,8 +65,11 @@ class TrackedTransports final : public PeerTransportFactory {
     Transport(std::unique_ptr<PeerTransport> inner, bool* destroyed)
         : inner_(std::move(inner)), destroyed_(destroyed) {}
     ~Transport() override { *destroyed_ = true; }
-    absl::Status Send(absl::Span<const SendSegment> s, absl::Time deadline) override {
-      return inner_->Send(s, deadline);
+    absl::Status QueueSend(absl::Span<const SendSegment> s, absl::Time deadline) override {
+      return inner_->QueueSend(s, deadline);
+    }
+    absl::Status WaitSends(size_t pending, absl::Time deadline) override {
+      return inner_->WaitSends(pending, deadline);
     }
     absl::Status Recv(absl::Span<const RecvSegment> s, absl::Time deadline) override {
       return inner_->Recv(s, deadline);
