@@ -40,12 +40,12 @@ absl::Status ComputeBackend::DequantizeToArena(absl::Span<const DequantizeParams
   return NoTransferPath(*this, "DequantizeToArena");
 }
 
-absl::Status ComputeBackend::QuantizeAppendFromArena(const QuantizeAppendParams& /*p*/) {
+absl::Status ComputeBackend::QuantizeAppendFromArena(
+    absl::Span<const QuantizeAppendParams> /*ps*/) {
   return NoTransferPath(*this, "QuantizeAppendFromArena");
 }
 
-absl::Status ComputeBackend::CheckHalfRangeArena(const uint16_t* /*x*/, size_t /*n*/,
-                                                 uint16_t /*max_abs_bits*/, const char* /*what*/) {
+absl::Status ComputeBackend::CheckHalfRangeArena(absl::Span<const HalfRangeCheck> /*checks*/) {
   return NoTransferPath(*this, "CheckHalfRangeArena");
 }
 

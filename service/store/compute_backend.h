@@ -89,12 +89,20 @@ class ComputeBackend {
   // Dequantize of each element (layers, typically) with k_out and v_out in arena memory
   // (block_ids stay host memory), synchronized once at the end.
   [[nodiscard]] virtual absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps);
-  // QuantizeAppend with k and v in arena memory (slot_mapping and positions stay host memory).
-  [[nodiscard]] virtual absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p);
-  // store_internal::CheckHalfRange over n fp16 values at arena `x`: INVALID_ARGUMENT naming
-  // `what` when one is NaN, Inf or of a magnitude whose bits pass max_abs_bits.
-  [[nodiscard]] virtual absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n,
-                                                         uint16_t max_abs_bits, const char* what);
+  // QuantizeAppend of each element (layers, typically) with k and v in arena memory
+  // (slot_mapping and positions stay host memory), synchronized once at the end.
+  [[nodiscard]] virtual absl::Status QuantizeAppendFromArena(
+      absl::Span<const QuantizeAppendParams> ps);
+  // store_internal::CheckHalfRange over n fp16 values at arena `x`.
+  struct HalfRangeCheck {
+    const uint16_t* x = nullptr;
+    size_t n = 0;
+    uint16_t max_abs_bits = 0;
+    const char* what = "";
+  };
+  // Every check, synchronized once: INVALID_ARGUMENT naming the `what` of the first check (in
+  // order) that finds a value NaN, Inf or of a magnitude whose bits pass its max_abs_bits.
+  [[nodiscard]] virtual absl::Status CheckHalfRangeArena(absl::Span<const HalfRangeCheck> checks);
 
   virtual ComputeBackendStats Stats() const = 0;
 };

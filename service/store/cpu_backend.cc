@@ -77,12 +77,20 @@ class CpuBackend final : public ComputeBackend {
     }
     return absl::OkStatus();
   }
-  absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
-    return QuantizeAppend(p);
+  absl::Status QuantizeAppendFromArena(absl::Span<const QuantizeAppendParams> ps) override {
+    for (const QuantizeAppendParams& p : ps) {
+      if (absl::Status s = QuantizeAppend(p); !s.ok()) return s;
+    }
+    return absl::OkStatus();
   }
-  absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n, uint16_t max_abs_bits,
-                                   const char* what) override {
-    return store_internal::CheckHalfRange(x, n, max_abs_bits, what);
+  absl::Status CheckHalfRangeArena(absl::Span<const HalfRangeCheck> checks) override {
+    for (const HalfRangeCheck& c : checks) {
+      if (absl::Status s = store_internal::CheckHalfRange(c.x, c.n, c.max_abs_bits, c.what);
+          !s.ok()) {
+        return s;
+      }
+    }
+    return absl::OkStatus();
   }
 
   ComputeBackendStats Stats() const override {

@@ -393,52 +393,75 @@ class CudaBackend final : public ComputeBackend {
     });
   }
 
-  absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
-    if (absl::Status s = ValidateQuantizeAppend(p); !s.ok() || p.num_tokens == 0) return s;
-    const bool sinks = p.layout.sink_tokens > 0;
+  // Every element's slot mapping and positions in one staging copy, a kernel per element, one
+  // synchronization.
+  absl::Status QuantizeAppendFromArena(absl::Span<const QuantizeAppendParams> ps) override {
     StagingLayout layout;
-    const size_t slot_off = layout.Add(static_cast<size_t>(p.num_tokens) * sizeof(int64_t));
-    const size_t pos_off =
-        layout.Add(sinks ? static_cast<size_t>(p.num_tokens) * sizeof(int32_t) : 0);
+    std::vector<size_t> slot_off(ps.size()), pos_off(ps.size());
+    for (size_t i = 0; i < ps.size(); ++i) {
+      if (absl::Status s = ValidateQuantizeAppend(ps[i]); !s.ok()) return s;
+      const size_t n = static_cast<size_t>(ps[i].num_tokens);
+      slot_off[i] = layout.Add(n * sizeof(int64_t));
+      pos_off[i] = layout.Add(ps[i].layout.sink_tokens > 0 ? n * sizeof(int32_t) : 0);
+    }
+    if (layout.size() == 0) return absl::OkStatus();
     return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
-      std::memcpy(slot.host + slot_off, p.slot_mapping, p.num_tokens * sizeof(int64_t));
-      if (sinks) std::memcpy(slot.host + pos_off, p.positions, p.num_tokens * sizeof(int32_t));
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const size_t n = static_cast<size_t>(ps[i].num_tokens);
+        std::memcpy(slot.host + slot_off[i], ps[i].slot_mapping, n * sizeof(int64_t));
+        if (ps[i].layout.sink_tokens > 0) {
+          std::memcpy(slot.host + pos_off[i], ps[i].positions, n * sizeof(int32_t));
+        }
+      }
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
                                                   cudaMemcpyHostToDevice, lane.stream));
-      QuantizeAppendParams d = p;
-      d.slot_mapping = reinterpret_cast<const int64_t*>(slot.device + slot_off);
-      d.positions = sinks ? reinterpret_cast<const int32_t*>(slot.device + pos_off) : nullptr;
-      if (absl::Status s =
-              KernelResult(cuda::QuantizeAppend(d, lane.stream), "QuantizeAppendFromArena");
-          !s.ok()) {
-        return s;
+      for (size_t i = 0; i < ps.size(); ++i) {
+        if (ps[i].num_tokens == 0) continue;
+        QuantizeAppendParams d = ps[i];
+        d.slot_mapping = reinterpret_cast<const int64_t*>(slot.device + slot_off[i]);
+        d.positions = d.layout.sink_tokens > 0
+                          ? reinterpret_cast<const int32_t*>(slot.device + pos_off[i])
+                          : nullptr;
+        if (absl::Status s =
+                KernelResult(cuda::QuantizeAppend(d, lane.stream), "QuantizeAppendFromArena");
+            !s.ok()) {
+          return s;
+        }
       }
       return CudaError(cudaStreamSynchronize(lane.stream), "QuantizeAppendFromArena");
     });
   }
 
-  absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n, uint16_t max_abs_bits,
-                                   const char* what) override {
-    if (n == 0) return absl::OkStatus();
-    unsigned long long first_bad = 0;
-    absl::Status s =
-        RunSynchronous(sizeof(first_bad), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
-          auto* result = reinterpret_cast<unsigned long long*>(slot.device);
-          if (absl::Status k = KernelResult(
-                  cuda::FindFirstHalfOutOfRange(x, n, max_abs_bits, result, lane.stream),
-                  "CheckHalfRangeArena");
-              !k.ok()) {
-            return k;
-          }
-          KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host, result, sizeof(first_bad),
-                                                      cudaMemcpyDeviceToHost, lane.stream));
-          KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
-          std::memcpy(&first_bad, slot.host, sizeof(first_bad));
-          return absl::OkStatus();
-        });
+  // A kernel per check into its own result, one copy of the results back, one synchronization.
+  absl::Status CheckHalfRangeArena(absl::Span<const HalfRangeCheck> checks) override {
+    if (checks.empty()) return absl::OkStatus();
+    std::vector<unsigned long long> first_bad(checks.size());
+    const size_t bytes = first_bad.size() * sizeof(first_bad[0]);
+    absl::Status s = RunSynchronous(bytes, [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+      auto* results = reinterpret_cast<unsigned long long*>(slot.device);
+      for (size_t i = 0; i < checks.size(); ++i) {
+        const HalfRangeCheck& c = checks[i];
+        if (absl::Status k = KernelResult(cuda::FindFirstHalfOutOfRange(
+                                              c.x, c.n, c.max_abs_bits, results + i, lane.stream),
+                                          "CheckHalfRangeArena");
+            !k.ok()) {
+          return k;
+        }
+      }
+      KVPOOL_RETURN_IF_CUDA_ERROR(
+          cudaMemcpyAsync(slot.host, results, bytes, cudaMemcpyDeviceToHost, lane.stream));
+      KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
+      std::memcpy(first_bad.data(), slot.host, bytes);
+      return absl::OkStatus();
+    });
     if (!s.ok()) return s;
-    if (first_bad == ULLONG_MAX) return absl::OkStatus();
-    return store_internal::HalfRangeError(what, first_bad, max_abs_bits);
+    for (size_t i = 0; i < checks.size(); ++i) {
+      if (first_bad[i] != ULLONG_MAX) {
+        return store_internal::HalfRangeError(checks[i].what, first_bad[i],
+                                              checks[i].max_abs_bits);
+      }
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Synchronize() override {

@@ -114,12 +114,20 @@ class KvStore {
     [[nodiscard]] virtual absl::Status AddChunk(uint32_t layer, uint32_t token_begin,
                                                 uint32_t num_tokens, const uint16_t* k,
                                                 const uint16_t* v) = 0;
-    // AddChunk with k and v in backend (arena) memory, e.g. a transfer staging buffer the
-    // fused kernel reads directly. The NaN/Inf check runs on the backend, before any write.
-    // Returns after k and v were consumed.
-    [[nodiscard]] virtual absl::Status AddChunkFromArena(uint32_t layer, uint32_t token_begin,
-                                                         uint32_t num_tokens, const uint16_t* k,
-                                                         const uint16_t* v) = 0;
+    // One layer's K and V of a chunk, for AddChunksFromArena.
+    struct LayerChunk {
+      uint32_t layer = 0;
+      const uint16_t* k = nullptr;
+      const uint16_t* v = nullptr;
+    };
+    // AddChunk of tokens [token_begin, +num_tokens) of each chunk's layer, with k and v in
+    // backend (arena) memory, e.g. a transfer staging buffer the fused kernel reads directly.
+    // The NaN/Inf checks of every chunk run on the backend before any write; the backend
+    // synchronizes once for the checks and once for the writes. Returns after k and v were
+    // consumed.
+    [[nodiscard]] virtual absl::Status AddChunksFromArena(uint32_t token_begin,
+                                                          uint32_t num_tokens,
+                                                          absl::Span<const LayerChunk> chunks) = 0;
     // Publishes every stored block. FAILED_PRECONDITION (and nothing published) if some
     // (block, layer) was not fully written.
     [[nodiscard]] virtual absl::StatusOr<PutResult> Commit() = 0;

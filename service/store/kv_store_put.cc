@@ -45,19 +45,24 @@ class PutSessionImpl final : public KvStore::PutSession {
 
   absl::Status AddChunk(uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
                         const uint16_t* k, const uint16_t* v) override {
-    return AddChunkFrom(Src::kHost, layer, token_begin, num_tokens, k, v);
+    const LayerChunk chunk{layer, k, v};
+    return AddChunksFrom(Src::kHost, token_begin, num_tokens, {&chunk, 1});
   }
-  absl::Status AddChunkFromArena(uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
-                                 const uint16_t* k, const uint16_t* v) override {
-    return AddChunkFrom(Src::kArena, layer, token_begin, num_tokens, k, v);
+  absl::Status AddChunksFromArena(uint32_t token_begin, uint32_t num_tokens,
+                                  absl::Span<const LayerChunk> chunks) override {
+    return AddChunksFrom(Src::kArena, token_begin, num_tokens, chunks);
   }
   absl::StatusOr<KvStore::PutResult> Commit() override;
 
  private:
-  // Where a chunk's k and v live: host memory, or arena memory (AddChunkFromArena).
+  // Where a chunk's k and v live: host memory, or arena memory (AddChunksFromArena).
   enum class Src { kHost, kArena };
-  absl::Status AddChunkFrom(Src src, uint32_t layer, uint32_t token_begin, uint32_t num_tokens,
-                            const uint16_t* k, const uint16_t* v);
+  absl::Status AddChunksFrom(Src src, uint32_t token_begin, uint32_t num_tokens,
+                             absl::Span<const LayerChunk> chunks);
+  // Records `chunk`'s quantized tokens [begin, end) and, every quality_sample_every chunks,
+  // measures their error.
+  absl::Status FinishChunk(Src src, const LayerChunk& chunk, uint32_t token_begin, size_t begin,
+                           size_t end);
   size_t CoverIndex(size_t block, uint32_t layer, size_t offset) const {
     return (block * ns_->num_layers() + layer) * ns_->block_tokens() + offset;
   }
@@ -82,33 +87,36 @@ class PutSessionImpl final : public KvStore::PutSession {
   bool done_ = false;                   // committed, or released after a failed commit
 };
 
-absl::Status PutSessionImpl::AddChunkFrom(Src src, uint32_t layer, uint32_t token_begin,
-                                          uint32_t num_tokens, const uint16_t* k,
-                                          const uint16_t* v) {
+absl::Status PutSessionImpl::AddChunksFrom(Src src, uint32_t token_begin, uint32_t num_tokens,
+                                           absl::Span<const LayerChunk> chunks) {
   if (done_) return absl::FailedPreconditionError("put session already committed");
   const NamespaceConfig& config = ns_->info.config;
-  if (layer >= static_cast<uint32_t>(config.num_layers)) {
-    return absl::InvalidArgumentError(
-        absl::StrFormat("layer %d out of range [0, %d)", layer, config.num_layers));
-  }
-  if (num_tokens == 0 || k == nullptr || v == nullptr) {
-    return absl::InvalidArgumentError("empty chunk payload");
-  }
+  if (num_tokens == 0) return absl::InvalidArgumentError("empty chunk payload");
   if (static_cast<uint64_t>(token_begin) + num_tokens > token_ids_.size()) {
     return absl::InvalidArgumentError(
         absl::StrFormat("chunk tokens [%d, %d) outside the sequence of %d tokens", token_begin,
                         static_cast<uint64_t>(token_begin) + num_tokens, token_ids_.size()));
   }
   const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
-  ComputeBackend* backend = store_->backend();
   const size_t elems = num_tokens * per_token;
-  const uint16_t bound = MaxInputHalfBits(ns_->pool->layout(layer));
+  std::vector<ComputeBackend::HalfRangeCheck> checks;
+  for (const LayerChunk& c : chunks) {
+    if (c.layer >= static_cast<uint32_t>(config.num_layers)) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("layer %d out of range [0, %d)", c.layer, config.num_layers));
+    }
+    if (c.k == nullptr || c.v == nullptr) return absl::InvalidArgumentError("empty chunk payload");
+    const uint16_t bound = MaxInputHalfBits(ns_->pool->layout(c.layer));
+    checks.push_back({c.k, elems, bound, "k"});
+    checks.push_back({c.v, elems, bound, "v"});
+  }
+  ComputeBackend* backend = store_->backend();
   if (src == Src::kArena) {
-    if (absl::Status s = backend->CheckHalfRangeArena(k, elems, bound, "k"); !s.ok()) return s;
-    if (absl::Status s = backend->CheckHalfRangeArena(v, elems, bound, "v"); !s.ok()) return s;
+    if (absl::Status s = backend->CheckHalfRangeArena(checks); !s.ok()) return s;
   } else {
-    if (absl::Status s = CheckHalfRange(k, elems, bound, "k"); !s.ok()) return s;
-    if (absl::Status s = CheckHalfRange(v, elems, bound, "v"); !s.ok()) return s;
+    for (const ComputeBackend::HalfRangeCheck& c : checks) {
+      if (absl::Status s = CheckHalfRange(c.x, c.n, c.max_abs_bits, c.what); !s.ok()) return s;
+    }
   }
 
   const size_t bt = config.block_tokens;
@@ -126,47 +134,67 @@ absl::Status PutSessionImpl::AddChunkFrom(Src src, uint32_t layer, uint32_t toke
     slots[i] = static_cast<int64_t>(blocks_[t / bt - cached_]) * bt + t % bt;
     positions[i] = static_cast<int32_t>(t);
   }
-  const BlockPool& pool = *ns_->pool;
-  QuantizeAppendParams p = pool.AppendParams(layer);
-  p.k = k + (begin - token_begin) * per_token;
-  p.v = v + (begin - token_begin) * per_token;
-  p.slot_mapping = slots.data();
-  p.positions = positions.data();
-  p.num_tokens = static_cast<int>(n);
-  if (absl::Status s = src == Src::kArena ? backend->QuantizeAppendFromArena(p)
-                                           : backend->QuantizeAppend(p);
-      !s.ok()) {
-    return s;
+  std::vector<QuantizeAppendParams> ps;
+  for (const LayerChunk& c : chunks) {
+    QuantizeAppendParams& p = ps.emplace_back(ns_->pool->AppendParams(c.layer));
+    p.k = c.k + (begin - token_begin) * per_token;
+    p.v = c.v + (begin - token_begin) * per_token;
+    p.slot_mapping = slots.data();
+    p.positions = positions.data();
+    p.num_tokens = static_cast<int>(n);
   }
-  for (size_t t = begin; t < end; ++t) covered_[CoverIndex(t / bt - cached_, layer, t % bt)] = true;
+  if (src == Src::kArena) {
+    if (absl::Status s = backend->QuantizeAppendFromArena(ps); !s.ok()) return s;
+  } else {
+    for (const QuantizeAppendParams& p : ps) {
+      if (absl::Status s = backend->QuantizeAppend(p); !s.ok()) return s;
+    }
+  }
+  for (const LayerChunk& c : chunks) {
+    if (absl::Status s = FinishChunk(src, c, token_begin, begin, end); !s.ok()) return s;
+  }
+  return absl::OkStatus();
+}
 
+absl::Status PutSessionImpl::FinishChunk(Src src, const LayerChunk& chunk, uint32_t token_begin,
+                                         size_t begin, size_t end) {
+  const size_t bt = ns_->block_tokens();
+  const PageLayout& layout = ns_->pool->layout(chunk.layer);
+  for (size_t t = begin; t < end; ++t) {
+    covered_[CoverIndex(t / bt - cached_, chunk.layer, t % bt)] = true;
+  }
   const int every = store_->options().quality_sample_every;
   bool sample = false;
   {
     absl::MutexLock l(&store_->mu());
-    ns_->quantized_bytes += QuantizedBytes(p.layout, n);
+    ns_->quantized_bytes += QuantizedBytes(layout, end - begin);
     sample = every > 0 && ns_->put_chunks++ % every == 0;
   }
-  if (!sample || !p.layout.quantized()) return absl::OkStatus();
+  if (!sample || !layout.quantized()) return absl::OkStatus();
+  const NamespaceConfig& config = ns_->info.config;
+  const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+  const uint16_t* k = chunk.k + (begin - token_begin) * per_token;
+  const uint16_t* v = chunk.v + (begin - token_begin) * per_token;
   const size_t first_block_end = (begin / bt + 1) * bt;
   const size_t count = std::min(end, first_block_end) - begin;
   if (src == Src::kHost) {
-    return SampleError(layer, begin / bt - cached_, begin % bt, count, p.k, p.v);
+    return SampleError(chunk.layer, begin / bt - cached_, begin % bt, count, k, v);
   }
+  ComputeBackend* backend = store_->backend();
   // The sampled tokens' input, brought to the host for the comparison.
   std::vector<uint16_t> k_host(count * per_token), v_host(count * per_token);
   const size_t bytes = k_host.size() * sizeof(uint16_t);
-  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(p.k), bytes,
+  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(k), bytes,
                                           k_host.data());
       !s.ok()) {
     return s;
   }
-  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(p.v), bytes,
+  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(v), bytes,
                                           v_host.data());
       !s.ok()) {
     return s;
   }
-  return SampleError(layer, begin / bt - cached_, begin % bt, count, k_host.data(),
+  return SampleError(chunk.layer, begin / bt - cached_, begin % bt, count, k_host.data(),
                      v_host.data());
 }
 

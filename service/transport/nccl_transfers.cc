@@ -484,12 +484,14 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
     };
     // Stores round i (after a content error only receives, to stay in step with the worker).
     auto store = [&](size_t i) {
+      if (!content.ok()) return;
       const std::vector<RecvSegment>& round = segments[i % 2];
-      for (uint32_t l = rounds[i].begin; l < rounds[i].end && content.ok(); ++l) {
-        const auto* k = static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin)].data);
-        const auto* v = static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin) + 1].data);
-        content = (*session)->AddChunkFromArena(l, token_begin, num_tokens, k, v);
+      std::vector<KvStore::PutSession::LayerChunk> chunks;
+      for (uint32_t l = rounds[i].begin; l < rounds[i].end; ++l) {
+        chunks.push_back({l, static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin)].data),
+                          static_cast<const uint16_t*>(round[2 * (l - rounds[i].begin) + 1].data)});
       }
+      content = (*session)->AddChunksFromArena(token_begin, num_tokens, chunks);
     };
     absl::Status s;
     if (rounds.size() == 1) {

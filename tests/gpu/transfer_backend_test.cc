@@ -323,7 +323,19 @@ TEST_P(CudaTransferDtype, QuantizeAppendFromArenaMatchesHostPathAndCpuBackend) {
   p.v = reinterpret_cast<const uint16_t*>(gpu_v);
   p.pages = *arena_pages;
   p.sink_pages = *arena_sinks;
-  ASSERT_TRUE(gpu->QuantizeAppendFromArena(p).ok());
+  // In one call of two elements, the first and the rest of the tokens: each element's slots and
+  // positions staged apart.
+  const int first = kTokens / 3;
+  const size_t per_token = static_cast<size_t>(l.num_kv_heads) * l.head_dim;
+  QuantizeAppendParams rest = p;
+  rest.k += first * per_token;
+  rest.v += first * per_token;
+  rest.slot_mapping += first;
+  rest.positions += first;
+  rest.num_tokens = kTokens - first;
+  QuantizeAppendParams head = p;
+  head.num_tokens = first;
+  ASSERT_TRUE(gpu->QuantizeAppendFromArena({head, rest}).ok());
   ASSERT_TRUE(gpu->Synchronize().ok());
 
   const std::vector<uint8_t> arena = Download(*gpu, *arena_pages, page_bytes);
@@ -340,10 +352,15 @@ TEST_P(CudaTransferDtype, QuantizeAppendFromArenaMatchesHostPathAndCpuBackend) {
     EXPECT_EQ(differing, 0u);
   }
 
+  // A bad element refuses the whole call: nothing written, the good element before it included.
   std::vector<int64_t> bad_slots = slots;
   bad_slots[4] = kNumBlocks * l.block_tokens;
-  p.slot_mapping = bad_slots.data();
-  EXPECT_EQ(gpu->QuantizeAppendFromArena(p).code(), absl::StatusCode::kInvalidArgument);
+  std::vector<int64_t> other_slots = slots;
+  std::reverse(other_slots.begin(), other_slots.end());
+  QuantizeAppendParams good = p, bad = p;
+  good.slot_mapping = other_slots.data();
+  bad.slot_mapping = bad_slots.data();
+  EXPECT_EQ(gpu->QuantizeAppendFromArena({good, bad}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Download(*gpu, *arena_pages, page_bytes), arena);
 }
 
@@ -381,15 +398,43 @@ TEST(CudaTransferBackend, CheckHalfRangeArenaFindsTheFirstBadValueLikeTheCpuBack
         uint8_t* arena = Upload(*gpu, y.data(), n * sizeof(uint16_t));
         ASSERT_NE(arena, nullptr);
         const auto* values = reinterpret_cast<const uint16_t*>(arena) + shift;
-        const absl::Status got = gpu->CheckHalfRangeArena(values, n - shift, bound, "k");
-        const absl::Status want = cpu->CheckHalfRangeArena(y.data() + shift, n - shift, bound, "k");
+        const absl::Status got = gpu->CheckHalfRangeArena({{values, n - shift, bound, "k"}});
+        const absl::Status want =
+            cpu->CheckHalfRangeArena({{y.data() + shift, n - shift, bound, "k"}});
         EXPECT_EQ(got, want) << "shift " << shift << ", " << bad.size() << " bad values, bound "
                              << bound;
         gpu->FreeArena(arena);
       }
     }
   }
-  EXPECT_TRUE(gpu->CheckHalfRangeArena(nullptr, 0, kHalfMaxFiniteBits, "v").ok());
+  EXPECT_TRUE(gpu->CheckHalfRangeArena({{nullptr, 0, kHalfMaxFiniteBits, "v"}}).ok());
+
+  // Several checks in one call: the first check (in order) with a bad value is reported, with
+  // its own name, bound and index, whatever the later checks hold.
+  std::vector<uint16_t> clean = x, past_bound = x, nan_early = x;
+  past_bound[4321] = 0x6ddc;  // finite, past the rotation's bound only
+  nan_early[3] = 0x7e00;
+  std::vector<uint8_t*> arenas;
+  std::vector<ComputeBackend::HalfRangeCheck> on_gpu, on_cpu;
+  const std::vector<uint16_t>* inputs[] = {&clean, &past_bound, &nan_early};
+  const char* names[] = {"k", "v", "k"};
+  for (int i = 0; i < 3; ++i) {
+    arenas.push_back(Upload(*gpu, inputs[i]->data(), n * sizeof(uint16_t)));
+    ASSERT_NE(arenas.back(), nullptr);
+    on_gpu.push_back({reinterpret_cast<const uint16_t*>(arenas.back()), n, rotation_bound,
+                      names[i]});
+    on_cpu.push_back({inputs[i]->data(), n, rotation_bound, names[i]});
+  }
+  const absl::Status got = gpu->CheckHalfRangeArena(on_gpu);
+  EXPECT_EQ(got, cpu->CheckHalfRangeArena(on_cpu));
+  EXPECT_EQ(got.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(got.message().substr(0, 7), "v holds") << got;
+  EXPECT_NE(got.message().find("element 4321"), absl::string_view::npos) << got;
+  on_gpu[1].max_abs_bits = kHalfMaxFiniteBits;  // 6000 within it: the NaN of the third is next
+  on_cpu[1].max_abs_bits = kHalfMaxFiniteBits;
+  EXPECT_EQ(gpu->CheckHalfRangeArena(on_gpu), cpu->CheckHalfRangeArena(on_cpu));
+  EXPECT_FALSE(gpu->CheckHalfRangeArena(on_gpu).ok());
+  for (uint8_t* a : arenas) gpu->FreeArena(a);
 }
 
 // The store's raw read into device memory behind a RAW NcclGet, on the CUDA backend, from a

@@ -103,12 +103,11 @@ class ForwardingBackend : public ComputeBackend {
   absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps) override {
     return inner_->DequantizeToArena(ps);
   }
-  absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
-    return inner_->QuantizeAppendFromArena(p);
+  absl::Status QuantizeAppendFromArena(absl::Span<const QuantizeAppendParams> ps) override {
+    return inner_->QuantizeAppendFromArena(ps);
   }
-  absl::Status CheckHalfRangeArena(const uint16_t* x, size_t n, uint16_t max_abs_bits,
-                                   const char* what) override {
-    return inner_->CheckHalfRangeArena(x, n, max_abs_bits, what);
+  absl::Status CheckHalfRangeArena(absl::Span<const HalfRangeCheck> checks) override {
+    return inner_->CheckHalfRangeArena(checks);
   }
   ComputeBackendStats Stats() const override { return inner_->Stats(); }
   absl::Status CheckAttentionShape(size_t num_seqs, size_t num_q_heads) const override {

@@ -21,8 +21,8 @@ namespace {
 class HookBackend final : public ForwardingBackend {
  public:
   std::function<void()> after_quantize;
-  absl::Status QuantizeAppendFromArena(const QuantizeAppendParams& p) override {
-    absl::Status s = ForwardingBackend::QuantizeAppendFromArena(p);
+  absl::Status QuantizeAppendFromArena(absl::Span<const QuantizeAppendParams> ps) override {
+    absl::Status s = ForwardingBackend::QuantizeAppendFromArena(ps);
     if (after_quantize) after_quantize();
     return s;
   }
