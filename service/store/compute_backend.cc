@@ -7,6 +7,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/kv_kernels.h"
 
 namespace kvpool {
 namespace {
@@ -18,6 +20,24 @@ absl::Status NoTransferPath(const ComputeBackend& backend, const char* what) {
 }
 
 }  // namespace
+
+absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
+  if (p.num_tokens < 0) return absl::InvalidArgumentError("QuantizeAppend: num_tokens < 0");
+  if (p.num_tokens == 0) return absl::OkStatus();
+  if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr) {
+    return absl::InvalidArgumentError("QuantizeAppend: null input");
+  }
+  if (p.layout.sink_tokens > 0 && p.positions == nullptr) {
+    return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
+  }
+  if (const int t = FirstBadAppendSlot(p); t >= 0) {
+    return absl::InvalidArgumentError(absl::StrFormat(
+        "QuantizeAppend: token %d: slot %d, or its position, out of range (or a sink outside the "
+        "sink blocks)",
+        t, p.slot_mapping[t]));
+  }
+  return absl::OkStatus();
+}
 
 absl::Status ComputeBackend::ReadRuns(absl::Span<const ArenaRun> runs, void* dst) {
   auto* out = static_cast<uint8_t*>(dst);

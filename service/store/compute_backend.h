@@ -90,7 +90,8 @@ class ComputeBackend {
   // (block_ids stay host memory), synchronized once at the end.
   [[nodiscard]] virtual absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps);
   // QuantizeAppend of each element (layers, typically) with k and v in arena memory
-  // (slot_mapping and positions stay host memory), synchronized once at the end.
+  // (slot_mapping and positions stay host memory), synchronized once at the end. A bad element
+  // (ValidateQuantizeAppend) fails the call before any element is written.
   [[nodiscard]] virtual absl::Status QuantizeAppendFromArena(
       absl::Span<const QuantizeAppendParams> ps);
   // store_internal::CheckHalfRange over n fp16 values at arena `x`.
@@ -123,6 +124,11 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
 
 // Converts a kernel status to an absl::Status with `what` as context.
 absl::Status FromKernelStatus(KernelStatus s, const char* what);
+
+// Host-side checks of QuantizeAppend's arguments (slot_mapping and positions are host memory),
+// which a backend runs before it writes anything: the kernels must never see an out-of-range
+// slot.
+absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p);
 
 }  // namespace kvpool
 

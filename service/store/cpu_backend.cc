@@ -77,7 +77,11 @@ class CpuBackend final : public ComputeBackend {
     }
     return absl::OkStatus();
   }
+  // Every element checked before the first is written, as on the CUDA backend.
   absl::Status QuantizeAppendFromArena(absl::Span<const QuantizeAppendParams> ps) override {
+    for (const QuantizeAppendParams& p : ps) {
+      if (absl::Status s = ValidateQuantizeAppend(p); !s.ok()) return s;
+    }
     for (const QuantizeAppendParams& p : ps) {
       if (absl::Status s = QuantizeAppend(p); !s.ok()) return s;
     }

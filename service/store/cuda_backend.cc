@@ -57,7 +57,6 @@ using cuda_backend_internal::StagingLayout;
 using cuda_backend_internal::StagingSlot;
 using cuda_backend_internal::ValidateDequantize;
 using cuda_backend_internal::ValidatePagedDecodeAttention;
-using cuda_backend_internal::ValidateQuantizeAppend;
 
 // FromKernelStatus, plus the CUDA error text for kCudaError.
 absl::Status KernelResult(KernelStatus s, const char* what) {

@@ -12,30 +12,9 @@
 #include "absl/strings/str_format.h"
 #include "kernels/kv_kernels.h"
 #include "kernels/page_layout.h"
+#include "service/store/compute_backend.h"
 
 namespace kvpool::cuda_backend_internal {
-
-// Host-side checks of QuantizeAppend's arguments (slot_mapping and positions are host memory):
-// the kernels must never see an out-of-range slot.
-inline absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
-  const PageLayout& l = p.layout;
-  if (p.num_tokens < 0) return absl::InvalidArgumentError("QuantizeAppend: num_tokens < 0");
-  if (p.num_tokens == 0) return absl::OkStatus();
-  if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr) {
-    return absl::InvalidArgumentError("QuantizeAppend: null input");
-  }
-  const bool sinks = l.sink_tokens > 0;
-  if (sinks && p.positions == nullptr) {
-    return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
-  }
-  if (const int t = FirstBadAppendSlot(p); t >= 0) {
-    return absl::InvalidArgumentError(absl::StrFormat(
-        "QuantizeAppend: token %d: slot %d, or its position, out of range (or a sink outside the "
-        "sink blocks)",
-        t, p.slot_mapping[t]));
-  }
-  return absl::OkStatus();
-}
 
 // UNIMPLEMENTED past the sequences and query heads one PagedDecodeAttention call takes.
 inline absl::Status CheckCudaAttentionShape(size_t num_seqs, size_t num_q_heads) {

@@ -123,8 +123,9 @@ class KvStore {
     // AddChunk of tokens [token_begin, +num_tokens) of each chunk's layer, with k and v in
     // backend (arena) memory, e.g. a transfer staging buffer the fused kernel reads directly.
     // The NaN/Inf checks of every chunk run on the backend before any write; the backend
-    // synchronizes once for the checks and once for the writes. Returns after k and v were
-    // consumed.
+    // synchronizes once for the checks and once for the writes (a chunk sampled for the quality
+    // metric, one in Options::quality_sample_every, is then read back). Returns after k and v
+    // were consumed.
     [[nodiscard]] virtual absl::Status AddChunksFromArena(uint32_t token_begin,
                                                           uint32_t num_tokens,
                                                           absl::Span<const LayerChunk> chunks) = 0;

@@ -86,8 +86,9 @@ class NcclPeerTransport final : public PeerTransport {
     return s.ok() ? WaitLocked(0, deadline) : s;
   }
 
-  // An operation in flight sees abort_requested_ at its next poll and aborts the communicator
-  // itself; otherwise it is aborted here.
+  // A call enqueueing or polling sees abort_requested_ at its next poll and aborts the
+  // communicator itself; otherwise (queued sends included) it is aborted here, on the caller's
+  // thread.
   void Abort() override {
     abort_requested_.store(true);
     if (op_mu_.TryLock()) {
@@ -219,7 +220,8 @@ class NcclPeerTransport final : public PeerTransport {
   const cudaStream_t stream_;  // this transport's own stream
   const absl::Time join_deadline_;
   std::atomic<bool> abort_requested_{false};
-  // Held by the one operation in flight; guards comm_.
+  // Held by a call while it enqueues or polls (queued sends stay in flight after it returns);
+  // guards comm_ and the events.
   absl::Mutex op_mu_;
   ncclComm_t comm_ ABSL_GUARDED_BY(op_mu_);
   // Events recorded after the operations not yet seen done, oldest first, and spare ones.

@@ -43,20 +43,25 @@ class NcclTransfers::Staging {
  public:
   Staging(NcclTransfers* owner, uint8_t* data, uint64_t bytes)
       : owner_(owner), data_(data), bytes_(bytes) {}
-  Staging(Staging&& o) noexcept : owner_(o.owner_), data_(o.data_), bytes_(o.bytes_) {
+  Staging(Staging&& o) noexcept
+      : owner_(o.owner_), data_(o.data_), bytes_(o.bytes_), reusable_(o.reusable_) {
     o.data_ = nullptr;
   }
   Staging& operator=(Staging&&) = delete;
   ~Staging() {
-    if (data_ != nullptr) owner_->ReturnStaging(data_, bytes_);
+    if (data_ != nullptr) owner_->ReturnStaging(data_, bytes_, reusable_);
   }
   uint8_t* data() const { return data_; }
   uint64_t bytes() const { return bytes_; }
+  // Freed, never reused: an aborted transfer's kernels may still read it, and the device free
+  // waits for them.
+  void Discard() { reusable_ = false; }
 
  private:
   NcclTransfers* owner_;
   uint8_t* data_;
   uint64_t bytes_;
+  bool reusable_ = true;
 };
 
 namespace {
@@ -271,9 +276,10 @@ absl::StatusOr<std::vector<NcclTransfers::Staging>> NcclTransfers::TakeBuffers(s
   return buffers;
 }
 
-void NcclTransfers::ReturnStaging(uint8_t* buffer, uint64_t bytes) {
+void NcclTransfers::ReturnStaging(uint8_t* buffer, uint64_t bytes, bool reusable) {
   absl::MutexLock l(&mu_);
-  if (bytes == options_.staging_bytes && idle_staging_.size() < options_.max_idle_staging) {
+  if (reusable && bytes == options_.staging_bytes &&
+      idle_staging_.size() < options_.max_idle_staging) {
     idle_staging_.push_back(buffer);
   } else {
     to_free_.emplace_back(buffer, bytes);
@@ -357,21 +363,25 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     return absl::ResourceExhaustedError(absl::StrFormat(
         "the payload is %d bytes, the worker's buffer %d", offset, request.buffer_bytes()));
   }
-  // Two staging buffers when there is more than one round: round i + 1 is gathered into one
-  // while round i is sent from the other. Both are taken before the header goes out. The first
-  // round is gathered before any byte moves: it takes 1/kFirstGetRoundShare of a buffer (or one
-  // layer), so that the data starts sooner.
+  // The first round is gathered before any byte moves: it takes 1/kFirstGetRoundShare of a
+  // buffer (or one layer), so that the data starts sooner. A payload that fits one staging
+  // buffer has its rounds side by side in it; a larger one takes two buffers, round i + 1
+  // gathered into one while round i is sent from the other. All are taken before the header
+  // goes out.
   const uint64_t largest = 2 * *std::max_element(layer_bytes.begin(), layer_bytes.end());
   const uint64_t capacity = std::max(largest, options_.staging_bytes);
   const std::vector<Round> rounds =
       PlanRounds(layer_begin, layer_bytes, capacity / kFirstGetRoundShare, capacity);
-  absl::StatusOr<std::vector<Staging>> buffers = TakeBuffers(rounds.size(), largest);
+  const bool one_buffer = offset <= capacity;
+  absl::StatusOr<std::vector<Staging>> buffers =
+      TakeBuffers(one_buffer ? 1 : rounds.size(), largest);
   if (!buffers.ok()) return buffers.status();
   std::vector<SendSegment> segments[2];
-  // Gathers round i into buffer i % 2 and lists its segments.
+  // Gathers round i into its buffer and lists its segments.
   auto gather = [&](size_t i) -> absl::Status {
     const Round& r = rounds[i];
-    uint8_t* base = (*buffers)[i % buffers->size()].data();
+    uint8_t* base = (*buffers)[one_buffer ? 0 : i % 2].data();
+    if (one_buffer) base += d.layers(static_cast<int>(r.begin - layer_begin)).k_offset();
     absl::Status s = raw ? store_->ReadRawToArena(request.lease_id(), r.begin, r.end, 0, num_blocks,
                                                   head_begin, head_end, sinks, base)
                          : store_->ReadFp16ToArena(request.lease_id(), r.begin, r.end, 0,
@@ -405,16 +415,16 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
     // wait for the host between rounds.
     absl::Status s;
     for (size_t i = 0; i < rounds.size() && s.ok(); ++i) {
-      if (i >= 2) s = transport->WaitSends(1, deadline);  // round i - 2 left buffer i % 2
+      if (i >= 2 && !one_buffer) s = transport->WaitSends(1, deadline);  // round i - 2 is out
       if (s.ok() && i > 0) s = gather(i);
       if (s.ok()) s = transport->QueueSend(segments[i % 2], deadline);
     }
     if (s.ok()) s = transport->WaitSends(0, deadline);
     if (!s.ok()) {
-      // After a failed gather the rounds queued still read the staging buffers: they are
-      // delivered (or the transport fails) before the buffers go back.
-      transport->WaitSends(0, deadline).IgnoreError();
       use->Fail();
+      // Sends queued before the failure may still read the buffers until the aborted
+      // communicator's kernels end.
+      for (Staging& b : *buffers) b.Discard();
       return s;
     }
   }

@@ -87,10 +87,11 @@ class NcclTransfers {
   class Staging;
   // A staging buffer of at least `bytes`.
   absl::StatusOr<Staging> TakeStaging(uint64_t bytes);
-  // The buffers of a transfer of `rounds` rounds, each of at least `bytes`: one for one round,
-  // two (filled and drained in turn) for more.
+  // `rounds` buffers, at most two, each of at least `bytes`: one when every round fits it, two
+  // (filled and drained in turn) otherwise.
   absl::StatusOr<std::vector<Staging>> TakeBuffers(size_t rounds, uint64_t bytes);
-  void ReturnStaging(uint8_t* buffer, uint64_t bytes);
+  // Keeps `buffer` for reuse when `reusable` and there is room, else hands it to FreeLoop.
+  void ReturnStaging(uint8_t* buffer, uint64_t bytes, bool reusable);
   // The freeing thread: a device free (cudaFree) waits for every kernel on the device, another
   // channel's transfer stalled on its worker included, so no transfer frees a buffer itself.
   void FreeLoop();

@@ -18,14 +18,17 @@
 namespace kvpool::testing {
 namespace {
 
-// The CPU backend, with reads into an arena that fail on request.
+// The CPU backend, with reads into an arena that fail on request: all of them, or those from
+// the fail_from-th on (0-based).
 class FailingGathers final : public ForwardingBackend {
  public:
   absl::Status GatherArena(absl::Span<const ArenaRun> runs, uint8_t* dst) override {
-    if (fail) return absl::InternalError("read failed");
+    if (fail || (fail_from >= 0 && reads++ >= fail_from)) return absl::InternalError("read failed");
     return ForwardingBackend::GatherArena(runs, dst);
   }
   bool fail = false;
+  int fail_from = -1;
+  int reads = 0;
 };
 
 // A Get whose first read fails (the backend's here; in service also a lease released between
@@ -55,6 +58,70 @@ TEST_F(TransportProtocolTest, GetWhoseFirstReadFailsKeepsTheChannel) {
     server_.reset();
     service_.reset();
   }
+}
+
+// RAW K (or V) bytes of each layer of a Get of `lease`, all heads.
+std::vector<uint64_t> RawLayerBytes(KvStore& store, const NamespaceConfig& config,
+                                    uint64_t lease) {
+  const uint32_t blocks = store.DescribeLease(lease)->num_blocks;
+  std::vector<uint64_t> bytes;
+  for (int l = 0; l < config.num_layers; ++l) {
+    bytes.push_back(uint64_t{blocks} * config.num_kv_heads *
+                    LayerLayout(config, l).head_page_bytes());
+  }
+  return bytes;
+}
+
+// A Get whose second round's read fails once the worker waits for data breaks the channel, and
+// its two staging buffers (of --nccl_staging_bytes, kept for reuse after a Get that succeeds)
+// are freed, not kept: sends queued before the failure may still read them.
+TEST_F(TransportProtocolTest, GetWhoseLaterReadFailsFreesItsStaging) {
+  store_.reset();
+  auto backend = std::make_unique<FailingGathers>();
+  FailingGathers* failing = backend.get();
+  backend_ = std::move(backend);
+  MakeStore(32);
+  const uint64_t lease = PutAndMatch(13, 4);
+  const std::vector<uint64_t> layer = RawLayerBytes(*store_, config_, lease);
+  ASSERT_EQ(layer.size(), 2u);
+  ASSERT_LT(layer[0], layer[1]);
+  // A buffer holds layer 1's K and V; the first round takes layer 0 alone, the second layer 1.
+  StartWithStaging(2 * layer[1]);
+  TestWorker w(stub_.get(), &network_);
+  ASSERT_TRUE(w.Open().ok());
+  v1::NcclGetRequest req = NcclGetOf(lease, v1::GET_FORMAT_RAW);
+  v1::NcclGetDescriptor header;
+  std::vector<uint8_t> buf;
+  ASSERT_TRUE(w.Get(req, &header, &buf).ok());
+  EXPECT_EQ(service_->transfers().staging_buffers(), 2u) << "kept for reuse";
+  failing->fail_from = failing->reads + 1;
+  EXPECT_EQ(w.Get(req, &header, &buf).code(), absl::StatusCode::kInternal);
+  EXPECT_EQ(service_->channels().size(), 0u);
+  EXPECT_TRUE(StagingFreed());
+}
+
+// A Get in two rounds whose payload fits one staging buffer takes one buffer, its rounds side
+// by side, and gives the bytes of a Get in one round.
+TEST_F(TransportProtocolTest, GetThatFitsOneBufferTakesOneInTwoRounds) {
+  MakeStore(32);
+  const uint64_t lease = PutAndMatch(13, 6);
+  const std::vector<uint64_t> layer = RawLayerBytes(*store_, config_, lease);
+  std::vector<uint8_t> bufs[2];
+  v1::NcclGetDescriptor headers[2];
+  // One round; then the first round layer 0 alone (it needs more than an eighth of the buffer),
+  // the second layer 1.
+  for (int run = 0; run < 2; ++run) {
+    StartWithStaging(run == 0 ? uint64_t{64} << 20 : 2 * (layer[0] + layer[1]));
+    TestWorker w(stub_.get(), &network_);
+    ASSERT_TRUE(w.Open().ok());
+    ASSERT_TRUE(w.Get(NcclGetOf(lease, v1::GET_FORMAT_RAW), &headers[run], &bufs[run]).ok());
+    EXPECT_EQ(service_->transfers().staging_buffers(), 1u);
+    server_->Shutdown();
+    server_.reset();
+    service_.reset();
+  }
+  EXPECT_EQ(headers[0].SerializeAsString(), headers[1].SerializeAsString());
+  EXPECT_EQ(bufs[0], bufs[1]);
 }
 
 // The CPU backend, whose arena frees wait while `hold` is set, as a device free waits for a
