@@ -3,8 +3,9 @@
 // a staging buffer), and Commit, on the CUDA backend, for fresh sequences of --tokens tokens (the
 // default namespace geometry, 32 INT4 layers). What it leaves out is the NCCL receive itself,
 // which nccl_bench measures between two GPUs. Prints the median wall time of --reps Puts after
-// two warm-up Puts.
+// two warm-up Puts, and the medians of its three parts: BeginPut, the rounds, Commit.
 //   put_arena_bench [--tokens=1024,4096] [--reps=20] [--staging_mib=256]
+//                   [--quality_sample_every=8]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -29,9 +30,16 @@ ABSL_FLAG(std::vector<std::string>, tokens, std::vector<std::string>({"1024", "4
           "tokens per Put");
 ABSL_FLAG(int, reps, 20, "timed Puts per token count");
 ABSL_FLAG(int, staging_mib, 256, "staging buffer of a round (--nccl_staging_bytes), MiB");
+ABSL_FLAG(int, quality_sample_every, 8,
+          "the store's quality sample: every Nth chunk read back (0 = never)");
 
 namespace kvpool {
 namespace {
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
 
 int Run() {
   absl::StatusOr<std::unique_ptr<ComputeBackend>> backend = NewCudaBackend(0);
@@ -46,6 +54,7 @@ int Run() {
   KvStore::Options options;
   options.backend = backend->get();
   options.pool_bytes = uint64_t{16} << 30;
+  options.quality_sample_every = absl::GetFlag(FLAGS_quality_sample_every);
   absl::StatusOr<std::unique_ptr<KvStore>> store = KvStore::Create(options);
   if (!store.ok() || !(*store)->CreateNamespace(config).ok()) {
     std::fprintf(stderr, "store setup failed\n");
@@ -54,7 +63,7 @@ int Run() {
   const int reps = absl::GetFlag(FLAGS_reps);
   const uint64_t staging = uint64_t{static_cast<uint64_t>(absl::GetFlag(FLAGS_staging_mib))} << 20;
   int sequence = 0;
-  std::printf("tokens  layers/round  rounds  Put median ms  min ms\n");
+  std::printf("tokens  layers/round  rounds  Put median ms  min ms  BeginPut  rounds  Commit\n");
   for (const std::string& arg : absl::GetFlag(FLAGS_tokens)) {
     const int tokens = std::stoi(arg);
     // One layer's K and V (outlier channels), copied to every layer's place in device memory.
@@ -78,7 +87,7 @@ int Run() {
     }
     const int per_round =
         static_cast<int>(std::clamp<uint64_t>(staging / (2 * layer_bytes), 1, config.num_layers));
-    std::vector<double> ms;
+    std::vector<double> ms, begin_ms, rounds_ms, commit_ms;
     for (int rep = 0; rep < reps + 2; ++rep) {
       std::vector<int32_t> ids(tokens);
       ++sequence;
@@ -87,6 +96,7 @@ int Run() {
       absl::StatusOr<std::unique_ptr<KvStore::PutSession>> put =
           (*store)->BeginPut(config.name, ids);
       absl::Status s = put.status();
+      const absl::Time begun = absl::Now();
       for (int first = 0; s.ok() && first < config.num_layers; first += per_round) {
         std::vector<KvStore::PutSession::LayerChunk> chunks;
         for (int l = first; l < std::min(first + per_round, config.num_layers); ++l) {
@@ -95,16 +105,23 @@ int Run() {
         }
         s = (*put)->AddChunksFromArena(0, tokens, chunks);
       }
+      const absl::Time stored = absl::Now();
       if (s.ok()) s = (*put)->Commit().status();
       if (!s.ok()) {
         std::fprintf(stderr, "Put: %s\n", s.ToString().c_str());
         return 1;
       }
-      if (rep >= 2) ms.push_back(absl::ToDoubleMilliseconds(absl::Now() - start));
+      if (rep < 2) continue;
+      const absl::Time end = absl::Now();
+      ms.push_back(absl::ToDoubleMilliseconds(end - start));
+      begin_ms.push_back(absl::ToDoubleMilliseconds(begun - start));
+      rounds_ms.push_back(absl::ToDoubleMilliseconds(stored - begun));
+      commit_ms.push_back(absl::ToDoubleMilliseconds(end - stored));
     }
-    std::sort(ms.begin(), ms.end());
-    std::printf("%6d  %12d  %6d  %13.3f  %6.3f\n", tokens, per_round,
-                (config.num_layers + per_round - 1) / per_round, ms[ms.size() / 2], ms.front());
+    std::printf("%6d  %12d  %6d  %13.3f  %6.3f  %8.3f  %6.3f  %6.3f\n", tokens, per_round,
+                (config.num_layers + per_round - 1) / per_round, Median(ms),
+                *std::min_element(ms.begin(), ms.end()), Median(begin_ms), Median(rounds_ms),
+                Median(commit_ms));
     (*backend)->FreeArena(*arena);
   }
   return 0;
