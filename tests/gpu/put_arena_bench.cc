@@ -3,7 +3,8 @@
 // a staging buffer), and Commit, on the CUDA backend, for fresh sequences of --tokens tokens (the
 // default namespace geometry, 32 INT4 layers). What it leaves out is the NCCL receive itself,
 // which nccl_bench measures between two GPUs. Prints the median wall time of --reps Puts after
-// two warm-up Puts, and the medians of its three parts: BeginPut, the rounds, Commit.
+// two warm-up Puts, the medians of its three parts (BeginPut, the rounds, Commit), and the
+// store's sampled quantization error, which reads the sampled chunks' input back.
 //   put_arena_bench [--tokens=1024,4096] [--reps=20] [--staging_mib=256]
 //                   [--quality_sample_every=8]
 #include <cuda_runtime.h>
@@ -122,6 +123,8 @@ int Run() {
                 (config.num_layers + per_round - 1) / per_round, Median(ms),
                 *std::min_element(ms.begin(), ms.end()), Median(begin_ms), Median(rounds_ms),
                 Median(commit_ms));
+    std::printf("        sampled relative error of the stored K/V (EWMA): %.4f\n",
+                (*store)->Stats().namespaces[0].quant_rel_error);
     (*backend)->FreeArena(*arena);
   }
   return 0;
