@@ -519,6 +519,8 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
     }
     if (!s.ok()) {
       use->Fail();
+      // As in Get: an aborted receive's kernels may still write them.
+      for (Staging& b : *buffers) b.Discard();
       return s;
     }
   }
