@@ -79,8 +79,36 @@ __attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* in, uin
   for (; i < n; ++i) out[i] = FloatToHalf(in[i]);
 }
 
+// 8 values per vcvtph2ps (exact); a block holding an Inf or NaN goes through HalfToFloat, which
+// keeps a signaling NaN's payload as it is (vcvtph2ps would quiet it).
+__attribute__((target("avx,f16c"))) void HalvesToFloatsF16c(const uint16_t* in, float* out,
+                                                            size_t n) {
+  const __m128i exponent = _mm_set1_epi16(0x7C00);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i));
+    if (_mm_movemask_epi8(_mm_cmpeq_epi16(_mm_and_si128(h, exponent), exponent)) != 0) {
+      for (size_t j = i; j < i + 8; ++j) out[j] = HalfToFloat(in[j]);
+      continue;
+    }
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) out[i] = HalfToFloat(in[i]);
+}
+
 }  // namespace
 #endif
+
+void HalvesToFloats(const uint16_t* in, float* out, size_t n) {
+#if defined(__x86_64__)
+  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  if (f16c) {
+    HalvesToFloatsF16c(in, out, n);
+    return;
+  }
+#endif
+  for (size_t i = 0; i < n; ++i) out[i] = HalfToFloat(in[i]);
+}
 
 void FloatsToHalves(const float* in, uint16_t* out, size_t n) {
 #if defined(__x86_64__)

@@ -13,6 +13,8 @@ float HalfToFloat(uint16_t h);
 uint16_t FloatToHalf(float f);  // RNE; overflow to +-inf; NaN stays NaN
 // FloatToHalf over an array, bit for bit; uses the CPU's F16C conversion where it has one.
 void FloatsToHalves(const float* in, uint16_t* out, size_t n);
+// HalfToFloat over an array, bit for bit; uses the CPU's F16C conversion where it has one.
+void HalvesToFloats(const uint16_t* in, float* out, size_t n);
 
 // e4m3 (bias 7, max 448, no infinities, S.1111.111 = NaN).
 float Fp8E4M3ToFloat(uint8_t v);

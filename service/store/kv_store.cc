@@ -74,10 +74,13 @@ absl::Status CheckHalfRange(const uint16_t* x, size_t n, uint16_t max_abs_bits, 
 }
 
 double RelativeL2Error(absl::Span<const uint16_t> approx, absl::Span<const uint16_t> exact) {
+  std::vector<float> a(exact.size()), x(exact.size());
+  HalvesToFloats(approx.data(), a.data(), a.size());
+  HalvesToFloats(exact.data(), x.data(), x.size());
   double err = 0, norm = 0;
   for (size_t i = 0; i < exact.size(); ++i) {
-    const double e = HalfToFloat(exact[i]);
-    const double d = HalfToFloat(approx[i]) - e;
+    const double e = x[i];
+    const double d = a[i] - e;
     err += d * d;
     norm += e * e;
   }

@@ -83,6 +83,25 @@ TEST(Fp16, ArrayConversionMatchesFloatToHalfBitForBit) {
   }
 }
 
+TEST(Fp16, ArrayDecodingMatchesHalfToFloatBitForBit) {
+  // Every half (subnormals, infinities, quiet and signaling NaNs among them), then a length that
+  // is not a multiple of 8 from an odd start.
+  std::vector<uint16_t> in(1 << 16);
+  for (size_t i = 0; i < in.size(); ++i) in[i] = static_cast<uint16_t>(i);
+  std::vector<float> out(in.size());
+  HalvesToFloats(in.data(), out.data(), out.size());
+  for (size_t i = 0; i < in.size(); ++i) {
+    const float want = HalfToFloat(in[i]);
+    ASSERT_EQ(std::memcmp(&out[i], &want, sizeof(want)), 0) << "half 0x" << std::hex << in[i];
+  }
+  std::vector<float> tail(in.size() - 13);
+  HalvesToFloats(in.data() + 3, tail.data(), tail.size());
+  for (size_t i = 0; i < tail.size(); ++i) {
+    const float want = HalfToFloat(in[i + 3]);
+    ASSERT_EQ(std::memcmp(&tail[i], &want, sizeof(want)), 0) << "half 0x" << std::hex << in[i + 3];
+  }
+}
+
 TEST(Fp8E4M3, EveryCodeRoundTripsAndNaNIsOnlyS1111111) {
   for (int i = 0; i < 256; ++i) {
     const uint8_t v = static_cast<uint8_t>(i);
