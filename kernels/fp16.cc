@@ -62,6 +62,11 @@ uint16_t FloatToHalf(float f) {
 #if defined(__x86_64__)
 namespace {
 
+bool HasF16c() {
+  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  return f16c;
+}
+
 // 8 values per vcvtps2ph (round to nearest even, the IEEE conversion FloatToHalf implements);
 // a block holding a NaN goes through FloatToHalf for its canonical NaN.
 __attribute__((target("avx,f16c"))) void FloatsToHalvesF16c(const float* in, uint16_t* out,
@@ -101,8 +106,7 @@ __attribute__((target("avx,f16c"))) void HalvesToFloatsF16c(const uint16_t* in, 
 
 void HalvesToFloats(const uint16_t* in, float* out, size_t n) {
 #if defined(__x86_64__)
-  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  if (f16c) {
+  if (HasF16c()) {
     HalvesToFloatsF16c(in, out, n);
     return;
   }
@@ -112,8 +116,7 @@ void HalvesToFloats(const uint16_t* in, float* out, size_t n) {
 
 void FloatsToHalves(const float* in, uint16_t* out, size_t n) {
 #if defined(__x86_64__)
-  static const bool f16c = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
-  if (f16c) {
+  if (HasF16c()) {
     FloatsToHalvesF16c(in, out, n);
     return;
   }
