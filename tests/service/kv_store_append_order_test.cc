@@ -64,13 +64,14 @@ class GatedBackend final : public StepAppendsBackend {
   absl::Notification entered_, release_;
 };
 
-class AppendOrderTest : public StoreTest {
+// A store over a `Backend` holding tokens [0, 8) of a 16-token sequence (blocks of 4), and a
+// lease on them, matched with all 16 ids or the first 8.
+template <typename Backend>
+class CachedHalfTest : public StoreTest {
  protected:
-  // A store over a GatedBackend holding tokens [0, 8) of 16 (blocks of 4), a lease on them
-  // (matched with all 16 ids when `match_all_ids`), and (with `layer_one_ahead`) tokens [8, 16)
-  // appended to layer 1, so that blocks 2 and 3 are complete once layer 0 has them too.
-  void SetUpLease(bool layer_one_ahead = true, bool match_all_ids = false) {
-    auto backend = std::make_unique<GatedBackend>();
+  void SetUpLease(bool match_all_ids) {
+    store_.reset();  // before the backend it uses
+    auto backend = std::make_unique<Backend>();
     gate_ = backend.get();
     backend_ = std::move(backend);
     MakeStore(16);
@@ -82,26 +83,36 @@ class AppendOrderTest : public StoreTest {
         absl::ZeroDuration());
     ASSERT_TRUE(lease.ok()) << lease.status();
     lease_ = lease->lease_id;
+  }
+
+  // Appends the sequence's tokens [first, first + n) to `layer`, naming `named` (or none).
+  absl::Status Append(uint32_t layer, int first, int n, absl::Span<const int32_t> named = {}) {
+    const size_t pt = PerToken();
+    return store_
+        ->Append(lease_, layer, named, n, kv_.k[layer].data() + first * pt,
+                 kv_.v[layer].data() + first * pt)
+        .status();
+  }
+  // The same, naming the tokens' own ids.
+  absl::Status AppendTokens(uint32_t layer, int first, int n) {
+    return Append(layer, first, n, absl::MakeConstSpan(ids_).subspan(first, n));
+  }
+
+  Backend* gate_ = nullptr;
+  std::vector<int32_t> ids_;
+  SequenceKv kv_;
+  uint64_t lease_ = 0;
+};
+
+class AppendOrderTest : public CachedHalfTest<GatedBackend> {
+ protected:
+  // CachedHalfTest's lease and (with `layer_one_ahead`) tokens [8, 16) appended to layer 1, so
+  // that blocks 2 and 3 are complete once layer 0 has them too.
+  void SetUpLease(bool layer_one_ahead = true, bool match_all_ids = false) {
+    CachedHalfTest::SetUpLease(match_all_ids);
     if (layer_one_ahead) {
       ASSERT_TRUE(AppendTokens(1, 8, 8).ok());
     }
-  }
-
-  absl::Status AppendTokens(uint32_t layer, int first, int n) {
-    const size_t pt = PerToken();
-    return store_
-        ->Append(lease_, layer, absl::MakeConstSpan(ids_).subspan(first, n), n,
-                 kv_.k[layer].data() + first * pt, kv_.v[layer].data() + first * pt)
-        .status();
-  }
-
-  // The same, without token ids.
-  absl::Status AppendUnnamed(uint32_t layer, int first, int n) {
-    const size_t pt = PerToken();
-    return store_
-        ->Append(lease_, layer, {}, n, kv_.k[layer].data() + first * pt,
-                 kv_.v[layer].data() + first * pt)
-        .status();
   }
 
   // Tokens another lease finds cached for the whole sequence.
@@ -118,11 +129,6 @@ class AppendOrderTest : public StoreTest {
     EXPECT_TRUE(view.ok()) << view.status();
     return view.ok() ? view->layer_tokens[layer] : 0;
   }
-
-  GatedBackend* gate_ = nullptr;
-  std::vector<int32_t> ids_;
-  SequenceKv kv_;
-  uint64_t lease_ = 0;
 };
 
 TEST_F(AppendOrderTest, AnAppendFinishingFirstWaitsForTheOneBeforeIt) {
@@ -176,7 +182,7 @@ TEST_F(AppendOrderTest, AFailedAppendForgetsTheIdsItNamed) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false));
   gate_->Arm(GatedBackend::Mode::kFail);
   EXPECT_EQ(AppendTokens(0, 8, 4).code(), absl::StatusCode::kInternal);
-  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(AppendUnnamed(layer, 8, 4).ok());
+  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(Append(layer, 8, 4).ok());
   EXPECT_EQ(WrittenTokens(0), 12u);
   EXPECT_EQ(WrittenTokens(1), 12u);
   EXPECT_EQ(CachedTokens(), 8u) << "tokens 8-11 published under the failed append's ids";
@@ -187,8 +193,8 @@ TEST_F(AppendOrderTest, AFailedAppendForgetsTheIdsItNamed) {
 TEST_F(AppendOrderTest, AFailedUnnamedAppendKeepsTheIdsOfTheMatch) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false, /*match_all_ids=*/true));
   gate_->Arm(GatedBackend::Mode::kFail);
-  EXPECT_EQ(AppendUnnamed(0, 8, 4).code(), absl::StatusCode::kInternal);
-  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(AppendUnnamed(layer, 8, 4).ok());
+  EXPECT_EQ(Append(0, 8, 4).code(), absl::StatusCode::kInternal);
+  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(Append(layer, 8, 4).ok());
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
@@ -198,7 +204,7 @@ TEST_F(AppendOrderTest, AFailedNamedAppendGivesBackTheIdsOfTheMatch) {
   ASSERT_NO_FATAL_FAILURE(SetUpLease(/*layer_one_ahead=*/false, /*match_all_ids=*/true));
   gate_->Arm(GatedBackend::Mode::kFail);
   EXPECT_EQ(AppendTokens(0, 8, 4).code(), absl::StatusCode::kInternal);
-  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(AppendUnnamed(layer, 8, 4).ok());
+  for (uint32_t layer = 0; layer < 2; ++layer) ASSERT_TRUE(Append(layer, 8, 4).ok());
   EXPECT_EQ(CachedTokens(), 12u);
 }
 
@@ -239,35 +245,9 @@ class OrderedFailBackend final : public StepAppendsBackend {
   int entered_ = 0, released_ = 0;
 };
 
-// A store over an OrderedFailBackend holding tokens [0, 8) of 16 (blocks of 4), and a lease on
-// them, matched with all 16 ids or the first 8.
-class FailedAppendTest : public StoreTest {
+// CachedHalfTest over an OrderedFailBackend.
+class FailedAppendTest : public CachedHalfTest<OrderedFailBackend> {
  protected:
-  void SetUpLease(bool match_all_ids) {
-    store_.reset();  // before the backend it uses
-    auto backend = std::make_unique<OrderedFailBackend>();
-    gate_ = backend.get();
-    backend_ = std::move(backend);
-    MakeStore(16);
-    ids_ = TokenIds(16, 7);
-    kv_ = MakeSequenceKv(config_, 16, 31);
-    ASSERT_TRUE(Put(std::vector<int32_t>(ids_.begin(), ids_.begin() + 8), kv_).ok());
-    auto lease = store_->Match(
-        "main", std::vector<int32_t>(ids_.begin(), ids_.begin() + (match_all_ids ? 16 : 8)),
-        absl::ZeroDuration());
-    ASSERT_TRUE(lease.ok()) << lease.status();
-    lease_ = lease->lease_id;
-  }
-
-  // Appends the sequence's tokens [first, first + n) to `layer`, naming `named` (or none).
-  absl::Status Append(uint32_t layer, int first, int n, absl::Span<const int32_t> named = {}) {
-    const size_t pt = PerToken();
-    return store_
-        ->Append(lease_, layer, named, n, kv_.k[layer].data() + first * pt,
-                 kv_.v[layer].data() + first * pt)
-        .status();
-  }
-
   // A decode step over `layer` without a new token: its status, and the context it attended.
   absl::Status Attend(uint32_t layer, uint32_t* context) {
     return AttendBatch(layer, 1, -1, context);
@@ -294,11 +274,6 @@ class FailedAppendTest : public StoreTest {
     *context = contexts.back();
     return s;
   }
-
-  OrderedFailBackend* gate_ = nullptr;
-  std::vector<int32_t> ids_;
-  SequenceKv kv_;
-  uint64_t lease_ = 0;
 };
 
 // Layer 0's append naming wrong ids fails after layer 1's append at the same positions began:
