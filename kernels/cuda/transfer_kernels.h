@@ -26,11 +26,21 @@ struct GatherRun {
 [[nodiscard]] KernelStatus GatherRuns(const GatherRun* runs, int64_t num_runs, uint8_t* dst,
                                       void* stream);
 
-// Writes to device `*first_bad` the index of the first fp16 value in device x[0, n) whose
-// magnitude bits (sign cleared) pass max_abs_bits (NaN and Inf pass any finite bound), or
-// UINT64_MAX when none does. `first_bad` must be 8-byte aligned.
-[[nodiscard]] KernelStatus FindFirstHalfOutOfRange(const uint16_t* x, size_t n,
-                                                   uint16_t max_abs_bits,
+// One range check of FindFirstHalfOutOfRange.
+struct HalfRangeSpan {
+  const uint16_t* x = nullptr;  // device [n]; may be null when n is 0
+  uint64_t n = 0;
+  uint32_t max_abs_bits = 0;  // the largest magnitude bits (sign cleared) allowed
+};
+
+// For every span i of device `spans` [num_spans], leaves in device first_bad[i] the index of the
+// first fp16 value of spans[i].x whose magnitude bits pass spans[i].max_abs_bits (NaN and Inf pass
+// any finite bound); first_bad[i] must hold UINT64_MAX on entry (the caller sets it, e.g. in the
+// upload that carries the spans) and keeps it when no value passes. ONE launch for every span;
+// max_span_values is the largest spans[i].n (it sizes the grid). spans and first_bad must be
+// 8-byte aligned.
+[[nodiscard]] KernelStatus FindFirstHalfOutOfRange(const HalfRangeSpan* spans, int64_t num_spans,
+                                                   uint64_t max_span_values,
                                                    unsigned long long* first_bad, void* stream);
 
 }  // namespace kvpool::cuda

@@ -431,33 +431,52 @@ class CudaBackend final : public ComputeBackend {
     });
   }
 
-  // A kernel per check into its own result, one copy of the results back, one synchronization.
+  // Every check in one launch: the spans and their results (UINT64_MAX) in one upload, one copy
+  // of the results back, one synchronization.
   absl::Status CheckHalfRangeArena(absl::Span<const HalfRangeCheck> checks) override {
     if (checks.empty()) return absl::OkStatus();
-    std::vector<unsigned long long> first_bad(checks.size());
-    const size_t bytes = first_bad.size() * sizeof(first_bad[0]);
-    absl::Status s = RunSynchronous(bytes, [&](Lane& lane, StagingSlot& slot) -> absl::Status {
-      auto* results = reinterpret_cast<unsigned long long*>(slot.device);
-      for (size_t i = 0; i < checks.size(); ++i) {
-        const HalfRangeCheck& c = checks[i];
-        if (absl::Status k = KernelResult(cuda::FindFirstHalfOutOfRange(
-                                              c.x, c.n, c.max_abs_bits, results + i, lane.stream),
-                                          "CheckHalfRangeArena");
-            !k.ok()) {
-          return k;
-        }
+    uint64_t max_n = 0;
+    for (const HalfRangeCheck& c : checks) {
+      if (c.n > 0 && c.x == nullptr) {
+        return absl::InvalidArgumentError(
+            absl::StrFormat("CheckHalfRangeArena: %s: %d values at null", c.what, c.n));
       }
-      KVPOOL_RETURN_IF_CUDA_ERROR(
-          cudaMemcpyAsync(slot.host, results, bytes, cudaMemcpyDeviceToHost, lane.stream));
-      KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
-      std::memcpy(first_bad.data(), slot.host, bytes);
-      return absl::OkStatus();
-    });
+      max_n = std::max<uint64_t>(max_n, c.n);
+    }
+    std::vector<unsigned long long> first_bad(checks.size());
+    const size_t results_bytes = first_bad.size() * sizeof(first_bad[0]);
+    StagingLayout layout;
+    const size_t results_off = layout.Add(results_bytes);
+    const size_t spans_off = layout.Add(checks.size() * sizeof(cuda::HalfRangeSpan));
+    absl::Status s =
+        RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
+          auto* spans = reinterpret_cast<cuda::HalfRangeSpan*>(slot.host + spans_off);
+          for (size_t i = 0; i < checks.size(); ++i) {
+            spans[i] = {checks[i].x, checks[i].n, checks[i].max_abs_bits};
+          }
+          std::memset(slot.host + results_off, 0xff, results_bytes);
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
+                                                      cudaMemcpyHostToDevice, lane.stream));
+          auto* results = reinterpret_cast<unsigned long long*>(slot.device + results_off);
+          if (absl::Status k = KernelResult(
+                  cuda::FindFirstHalfOutOfRange(
+                      reinterpret_cast<const cuda::HalfRangeSpan*>(slot.device + spans_off),
+                      static_cast<int64_t>(checks.size()), max_n, results, lane.stream),
+                  "CheckHalfRangeArena");
+              !k.ok()) {
+            return k;
+          }
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.host + results_off, results,
+                                                      results_bytes, cudaMemcpyDeviceToHost,
+                                                      lane.stream));
+          KVPOOL_RETURN_IF_CUDA_ERROR(cudaStreamSynchronize(lane.stream));
+          std::memcpy(first_bad.data(), slot.host + results_off, results_bytes);
+          return absl::OkStatus();
+        });
     if (!s.ok()) return s;
     for (size_t i = 0; i < checks.size(); ++i) {
       if (first_bad[i] != ULLONG_MAX) {
-        return store_internal::HalfRangeError(checks[i].what, first_bad[i],
-                                              checks[i].max_abs_bits);
+        return store_internal::HalfRangeError(checks[i].what, first_bad[i], checks[i].max_abs_bits);
       }
     }
     return absl::OkStatus();

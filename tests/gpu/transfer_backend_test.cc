@@ -10,6 +10,7 @@
 #include <cstring>
 #include <memory>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -421,8 +422,8 @@ TEST(CudaTransferBackend, CheckHalfRangeArenaFindsTheFirstBadValueLikeTheCpuBack
   for (int i = 0; i < 3; ++i) {
     arenas.push_back(Upload(*gpu, inputs[i]->data(), n * sizeof(uint16_t)));
     ASSERT_NE(arenas.back(), nullptr);
-    on_gpu.push_back({reinterpret_cast<const uint16_t*>(arenas.back()), n, rotation_bound,
-                      names[i]});
+    on_gpu.push_back(
+        {reinterpret_cast<const uint16_t*>(arenas.back()), n, rotation_bound, names[i]});
     on_cpu.push_back({inputs[i]->data(), n, rotation_bound, names[i]});
   }
   const absl::Status got = gpu->CheckHalfRangeArena(on_gpu);
@@ -435,6 +436,57 @@ TEST(CudaTransferBackend, CheckHalfRangeArenaFindsTheFirstBadValueLikeTheCpuBack
   EXPECT_EQ(gpu->CheckHalfRangeArena(on_gpu), cpu->CheckHalfRangeArena(on_cpu));
   EXPECT_FALSE(gpu->CheckHalfRangeArena(on_gpu).ok());
   for (uint8_t* a : arenas) gpu->FreeArena(a);
+}
+
+// Many checks in one call, more than a launch's 65,535 grid rows (rows then take several checks):
+// short checks at random, often unaligned starts, every 97th empty, two bounds, and one over the
+// whole input last; the first failing check (in order) is the CPU backend's as bad values are
+// planted one by one, from late checks to early ones.
+TEST(CudaTransferBackend, CheckHalfRangeArenaTakesManyChecksLikeTheCpuBackend) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  std::unique_ptr<ComputeBackend> cpu = NewCpuBackend();
+  const testing::KvData d = testing::MakeKv(1024, 8, 128, testing::Outliers::kVariance, 45);
+  std::vector<uint16_t> x = testing::ToHalf(d.k);
+  PageLayout rotated = TestLayout(KvDtype::kInt4);
+  rotated.rot_block = 128;
+  const uint16_t bounds[2] = {kHalfMaxFiniteBits, MaxInputHalfBits(rotated)};
+  constexpr size_t kChecks = 70000;
+  std::mt19937_64 rng(46);
+  std::vector<size_t> offsets(kChecks + 1), lengths(kChecks + 1);
+  for (size_t i = 0; i < kChecks; ++i) {
+    lengths[i] = i % 97 == 0 ? 0 : 1 + rng() % 40;
+    offsets[i] = rng() % (x.size() - 40);
+  }
+  offsets[kChecks] = 0;
+  lengths[kChecks] = x.size();
+  // Planted in turn: +Inf as the last check's last value, then 6000 (past the rotated bound of the
+  // odd checks) inside check 69999, +Inf inside check 65536 (past the grid's rows), 6000 inside
+  // checks 40001 and 5 (none of them empty).
+  const std::vector<std::pair<size_t, uint16_t>> planted = {
+      {x.size() - 1, 0x7c00},
+      {offsets[69999] + lengths[69999] / 2, 0x6ddc},
+      {offsets[65536] + lengths[65536] / 2, 0x7c00},
+      {offsets[40001] + lengths[40001] / 2, 0x6ddc},
+      {offsets[5] + lengths[5] / 2, 0x6ddc}};
+  for (size_t round = 0; round <= planted.size(); ++round) {
+    if (round > 0) x[planted[round - 1].first] = planted[round - 1].second;
+    uint8_t* arena = Upload(*gpu, x.data(), x.size() * sizeof(uint16_t));
+    ASSERT_NE(arena, nullptr);
+    std::vector<ComputeBackend::HalfRangeCheck> on_gpu, on_cpu;
+    for (size_t i = 0; i <= kChecks; ++i) {
+      const uint16_t bound = bounds[i % 2];
+      const char* what = i % 2 ? "v" : "k";
+      on_gpu.push_back(
+          {reinterpret_cast<const uint16_t*>(arena) + offsets[i], lengths[i], bound, what});
+      on_cpu.push_back({x.data() + offsets[i], lengths[i], bound, what});
+    }
+    const absl::Status want = cpu->CheckHalfRangeArena(on_cpu);
+    EXPECT_EQ(gpu->CheckHalfRangeArena(on_gpu), want) << "round " << round;
+    EXPECT_EQ(want.ok(), round == 0) << want;
+    gpu->FreeArena(arena);
+  }
 }
 
 // The store's raw read into device memory behind a RAW NcclGet, on the CUDA backend, from a
