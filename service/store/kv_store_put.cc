@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -59,10 +60,22 @@ class PutSessionImpl final : public KvStore::PutSession {
   enum class Src { kHost, kArena };
   absl::Status AddChunksFrom(Src src, uint32_t token_begin, uint32_t num_tokens,
                              absl::Span<const LayerChunk> chunks);
-  // Records `chunk`'s quantized tokens [begin, end) and, every quality_sample_every chunks,
-  // measures their error.
-  absl::Status FinishChunk(Src src, const LayerChunk& chunk, uint32_t token_begin, size_t begin,
-                           size_t end);
+  // Tokens [first, first + count) of session block `block` of `layer` whose quantization error
+  // a quality sample measures; k and v are their fp16 input (host or arena memory).
+  struct Sample {
+    uint32_t layer;
+    size_t block;
+    size_t first;
+    size_t count;
+    const uint16_t* k;
+    const uint16_t* v;
+  };
+  // Records `chunk`'s quantized tokens [begin, end); every quality_sample_every chunks, the
+  // sample of their first block to measure.
+  std::optional<Sample> FinishChunk(const LayerChunk& chunk, uint32_t token_begin, size_t begin,
+                                    size_t end);
+  // Measures every sample of one AddChunksFrom call, the arena inputs read in one call.
+  absl::Status MeasureSamples(Src src, absl::Span<const Sample> samples);
   size_t CoverIndex(size_t block, uint32_t layer, size_t offset) const {
     return (block * ns_->num_layers() + layer) * ns_->block_tokens() + offset;
   }
@@ -150,14 +163,18 @@ absl::Status PutSessionImpl::AddChunksFrom(Src src, uint32_t token_begin, uint32
       if (absl::Status s = backend->QuantizeAppend(p); !s.ok()) return s;
     }
   }
+  std::vector<Sample> samples;
   for (const LayerChunk& c : chunks) {
-    if (absl::Status s = FinishChunk(src, c, token_begin, begin, end); !s.ok()) return s;
+    if (std::optional<Sample> sample = FinishChunk(c, token_begin, begin, end)) {
+      samples.push_back(*sample);
+    }
   }
-  return absl::OkStatus();
+  return MeasureSamples(src, samples);
 }
 
-absl::Status PutSessionImpl::FinishChunk(Src src, const LayerChunk& chunk, uint32_t token_begin,
-                                         size_t begin, size_t end) {
+std::optional<PutSessionImpl::Sample> PutSessionImpl::FinishChunk(const LayerChunk& chunk,
+                                                                  uint32_t token_begin,
+                                                                  size_t begin, size_t end) {
   const size_t bt = ns_->block_tokens();
   const PageLayout& layout = ns_->pool->layout(chunk.layer);
   for (size_t t = begin; t < end; ++t) {
@@ -170,32 +187,42 @@ absl::Status PutSessionImpl::FinishChunk(Src src, const LayerChunk& chunk, uint3
     ns_->quantized_bytes += QuantizedBytes(layout, end - begin);
     sample = every > 0 && ns_->put_chunks++ % every == 0;
   }
-  if (!sample || !layout.quantized()) return absl::OkStatus();
+  if (!sample || !layout.quantized()) return std::nullopt;
   const NamespaceConfig& config = ns_->info.config;
   const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
-  const uint16_t* k = chunk.k + (begin - token_begin) * per_token;
-  const uint16_t* v = chunk.v + (begin - token_begin) * per_token;
   const size_t first_block_end = (begin / bt + 1) * bt;
-  const size_t count = std::min(end, first_block_end) - begin;
-  if (src == Src::kHost) {
-    return SampleError(chunk.layer, begin / bt - cached_, begin % bt, count, k, v);
+  return Sample{chunk.layer,
+                begin / bt - cached_,
+                begin % bt,
+                std::min(end, first_block_end) - begin,
+                chunk.k + (begin - token_begin) * per_token,
+                chunk.v + (begin - token_begin) * per_token};
+}
+
+absl::Status PutSessionImpl::MeasureSamples(Src src, absl::Span<const Sample> samples) {
+  const NamespaceConfig& config = ns_->info.config;
+  const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
+  // Arena inputs: every sample's K rows then V rows, brought to the host in one read.
+  std::vector<uint16_t> inputs;
+  if (src == Src::kArena && !samples.empty()) {
+    std::vector<ComputeBackend::ArenaRun> runs;
+    for (const Sample& s : samples) {
+      const size_t bytes = s.count * per_token * sizeof(uint16_t);
+      runs.push_back({reinterpret_cast<const uint8_t*>(s.k), bytes});
+      runs.push_back({reinterpret_cast<const uint8_t*>(s.v), bytes});
+      inputs.resize(inputs.size() + 2 * s.count * per_token);
+    }
+    if (absl::Status s = store_->backend()->ReadRuns(runs, inputs.data()); !s.ok()) return s;
   }
-  ComputeBackend* backend = store_->backend();
-  // The sampled tokens' input, brought to the host for the comparison.
-  std::vector<uint16_t> k_host(count * per_token), v_host(count * per_token);
-  const size_t bytes = k_host.size() * sizeof(uint16_t);
-  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(k), bytes,
-                                          k_host.data());
-      !s.ok()) {
-    return s;
+  size_t offset = 0;
+  for (const Sample& s : samples) {
+    const size_t len = s.count * per_token;
+    const uint16_t* k = src == Src::kArena ? inputs.data() + offset : s.k;
+    const uint16_t* v = src == Src::kArena ? inputs.data() + offset + len : s.v;
+    offset += 2 * len;
+    if (absl::Status e = SampleError(s.layer, s.block, s.first, s.count, k, v); !e.ok()) return e;
   }
-  if (absl::Status s = backend->ReadArena(reinterpret_cast<const uint8_t*>(v), bytes,
-                                          v_host.data());
-      !s.ok()) {
-    return s;
-  }
-  return SampleError(chunk.layer, begin / bt - cached_, begin % bt, count, k_host.data(),
-                     v_host.data());
+  return absl::OkStatus();
 }
 
 absl::Status PutSessionImpl::SampleError(uint32_t layer, size_t block, size_t first,

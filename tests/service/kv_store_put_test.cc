@@ -1,6 +1,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -36,6 +37,52 @@ TEST_F(StoreTest, PutMatchReadRoundTripEqualsCpuReference) {
   EXPECT_EQ(stats.namespaces[0].tokens_stored, 12u);
   EXPECT_GT(stats.namespaces[0].quant_rel_error, 0.0);
   EXPECT_LT(stats.namespaces[0].quant_rel_error, 0.2);
+}
+
+// A Put whose layers come from arena memory, several per call (the NCCL path, whose sampled
+// inputs are read back together), samples the same tokens as one from host memory a layer at a
+// time, and so records the same quantization error to the last bit; both token ranges start
+// inside a block.
+TEST_F(StoreTest, ArenaPutSamplesTheSameErrorAsAHostPut) {
+  const std::vector<int32_t> ids = TokenIds(14, 5);
+  const std::vector<std::pair<uint32_t, uint32_t>> ranges = {{0, 6}, {6, 8}};
+  MakeStore(16);
+  const SequenceKv kv = MakeSequenceKv(config_, 14, 3);
+  auto host = store_->BeginPut("main", ids);
+  ASSERT_TRUE(host.ok()) << host.status();
+  for (const auto& [begin, count] : ranges) {
+    for (int l = 0; l < config_.num_layers; ++l) {
+      ASSERT_TRUE((*host)->AddChunk(l, begin, count, kv.k[l].data() + begin * PerToken(),
+                                   kv.v[l].data() + begin * PerToken())
+                      .ok());
+    }
+  }
+  ASSERT_TRUE((*host)->Commit().ok());
+  const double host_error = store_->Stats().namespaces[0].quant_rel_error;
+  ASSERT_GT(host_error, 0.0);
+
+  MakeStore(16);
+  const size_t layer_bytes = 14 * PerToken() * sizeof(uint16_t);
+  absl::StatusOr<uint8_t*> arena = backend_->AllocateArena(2 * config_.num_layers * layer_bytes);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto* halves = reinterpret_cast<uint16_t*>(*arena);
+  for (int l = 0; l < config_.num_layers; ++l) {
+    std::memcpy(halves + 2 * l * 14 * PerToken(), kv.k[l].data(), layer_bytes);
+    std::memcpy(halves + (2 * l + 1) * 14 * PerToken(), kv.v[l].data(), layer_bytes);
+  }
+  auto from_arena = store_->BeginPut("main", ids);
+  ASSERT_TRUE(from_arena.ok()) << from_arena.status();
+  for (const auto& [begin, count] : ranges) {
+    std::vector<KvStore::PutSession::LayerChunk> chunks;
+    for (int l = 0; l < config_.num_layers; ++l) {
+      chunks.push_back({static_cast<uint32_t>(l), halves + (2 * l * 14 + begin) * PerToken(),
+                        halves + ((2 * l + 1) * 14 + begin) * PerToken()});
+    }
+    ASSERT_TRUE((*from_arena)->AddChunksFromArena(begin, count, chunks).ok());
+  }
+  ASSERT_TRUE((*from_arena)->Commit().ok());
+  EXPECT_EQ(store_->Stats().namespaces[0].quant_rel_error, host_error);
+  backend_->FreeArena(*arena);
 }
 
 TEST_F(StoreTest, RawPagesAreByteIdenticalToCpuQuantizeAppend) {
