@@ -12,6 +12,11 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams&, void*) {
   return KernelStatus::kUnsupported;
 }
 
+KernelStatus QuantizeAppendLayers(const QuantizeAppendParams&, int, const QuantizeLayerStrides&,
+                                  const uint64_t*, void*) {
+  return KernelStatus::kUnsupported;
+}
+
 KernelStatus Dequantize(const DequantizeParams&, void*) { return KernelStatus::kUnsupported; }
 
 KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams&, void*) {

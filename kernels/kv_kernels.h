@@ -126,6 +126,19 @@ KernelStatus ServesLayout(const PageLayout& layout);
 // past it): its grids carry them as y or z dimensions.
 inline constexpr int kMaxAttentionSeqsOrHeads = 65535;
 [[nodiscard]] KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream);
+// QuantizeAppend of `num_layers` (1 to kMaxQuantizeLayers) layers in ONE launch: layer i reads
+// k and v, and writes pages and sink_pages, i strides (bytes) past p's, rotated with the signs
+// of sign_seeds[i] in place of p.layout.sign_seed; everything else (the layout otherwise, the
+// slot mapping, positions, tokens and arena sizes) is p's.
+inline constexpr int kMaxQuantizeLayers = 32;
+struct QuantizeLayerStrides {
+  int64_t kv = 0;  // k and v alike
+  int64_t pages = 0;
+  int64_t sink_pages = 0;
+};
+[[nodiscard]] KernelStatus QuantizeAppendLayers(const QuantizeAppendParams& p, int num_layers,
+                                                const QuantizeLayerStrides& stride,
+                                                const uint64_t* sign_seeds, void* stream);
 [[nodiscard]] KernelStatus Dequantize(const DequantizeParams& p, void* stream);
 [[nodiscard]] KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream);
 // Workspace PagedDecodeAttention needs for a batch of this shape (0 splits = auto).

@@ -30,6 +30,8 @@ constexpr int kChannels = 32;
 // the sign masks and Hadamard fragments are set up once per block / thread.
 constexpr int kItemsPerLaneGroup = 4;
 
+// Layer y of a launch (grid y, QuantizeAppendLayers) reads k and v, and writes pages and
+// sink_pages, y strides past layer 0's, with signs[y].
 struct QuantizeArgs {
   const uint16_t* k;            // [num_tokens][num_kv_heads][head_dim] fp16, 16-byte aligned
   const uint16_t* v;            // same shape
@@ -37,15 +39,16 @@ struct QuantizeArgs {
   const int32_t* positions;     // [num_tokens]; read only when sink_tokens > 0
   uint8_t* pages;               // [num_blocks][layer_page_bytes], 16-byte aligned
   uint8_t* sink_pages;          // [num_sink_blocks][sink_page_bytes]; when sink_tokens > 0
+  QuantizeLayerStrides stride;  // bytes from one layer's k / v, pages, sink_pages to the next
   uint32_t num_items;           // num_tokens * num_kv_heads, < 2^31
   int num_kv_heads;
   int64_t num_slots;  // num_blocks * block_tokens
   int64_t num_sink_blocks;
-  int group_size;     // channels per {scale, zero}: a power of two >= 8 dividing head_dim
-  int group_log2;     // log2(group_size)
+  int group_size;  // channels per {scale, zero}: a power of two >= 8 dividing head_dim
+  int group_log2;  // log2(group_size)
   int sink_tokens;
   PageGeometry geo;
-  RotationSigns signs;
+  RotationSigns signs[kMaxQuantizeLayers];
 };
 
 // Quantizes one row (K or V of an item) from its raw fp16 words, 32 consecutive channels per
@@ -180,13 +183,13 @@ __host__ __device__ constexpr int WordByte(int chunk, int w) {
 
 // Writes one item's fp16 K/V words to the sink page of its block when its position is a sink.
 template <int kHeadDim, bool kContiguous>
-__device__ __forceinline__ void StoreSinks(const QuantizeArgs& a, uint32_t token, int head,
-                                           int64_t block, int chunk, const uint4 (&k)[4],
-                                           const uint4 (&v)[4]) {
+__device__ __forceinline__ void StoreSinks(const QuantizeArgs& a, uint8_t* sink_pages,
+                                           uint32_t token, int head, int64_t block, int chunk,
+                                           const uint4 (&k)[4], const uint4 (&v)[4]) {
   const int pos = a.positions[token];
   // The host validated; never write past the sink arena.
   if (pos < 0 || pos >= a.sink_tokens || block >= a.num_sink_blocks) return;
-  uint8_t* sink = a.sink_pages + static_cast<size_t>(block) * a.geo.sink_page_bytes;
+  uint8_t* sink = sink_pages + static_cast<size_t>(block) * a.geo.sink_page_bytes;
   constexpr size_t kRowBytes = static_cast<size_t>(kHeadDim) * 2;
   uint8_t* k_row = sink + (static_cast<size_t>(head) * a.sink_tokens + pos) * kRowBytes;
   uint8_t* v_row =
@@ -244,21 +247,22 @@ constexpr bool WordUnitXorHolds() {
   return true;
 }
 
-// Starts the copies of the warp's K and V rows of the round whose first item is `first` (zeros
-// past the end) into the warp's rows of a ring slot, `rows`, as one cp.async group per lane. Unit
-// j = 32 i + lane holds fp16 values [8 j, 8 j + 8) from the round's first value on, of item
-// first + j / (kHeadDim / 8), and lands at unit Swizzle(j) = 32 i + Swizzle(lane): copy i is
-// 512 i bytes past the lane's first in both memories. A copy past the last item reads nothing
-// (zero fill), so its address is formed like the others.
+// Starts the copies of the warp's K and V rows (the layer's, at `k` and `v`) of the round whose
+// first item is `first` (zeros past the end) into the warp's rows of a ring slot, `rows`, as one
+// cp.async group per lane. Unit j = 32 i + lane holds fp16 values [8 j, 8 j + 8) from the
+// round's first value on, of item first + j / (kHeadDim / 8), and lands at unit Swizzle(j) =
+// 32 i + Swizzle(lane): copy i is 512 i bytes past the lane's first in both memories. A copy
+// past the last item reads nothing (zero fill), so its address is formed like the others.
 template <int kHeadDim>
-__device__ __forceinline__ void IssueRound(const QuantizeArgs& a, uint32_t first, uint4* rows) {
+__device__ __forceinline__ void IssueRound(const QuantizeArgs& a, const uint8_t* k,
+                                           const uint8_t* v, uint32_t first, uint4* rows) {
   constexpr int kUnitsPerItem = kHeadDim / 8;
   const int lane = threadIdx.x % 32;
   uint4* k_dst = rows + Swizzle(lane);
   uint4* v_dst = k_dst + kWarpRowUnits;
   const size_t at = static_cast<size_t>(first) * (kHeadDim * 2) + lane * 16;  // bytes
-  const uint8_t* k_src = reinterpret_cast<const uint8_t*>(a.k) + at;
-  const uint8_t* v_src = reinterpret_cast<const uint8_t*>(a.v) + at;
+  const uint8_t* k_src = k + at;
+  const uint8_t* v_src = v + at;
   // Items from that of the lane's unit of pass 0 to the end (not positive: none). 32 bits hold
   // it: num_items < 2^31, and a round's first item is below 4 lane_groups, which
   // LaunchQuantizeAppend's grid keeps below num_items + 512, or below 8 x 128 per SM.
@@ -292,8 +296,8 @@ __device__ __forceinline__ int64_t LoadSlot(const QuantizeArgs& a, const ItemPos
 // the ring, sign flip on the raw fp16 words, rotation by tensor cores and butterflies in registers
 // (no shuffles), quantize, packed stores.
 // Grid: at least ceil(num_items / (kItemsPerLaneGroup * kThreads / (kHeadDim / 32))) blocks of
-// kThreads (LaunchQuantizeAppend), kRingBytes (96 KB) of dynamic shared memory each. 2 blocks per
-// SM (<= 128 registers, no spills). Measured on the H200
+// kThreads along x per layer of the launch along y (LaunchQuantizeAppend), kRingBytes (96 KB) of
+// dynamic shared memory each. 2 blocks per SM (<= 128 registers, no spills). Measured on the H200
 // (tests/bench/results/experiments_2026-11-29.md): against loads into registers one item ahead,
 // unrotated and INT8 / FP8 cases 5-14% faster, rotated INT4 1-5% (bound by its instructions now); 3
 // blocks per SM with a 2-slot ring (80 registers) spilled and was slower, and so were 8 items per
@@ -314,11 +318,19 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   // The lane's sign masks (HalfSignMasks32 of its chunk) in 16 registers (116 in all for INT4
   // rot128, no spills), kept: rebuilt or reloaded for every row they cost 8 or more instructions
   // per item.
+  const int layer = static_cast<int>(blockIdx.y);
+  // This layer's inputs and pages, computed once (left to itself the compiler recomputes the
+  // offsets in the item loop: 12 more loop instructions and INT4 rot128 1-2% slower).
+  const uint8_t* const k_in =
+      KeepInRegister(reinterpret_cast<const uint8_t*>(a.k) + layer * a.stride.kv);
+  const uint8_t* const v_in =
+      KeepInRegister(reinterpret_cast<const uint8_t*>(a.v) + layer * a.stride.kv);
+  uint8_t* const pages = KeepInRegister(a.pages + layer * a.stride.pages);
   uint4 lane_signs[4] = {};
   uint32_t hadamard_b[4] = {};
   if constexpr (kRot > 0) {
     uint32_t m[16];
-    HalfSignMasks32(a.signs, chunk, m);
+    HalfSignMasks32(a.signs[layer], chunk, m);
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       lane_signs[w] = make_uint4(KeepInRegister(m[4 * w]), KeepInRegister(m[4 * w + 1]),
@@ -345,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
   // Rounds u + 1 .. u + kRingSlots - 1 are in flight while round u is encoded.
 #pragma unroll
   for (int u = 0; u < kRingSlots - 1; ++u) {
-    IssueRound<kHeadDim>(a, warp_first + u * lane_groups, warp_rows + u * kSlotUnits);
+    IssueRound<kHeadDim>(a, k_in, v_in, warp_first + u * lane_groups, warp_rows + u * kSlotUnits);
   }
   int read_slot = 0;  // the ring slot of round u, u % kRingSlots
   static_assert(WordUnitXorHolds<kHeadDim, !kFp16>() && kSlotUnits % kWarpRowUnits == 0,
@@ -386,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
     // group's rounds keeps the wait count uniform).
     const int free_slot = read_slot == 0 ? kRingSlots - 1 : read_slot - 1;
     if (u + kRingSlots - 1 < kItemsPerLaneGroup) {
-      IssueRound<kHeadDim>(a, warp_first + (u + kRingSlots - 1) * lane_groups,
+      IssueRound<kHeadDim>(a, k_in, v_in, warp_first + (u + kRingSlots - 1) * lane_groups,
                            warp_rows + free_slot * kSlotUnits);
     } else {
       CpAsyncCommit();
@@ -396,11 +408,12 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
     const bool write = slot >= 0;
     const int64_t block = slot >> a.geo.block_tokens_log2;
     const int offset = static_cast<int>(slot & ((1 << a.geo.block_tokens_log2) - 1));
-    uint8_t* k_page = a.pages + static_cast<size_t>(block) * a.geo.layer_page_bytes +
+    uint8_t* k_page = pages + static_cast<size_t>(block) * a.geo.layer_page_bytes +
                       static_cast<size_t>(head) * a.geo.head_page_bytes;
     uint8_t* v_page = k_page + v_minus_k;
     if (kSinks && write) {
-      StoreSinks<kHeadDim, !kFp16>(a, token, head, block, chunk, cur_k, cur_v);
+      StoreSinks<kHeadDim, !kFp16>(a, a.sink_pages + layer * a.stride.sink_pages, token, head,
+                                   block, chunk, cur_k, cur_v);
     }
     if constexpr (kFp16) {
       if (write) {
@@ -427,9 +440,10 @@ __global__ void __launch_bounds__(kThreads, 2) QuantizeAppendKernel(const Quanti
 // Grid: enough blocks for kItemsPerLaneGroup items per lane group, or more, up to two per SM, where
 // that leaves fewer items to each (a decode step's append of one token per sequence, which the
 // attention waits for): the items then run side by side, their lane groups stopping early,
-// instead of one after the other in a few blocks. The kernel's code does not change with it.
+// instead of one after the other in a few blocks. The kernel's code does not change with it. The
+// same grid for each of num_layers layers, along y.
 template <KvDtype kDtype, int kHeadDim, int kRot, bool kWideGroups, bool kSinks>
-KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
+KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, int num_layers, cudaStream_t stream) {
   constexpr int kLaneGroupsPerBlock = kThreads / (kHeadDim / kChannels);
   int sms = 0;
   KVPOOL_CUDA_RETURN_IF_ERROR(CurrentDeviceSms(&sms));
@@ -438,30 +452,36 @@ KernelStatus LaunchQuantizeAppend(const QuantizeArgs& a, cudaStream_t stream) {
                std::min(CeilDiv(a.num_items, kLaneGroupsPerBlock), int64_t{2} * sms));
   constexpr auto kernel = QuantizeAppendKernel<kDtype, kHeadDim, kRot, kWideGroups, kSinks>;
   KVPOOL_CUDA_RETURN_IF_ERROR((AllowDynamicSharedMemory<kernel, static_cast<int>(kRingBytes)>()));
-  kernel<<<static_cast<unsigned>(blocks), kThreads, kRingBytes, stream>>>(a);
+  kernel<<<dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(num_layers)), kThreads,
+           kRingBytes, stream>>>(a);
   return CheckLaunch("QuantizeAppendKernel");
 }
 
 }  // namespace
 
-// Requires (else kInvalidArgument): a valid layout, 16-byte aligned k, v, pages and sink_pages,
-// positions and sink_pages when sink_tokens > 0. The device-side slot mapping cannot be checked
-// here: slots outside the arena, and sink tokens in blocks from num_sink_blocks on, are skipped by
-// the kernel, and callers validate them (the CUDA backend does, on its host copy). kUnsupported:
-// sizes outside DispatchLayout's, group_size not a multiple of 8, or 2^31 items (tokens x KV heads)
-// or more.
-KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
+// Requires (else kInvalidArgument): a valid layout, 16-byte aligned k, v, pages and sink_pages
+// (and strides), positions and sink_pages when sink_tokens > 0, 1 to kMaxQuantizeLayers layers.
+// The device-side slot mapping cannot be checked here: slots outside the arena, and sink tokens
+// in blocks from num_sink_blocks on, are skipped by the kernel, and callers validate them (the
+// CUDA backend does, on its host copy). kUnsupported: sizes outside DispatchLayout's, group_size
+// not a multiple of 8, or 2^31 items (tokens x KV heads) or more.
+KernelStatus QuantizeAppendLayers(const QuantizeAppendParams& p, int num_layers,
+                                  const QuantizeLayerStrides& stride, const uint64_t* sign_seeds,
+                                  void* stream) {
   const PageLayout& l = p.layout;
-  if (ValidatePageLayout(l) != nullptr || p.num_tokens < 0 || p.num_blocks < 0) {
+  if (ValidatePageLayout(l) != nullptr || p.num_tokens < 0 || p.num_blocks < 0 || num_layers < 1 ||
+      num_layers > kMaxQuantizeLayers || sign_seeds == nullptr) {
     return KernelStatus::kInvalidArgument;
   }
   if (p.num_tokens == 0) return KernelStatus::kOk;
+  auto aligned = [](int64_t bytes) { return bytes % 16 == 0; };
   if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr || p.pages == nullptr ||
-      !Aligned16(p.k) || !Aligned16(p.v) || !Aligned16(p.pages)) {
+      !Aligned16(p.k) || !Aligned16(p.v) || !Aligned16(p.pages) || !aligned(stride.kv) ||
+      !aligned(stride.pages)) {
     return KernelStatus::kInvalidArgument;
   }
-  if (l.sink_tokens > 0 &&
-      (p.positions == nullptr || p.sink_pages == nullptr || !Aligned16(p.sink_pages))) {
+  if (l.sink_tokens > 0 && (p.positions == nullptr || p.sink_pages == nullptr ||
+                            !Aligned16(p.sink_pages) || !aligned(stride.sink_pages))) {
     return KernelStatus::kInvalidArgument;
   }
   if ((l.quantized() && l.group_size % 8 != 0) || !FitsPageGeometry(l)) {
@@ -477,6 +497,7 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   a.positions = p.positions;
   a.pages = p.pages;
   a.sink_pages = p.sink_pages;
+  a.stride = stride;
   a.num_items = static_cast<uint32_t>(items);
   a.num_kv_heads = l.num_kv_heads;
   a.num_slots = p.num_blocks * l.block_tokens;
@@ -485,23 +506,32 @@ KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
   a.group_log2 = __builtin_ctz(static_cast<unsigned>(a.group_size));
   a.sink_tokens = l.sink_tokens;
   a.geo = MakePageGeometry(l);
-  a.signs = MakeRotationSigns(l);
+  for (int i = 0; i < num_layers; ++i) {
+    PageLayout seeded = l;
+    seeded.sign_seed = sign_seeds[i];
+    a.signs[i] = MakeRotationSigns(seeded);
+  }
   const auto s = static_cast<cudaStream_t>(stream);
-  return DispatchLayout</*kWithBlockTokens=*/false>(l, [&](auto dtype, auto head_dim, auto rot,
-                                                           auto) {
-    constexpr KvDtype kDtype = decltype(dtype)::value;
-    constexpr int kHeadDim = decltype(head_dim)::value, kRot = decltype(rot)::value;
-    auto launch = [&](auto wide) {
-      return a.sink_tokens > 0
-                 ? LaunchQuantizeAppend<kDtype, kHeadDim, kRot, decltype(wide)::value, true>(a, s)
-                 : LaunchQuantizeAppend<kDtype, kHeadDim, kRot, decltype(wide)::value, false>(a, s);
-    };
-    if constexpr (kDtype == KvDtype::kFp16) {  // no groups
-      return launch(std::true_type{});
-    } else {
-      return a.group_size >= kChannels ? launch(std::true_type{}) : launch(std::false_type{});
-    }
-  });
+  return DispatchLayout</*kWithBlockTokens=*/false>(
+      l, [&](auto dtype, auto head_dim, auto rot, auto) {
+        constexpr KvDtype kDtype = decltype(dtype)::value;
+        constexpr int kHeadDim = decltype(head_dim)::value, kRot = decltype(rot)::value;
+        auto launch = [&](auto wide) {
+          constexpr bool kWide = decltype(wide)::value;
+          return a.sink_tokens > 0
+                     ? LaunchQuantizeAppend<kDtype, kHeadDim, kRot, kWide, true>(a, num_layers, s)
+                     : LaunchQuantizeAppend<kDtype, kHeadDim, kRot, kWide, false>(a, num_layers, s);
+        };
+        if constexpr (kDtype == KvDtype::kFp16) {  // no groups
+          return launch(std::true_type{});
+        } else {
+          return a.group_size >= kChannels ? launch(std::true_type{}) : launch(std::false_type{});
+        }
+      });
+}
+
+KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream) {
+  return QuantizeAppendLayers(p, 1, QuantizeLayerStrides{}, &p.layout.sign_seed, stream);
 }
 
 }  // namespace kvpool::cuda

@@ -41,6 +41,7 @@
 #include "service/store/cuda_backend_staging.h"
 #include "service/store/cuda_lanes.h"
 #include "service/store/kv_store_impl.h"
+#include "service/store/quantize_layer_runs.h"
 
 namespace kvpool {
 
@@ -392,37 +393,47 @@ class CudaBackend final : public ComputeBackend {
     });
   }
 
-  // Every element's slot mapping and positions in one staging copy, a kernel per element, one
+  // One launch per run of elements that QuantizeAppendLayers takes together (QuantizeLayerRuns:
+  // a transfer round's layers), each run's slot mapping and positions in one staging copy, one
   // synchronization.
   absl::Status QuantizeAppendFromArena(absl::Span<const QuantizeAppendParams> ps) override {
+    for (const QuantizeAppendParams& p : ps) {
+      if (absl::Status s = ValidateQuantizeAppend(p); !s.ok()) return s;
+    }
+    const std::vector<store_internal::QuantizeLayerRun> runs =
+        store_internal::QuantizeLayerRuns(ps);
     StagingLayout layout;
-    std::vector<size_t> slot_off(ps.size()), pos_off(ps.size());
-    for (size_t i = 0; i < ps.size(); ++i) {
-      if (absl::Status s = ValidateQuantizeAppend(ps[i]); !s.ok()) return s;
-      const size_t n = static_cast<size_t>(ps[i].num_tokens);
-      slot_off[i] = layout.Add(n * sizeof(int64_t));
-      pos_off[i] = layout.Add(ps[i].layout.sink_tokens > 0 ? n * sizeof(int32_t) : 0);
+    std::vector<size_t> slot_off(runs.size()), pos_off(runs.size());
+    for (size_t r = 0; r < runs.size(); ++r) {
+      const QuantizeAppendParams& p = ps[runs[r].first];
+      const size_t n = static_cast<size_t>(p.num_tokens);
+      slot_off[r] = layout.Add(n * sizeof(int64_t));
+      pos_off[r] = layout.Add(p.layout.sink_tokens > 0 ? n * sizeof(int32_t) : 0);
     }
     if (layout.size() == 0) return absl::OkStatus();
     return RunSynchronous(layout.size(), [&](Lane& lane, StagingSlot& slot) -> absl::Status {
-      for (size_t i = 0; i < ps.size(); ++i) {
-        const size_t n = static_cast<size_t>(ps[i].num_tokens);
-        std::memcpy(slot.host + slot_off[i], ps[i].slot_mapping, n * sizeof(int64_t));
-        if (ps[i].layout.sink_tokens > 0) {
-          std::memcpy(slot.host + pos_off[i], ps[i].positions, n * sizeof(int32_t));
+      for (size_t r = 0; r < runs.size(); ++r) {
+        const QuantizeAppendParams& p = ps[runs[r].first];
+        const size_t n = static_cast<size_t>(p.num_tokens);
+        std::memcpy(slot.host + slot_off[r], p.slot_mapping, n * sizeof(int64_t));
+        if (p.layout.sink_tokens > 0) {
+          std::memcpy(slot.host + pos_off[r], p.positions, n * sizeof(int32_t));
         }
       }
       KVPOOL_RETURN_IF_CUDA_ERROR(cudaMemcpyAsync(slot.device, slot.host, layout.size(),
                                                   cudaMemcpyHostToDevice, lane.stream));
-      for (size_t i = 0; i < ps.size(); ++i) {
-        if (ps[i].num_tokens == 0) continue;
-        QuantizeAppendParams d = ps[i];
-        d.slot_mapping = reinterpret_cast<const int64_t*>(slot.device + slot_off[i]);
+      for (size_t r = 0; r < runs.size(); ++r) {
+        QuantizeAppendParams d = ps[runs[r].first];
+        if (d.num_tokens == 0) continue;
+        d.slot_mapping = reinterpret_cast<const int64_t*>(slot.device + slot_off[r]);
         d.positions = d.layout.sink_tokens > 0
-                          ? reinterpret_cast<const int32_t*>(slot.device + pos_off[i])
+                          ? reinterpret_cast<const int32_t*>(slot.device + pos_off[r])
                           : nullptr;
-        if (absl::Status s =
-                KernelResult(cuda::QuantizeAppend(d, lane.stream), "QuantizeAppendFromArena");
+        uint64_t seeds[cuda::kMaxQuantizeLayers];
+        for (int i = 0; i < runs[r].count; ++i) seeds[i] = ps[runs[r].first + i].layout.sign_seed;
+        if (absl::Status s = KernelResult(
+                cuda::QuantizeAppendLayers(d, runs[r].count, runs[r].stride, seeds, lane.stream),
+                "QuantizeAppendFromArena");
             !s.ok()) {
           return s;
         }

@@ -132,55 +132,13 @@ Inputs MakeInputs(const Case& c, uint64_t seed) {
   return in;
 }
 
-// Runs one case's inputs on both backends and checks every byte of the arena (and sink arena).
-// gpu_sink_blocks >= 0: the CUDA kernel is told that only blocks below it have a sink page, so
-// it must leave the others' untouched (the host refuses such appends; the kernel still stays
-// inside its sink arena).
-void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats, int64_t gpu_sink_blocks = -1) {
-  SCOPED_TRACE(Name(c));
+// Every byte of the CUDA kernel's arena (and sink arena) for `in` against the CPU reference's:
+// sink pages identical, codes within one step and meta within one fp16 ulp on written slots,
+// unwritten slots and padding still poisoned.
+void ExpectPagesMatch(const Inputs& in, const std::vector<uint8_t>& cpu_pages,
+                      const std::vector<uint8_t>& gpu_pages, const std::vector<uint8_t>& cpu_sinks,
+                      const std::vector<uint8_t>& gpu_sinks, CodeStats* stats) {
   const PageLayout& l = in.layout;
-  const size_t page_bytes = in.num_blocks * l.layer_page_bytes();
-  const size_t sink_bytes = in.num_blocks * l.sink_page_bytes();
-
-  std::vector<uint8_t> cpu_pages(page_bytes, kPoison), cpu_sinks(sink_bytes, kPoison);
-  QuantizeAppendParams p;
-  p.layout = l;
-  p.k = in.k.data();
-  p.v = in.v.data();
-  p.slot_mapping = in.slots.data();
-  p.positions = in.positions.data();
-  p.num_tokens = c.num_tokens;
-  p.pages = cpu_pages.data();
-  p.sink_pages = l.sink_tokens > 0 ? cpu_sinks.data() : nullptr;
-  p.num_blocks = in.num_blocks;
-  p.num_sink_blocks = l.sink_tokens > 0 ? in.num_blocks : 0;
-  ASSERT_EQ(cpu::QuantizeAppend(p), KernelStatus::kOk);
-
-  DeviceBuffer k(in.k.size() * 2), v(in.v.size() * 2), slots(in.slots.size() * 8),
-      positions(in.positions.size() * 4), pages(page_bytes), sinks(sink_bytes);
-  k.Upload(in.k.data());
-  v.Upload(in.v.data());
-  slots.Upload(in.slots.data());
-  positions.Upload(in.positions.data());
-  ASSERT_EQ(cudaMemset(pages.as<void>(), kPoison, page_bytes), cudaSuccess);
-  ASSERT_EQ(cudaMemset(sinks.as<void>(), kPoison, std::max<size_t>(sink_bytes, 1)), cudaSuccess);
-  QuantizeAppendParams d = p;
-  d.k = k.as<uint16_t>();
-  d.v = v.as<uint16_t>();
-  d.slot_mapping = slots.as<int64_t>();
-  d.positions = positions.as<int32_t>();
-  d.pages = pages.as<uint8_t>();
-  d.sink_pages = l.sink_tokens > 0 ? sinks.as<uint8_t>() : nullptr;
-  if (gpu_sink_blocks >= 0) {
-    d.num_sink_blocks = gpu_sink_blocks;
-    std::fill(cpu_sinks.begin() + gpu_sink_blocks * l.sink_page_bytes(), cpu_sinks.end(), kPoison);
-  }
-  ASSERT_EQ(cuda::QuantizeAppend(d, nullptr), KernelStatus::kOk) << cuda::LastErrorMessage();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<uint8_t> gpu_pages(page_bytes), gpu_sinks(sink_bytes);
-  pages.Download(gpu_pages.data());
-  sinks.Download(gpu_sinks.data());
-
   // Sinks are fp16 copies: identical bytes, untouched ones still poisoned in both.
   EXPECT_TRUE(gpu_sinks == cpu_sinks) << "sink pages differ";
 
@@ -188,7 +146,6 @@ void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats, int64_t gpu_
   for (int64_t s : in.slots) {
     if (s >= 0) written[s] = true;
   }
-  std::vector<float> cpu_codes(l.head_dim), gpu_codes(l.head_dim);
   for (int64_t b = 0; b < in.num_blocks; ++b) {
     for (int kv = 0; kv < 2; ++kv) {
       for (int h = 0; h < l.num_kv_heads; ++h) {
@@ -240,6 +197,59 @@ void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats, int64_t gpu_
       }
     }
   }
+}
+
+// Runs one case's inputs on both backends and checks every byte of the arena (and sink arena).
+// gpu_sink_blocks >= 0: the CUDA kernel is told that only blocks below it have a sink page, so
+// it must leave the others' untouched (the host refuses such appends; the kernel still stays
+// inside its sink arena).
+void CheckInputs(const Case& c, const Inputs& in, CodeStats* stats, int64_t gpu_sink_blocks = -1) {
+  SCOPED_TRACE(Name(c));
+  const PageLayout& l = in.layout;
+  const size_t page_bytes = in.num_blocks * l.layer_page_bytes();
+  const size_t sink_bytes = in.num_blocks * l.sink_page_bytes();
+
+  std::vector<uint8_t> cpu_pages(page_bytes, kPoison), cpu_sinks(sink_bytes, kPoison);
+  QuantizeAppendParams p;
+  p.layout = l;
+  p.k = in.k.data();
+  p.v = in.v.data();
+  p.slot_mapping = in.slots.data();
+  p.positions = in.positions.data();
+  p.num_tokens = c.num_tokens;
+  p.pages = cpu_pages.data();
+  p.sink_pages = l.sink_tokens > 0 ? cpu_sinks.data() : nullptr;
+  p.num_blocks = in.num_blocks;
+  p.num_sink_blocks = l.sink_tokens > 0 ? in.num_blocks : 0;
+  ASSERT_EQ(cpu::QuantizeAppend(p), KernelStatus::kOk);
+
+  DeviceBuffer k(in.k.size() * 2), v(in.v.size() * 2), slots(in.slots.size() * 8),
+      positions(in.positions.size() * 4), pages(page_bytes), sinks(sink_bytes);
+  k.Upload(in.k.data());
+  v.Upload(in.v.data());
+  slots.Upload(in.slots.data());
+  positions.Upload(in.positions.data());
+  ASSERT_EQ(cudaMemset(pages.as<void>(), kPoison, page_bytes), cudaSuccess);
+  ASSERT_EQ(cudaMemset(sinks.as<void>(), kPoison, std::max<size_t>(sink_bytes, 1)), cudaSuccess);
+  QuantizeAppendParams d = p;
+  d.k = k.as<uint16_t>();
+  d.v = v.as<uint16_t>();
+  d.slot_mapping = slots.as<int64_t>();
+  d.positions = positions.as<int32_t>();
+  d.pages = pages.as<uint8_t>();
+  d.sink_pages = l.sink_tokens > 0 ? sinks.as<uint8_t>() : nullptr;
+  if (gpu_sink_blocks >= 0) {
+    d.num_sink_blocks = gpu_sink_blocks;
+    std::fill(cpu_sinks.begin() + gpu_sink_blocks * l.sink_page_bytes(), cpu_sinks.end(), kPoison);
+  }
+  ASSERT_EQ(cuda::QuantizeAppend(d, nullptr), KernelStatus::kOk) << cuda::LastErrorMessage();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<uint8_t> gpu_pages(page_bytes), gpu_sinks(sink_bytes);
+  pages.Download(gpu_pages.data());
+  sinks.Download(gpu_sinks.data());
+
+  ExpectPagesMatch(in, cpu_pages, gpu_pages, cpu_sinks, gpu_sinks, stats);
+  if (::testing::Test::HasFatalFailure()) return;
 
   // Dequantize: the GPU over the CPU's pages matches the reference within fp16 rounding; the
   // GPU round trip reconstructs the inputs within the dtype's error.
@@ -548,6 +558,90 @@ TEST(QuantizeGpu, MatchesCpuReferenceOnRowsWithSubnormalScales) {
   EXPECT_EQ(stats.off_by_one, 0u) << "unrotated codes are bit-exact";
 }
 
+// Layers in one launch (QuantizeAppendLayers), as a transfer round stores them: each layer's
+// K and V, pages and sink pages one stride (with padding) past the layer before's, its own
+// inputs and sign seed, one slot mapping and positions for all. Each layer matches the CPU
+// reference of its own seed, and the layer past the count stays untouched.
+TEST(QuantizeGpu, LayersOfOneLaunchMatchTheCpuReferenceOfTheirSeeds) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  constexpr int kLayers = 5;
+  uint64_t seed = 2000;
+  for (const Case& c :
+       {Case{KvDtype::kInt4, 128, 128, 16, 0, /*sink_tokens=*/4, /*num_kv_heads=*/8, 300},
+        Case{KvDtype::kInt8, 64, 128, 32, /*group_size=*/32, 0, 3, 157},
+        Case{KvDtype::kFp16, 0, 64, 16, 0, /*sink_tokens=*/2, 2, 90}}) {
+    SCOPED_TRACE(Name(c));
+    std::vector<Inputs> in;
+    for (int i = 0; i <= kLayers; ++i) in.push_back(MakeInputs(c, seed++));
+    const Inputs& first = in[0];
+    const PageLayout& l = first.layout;
+    const size_t kv_bytes = first.k.size() * sizeof(uint16_t);
+    const size_t page_bytes = first.num_blocks * l.layer_page_bytes();
+    const size_t sink_bytes = first.num_blocks * l.sink_page_bytes();
+    const cuda::QuantizeLayerStrides stride{static_cast<int64_t>(AlignUp16(2 * kv_bytes) + 32),
+                                            static_cast<int64_t>(AlignUp16(page_bytes) + 48),
+                                            static_cast<int64_t>(AlignUp16(sink_bytes) + 16)};
+    DeviceBuffer kv((kLayers + 1) * stride.kv), pages((kLayers + 1) * stride.pages),
+        sinks((kLayers + 1) * stride.sink_pages), slots(first.slots.size() * 8),
+        positions(first.positions.size() * 4);
+    slots.Upload(first.slots.data());
+    positions.Upload(first.positions.data());
+    for (int i = 0; i <= kLayers; ++i) {
+      uint8_t* at = kv.as<uint8_t>() + i * stride.kv;
+      ASSERT_EQ(cudaMemcpy(at, in[i].k.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(at + kv_bytes, in[i].v.data(), kv_bytes, cudaMemcpyHostToDevice),
+                cudaSuccess);
+    }
+    ASSERT_EQ(cudaMemset(pages.as<void>(), kPoison, (kLayers + 1) * stride.pages), cudaSuccess);
+    ASSERT_EQ(cudaMemset(sinks.as<void>(), kPoison, (kLayers + 1) * stride.sink_pages),
+              cudaSuccess);
+    QuantizeAppendParams d;
+    d.layout = l;
+    d.k = kv.as<uint16_t>();
+    d.v = reinterpret_cast<const uint16_t*>(kv.as<uint8_t>() + kv_bytes);
+    d.slot_mapping = slots.as<int64_t>();
+    d.positions = positions.as<int32_t>();
+    d.num_tokens = c.num_tokens;
+    d.pages = pages.as<uint8_t>();
+    d.sink_pages = l.sink_tokens > 0 ? sinks.as<uint8_t>() : nullptr;
+    d.num_blocks = first.num_blocks;
+    d.num_sink_blocks = l.sink_tokens > 0 ? first.num_blocks : 0;
+    uint64_t seeds[kLayers];
+    for (int i = 0; i < kLayers; ++i) seeds[i] = in[i].layout.sign_seed;
+    ASSERT_EQ(cuda::QuantizeAppendLayers(d, kLayers, stride, seeds, nullptr), KernelStatus::kOk)
+        << cuda::LastErrorMessage();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<uint8_t> all_pages((kLayers + 1) * stride.pages);
+    std::vector<uint8_t> all_sinks((kLayers + 1) * stride.sink_pages);
+    pages.Download(all_pages.data());
+    sinks.Download(all_sinks.data());
+
+    CodeStats stats;
+    for (int i = 0; i < kLayers; ++i) {
+      SCOPED_TRACE("layer " + std::to_string(i));
+      std::vector<uint8_t> cpu_pages(page_bytes, kPoison), cpu_sinks(sink_bytes, kPoison);
+      QuantizeAppendParams p = d;
+      p.layout.sign_seed = seeds[i];
+      p.k = in[i].k.data();
+      p.v = in[i].v.data();
+      p.slot_mapping = first.slots.data();
+      p.positions = first.positions.data();
+      p.pages = cpu_pages.data();
+      p.sink_pages = l.sink_tokens > 0 ? cpu_sinks.data() : nullptr;
+      ASSERT_EQ(cpu::QuantizeAppend(p), KernelStatus::kOk);
+      const auto page_at = all_pages.begin() + i * stride.pages;
+      const auto sink_at = all_sinks.begin() + i * stride.sink_pages;
+      ExpectPagesMatch(first, cpu_pages, std::vector<uint8_t>(page_at, page_at + page_bytes),
+                       cpu_sinks, std::vector<uint8_t>(sink_at, sink_at + sink_bytes), &stats);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
+    EXPECT_TRUE(std::all_of(all_pages.begin() + kLayers * stride.pages, all_pages.end(),
+                            [](uint8_t b) { return b == kPoison; }))
+        << "the layer past the count was written";
+    if (c.dtype != KvDtype::kFp16) ExpectFewTies(stats, "layers of one launch");
+  }
+}
+
 TEST(QuantizeGpu, RejectsBadArgumentsAndUnsupportedSizes) {
   KVPOOL_SKIP_WITHOUT_GPU();
   const Inputs in = MakeInputs(Case{KvDtype::kInt4, 128, 128, 16}, 7);
@@ -585,6 +679,16 @@ TEST(QuantizeGpu, RejectsBadArgumentsAndUnsupportedSizes) {
   bad = p;
   bad.num_tokens = 0;
   EXPECT_EQ(cuda::QuantizeAppend(bad, nullptr), KernelStatus::kOk);
+  // Layers of one launch: 1 to kMaxQuantizeLayers of them, 16-byte strides, a seed each.
+  const uint64_t seeds[cuda::kMaxQuantizeLayers + 1] = {};
+  EXPECT_EQ(cuda::QuantizeAppendLayers(p, 0, {}, seeds, nullptr), KernelStatus::kInvalidArgument);
+  EXPECT_EQ(cuda::QuantizeAppendLayers(p, cuda::kMaxQuantizeLayers + 1, {}, seeds, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(cuda::QuantizeAppendLayers(p, 2, {8, 0, 0}, seeds, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(cuda::QuantizeAppendLayers(p, 2, {0, 8, 0}, seeds, nullptr),
+            KernelStatus::kInvalidArgument);
+  EXPECT_EQ(cuda::QuantizeAppendLayers(p, 2, {}, nullptr, nullptr), KernelStatus::kInvalidArgument);
 }
 
 }  // namespace

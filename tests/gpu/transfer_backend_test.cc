@@ -20,6 +20,7 @@
 #include "kernels/kv_kernels.h"
 #include "service/store/compute_backend.h"
 #include "service/store/kv_store.h"
+#include "service/store/quantize_layer_runs.h"
 #include "tests/common/kv_test_data.h"
 #include "tests/gpu/gpu_test_util.h"
 
@@ -363,6 +364,79 @@ TEST_P(CudaTransferDtype, QuantizeAppendFromArenaMatchesHostPathAndCpuBackend) {
   bad.slot_mapping = bad_slots.data();
   EXPECT_EQ(gpu->QuantizeAppendFromArena({good, bad}).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(Download(*gpu, *arena_pages, page_bytes), arena);
+}
+
+// A transfer round: the layers' K and V back to back in one staging arena, their pages layer-major
+// in one arena, a sign seed each, and then a layer of another dtype (a call the backend serves in
+// two launches, QuantizeLayerRuns). Every layer's pages and sink pages are the host path's, one
+// QuantizeAppend per layer, byte for byte.
+TEST_P(CudaTransferDtype, QuantizeAppendFromArenaOfARoundMatchesTheHostPathPerLayer) {
+  KVPOOL_SKIP_WITHOUT_GPU();
+  std::unique_ptr<ComputeBackend> gpu = GpuBackend();
+  ASSERT_NE(gpu, nullptr);
+  constexpr int kLayers = 4;  // the last of another dtype
+  std::vector<int64_t> slots;
+  std::vector<int32_t> positions;
+  MakeSlots(&slots, &positions);
+  std::vector<PageLayout> layouts(kLayers, TestLayout(GetParam()));
+  layouts[kLayers - 1] = TestLayout(GetParam() == KvDtype::kInt4 ? KvDtype::kInt8 : KvDtype::kInt4);
+  const size_t elems = static_cast<size_t>(kTokens) * layouts[0].num_kv_heads * layouts[0].head_dim;
+  const size_t kv_bytes = elems * sizeof(uint16_t);
+  size_t page_bytes = 0, sink_bytes = 0;
+  for (const PageLayout& l : layouts) {
+    page_bytes = std::max(page_bytes, kNumBlocks * l.layer_page_bytes());
+    sink_bytes = std::max(sink_bytes, kNumBlocks * l.sink_page_bytes());
+  }
+  std::vector<uint16_t> staged(2 * kLayers * elems);
+  for (int i = 0; i < kLayers; ++i) {
+    layouts[i].sign_seed = 500 + i;
+    const testing::KvData d = testing::MakeKv(kTokens, layouts[i].num_kv_heads, layouts[i].head_dim,
+                                              testing::Outliers::kSpikes, 60 + i);
+    const std::vector<uint16_t> k = testing::ToHalf(d.k), v = testing::ToHalf(d.v);
+    std::copy(k.begin(), k.end(), staged.begin() + 2 * i * elems);
+    std::copy(v.begin(), v.end(), staged.begin() + (2 * i + 1) * elems);
+  }
+  uint8_t* staging = Upload(*gpu, staged.data(), staged.size() * sizeof(uint16_t));
+  absl::StatusOr<uint8_t*> arena_pages = gpu->AllocateArena(kLayers * page_bytes);
+  absl::StatusOr<uint8_t*> arena_sinks = gpu->AllocateArena(kLayers * sink_bytes);
+  absl::StatusOr<uint8_t*> host_pages = gpu->AllocateArena(kLayers * page_bytes);
+  absl::StatusOr<uint8_t*> host_sinks = gpu->AllocateArena(kLayers * sink_bytes);
+  ASSERT_TRUE(staging != nullptr && arena_pages.ok() && arena_sinks.ok() && host_pages.ok() &&
+              host_sinks.ok());
+  std::vector<QuantizeAppendParams> round(kLayers);
+  for (int i = 0; i < kLayers; ++i) {
+    QuantizeAppendParams& p = round[i];
+    p.layout = layouts[i];
+    p.slot_mapping = slots.data();
+    p.positions = positions.data();
+    p.num_tokens = kTokens;
+    p.num_blocks = kNumBlocks;
+    p.num_sink_blocks = kNumBlocks;
+    QuantizeAppendParams host = p;
+    host.k = staged.data() + 2 * i * elems;
+    host.v = host.k + elems;
+    host.pages = *host_pages + i * page_bytes;
+    host.sink_pages = *host_sinks + i * sink_bytes;
+    ASSERT_TRUE(gpu->QuantizeAppend(host).ok());
+    p.k = reinterpret_cast<const uint16_t*>(staging) + 2 * i * elems;
+    p.v = p.k + elems;
+    p.pages = *arena_pages + i * page_bytes;
+    p.sink_pages = *arena_sinks + i * sink_bytes;
+  }
+  ASSERT_EQ(store_internal::QuantizeLayerRuns(round).size(), 2u);
+  ASSERT_TRUE(gpu->QuantizeAppendFromArena(round).ok());
+  ASSERT_TRUE(gpu->Synchronize().ok());
+  for (int i = 0; i < kLayers; ++i) {
+    EXPECT_EQ(Download(*gpu, *arena_pages + i * page_bytes, page_bytes),
+              Download(*gpu, *host_pages + i * page_bytes, page_bytes))
+        << "layer " << i;
+    EXPECT_EQ(Download(*gpu, *arena_sinks + i * sink_bytes, sink_bytes),
+              Download(*gpu, *host_sinks + i * sink_bytes, sink_bytes))
+        << "layer " << i;
+  }
+  for (uint8_t* a : {staging, *arena_pages, *arena_sinks, *host_pages, *host_sinks}) {
+    gpu->FreeArena(a);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllDtypes, CudaTransferDtype,
