@@ -9,22 +9,12 @@
 set -uo pipefail
 source tests/bench/carry_env.sh
 carry_setup
-rounds=2
-builds=()
-while (($#)); do
-  case $1 in
-    --rounds=*) rounds=${1#--rounds=} ;;
-    --) shift; break ;;
-    *=*) builds+=("$1") ;;
-    *) echo "alternate.sh: expected LABEL=BINARY, got $1" >&2; exit 2 ;;
-  esac
-  shift
-done
+parse_builds 2 "$@"
 status=0
 for ((r = 1; r <= rounds; ++r)); do
   for build in "${builds[@]}"; do
     label=${build%%=*}
-    "${build#*=}" --commit="$label" --out="$out/$label.$r.json" "$@" > "$out/$label.$r.txt" 2>&1 \
+    "${build#*=}" --commit="$label" --out="$out/$label.$r.json" "${bench_args[@]}" > "$out/$label.$r.txt" 2>&1 \
       || { echo "$label round $r failed" >&2; status=1; }
     echo "== $label round $r"
     tail -n 40 "$out/$label.$r.txt"

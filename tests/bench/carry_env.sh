@@ -10,3 +10,23 @@ carry_setup() {
   export LD_LIBRARY_PATH=$PWD/carry/lib${1:+:$1}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   bin=$PWD/carry/bin
 }
+
+# parse_builds ROUNDS ARGS...: the arguments of the scripts that measure builds against each
+# other (alternate.sh, put_arena_ab.sh), [--rounds=N] LABEL=BINARY... -- [benchmark arguments].
+# Sets $rounds (ROUNDS unless --rounds is given), the array builds (LABEL=BINARY) and the array
+# bench_args (what follows --); exits 2 on anything else.
+parse_builds() {
+  rounds=$1
+  shift
+  builds=()
+  while (($#)); do
+    case $1 in
+      --rounds=*) rounds=${1#--rounds=} ;;
+      --) shift; break ;;
+      *=*) builds+=("$1") ;;
+      *) echo "$(basename "$0"): expected LABEL=BINARY, got $1" >&2; exit 2 ;;
+    esac
+    shift
+  done
+  bench_args=("$@")
+}

@@ -8,17 +8,7 @@
 set -uo pipefail
 source tests/bench/carry_env.sh
 carry_setup
-rounds=6
-builds=()
-while (($#)); do
-  case $1 in
-    --rounds=*) rounds=${1#--rounds=} ;;
-    --) shift; break ;;
-    *=*) builds+=("$1") ;;
-    *) echo "put_arena_ab.sh: expected LABEL=BINARY, got $1" >&2; exit 2 ;;
-  esac
-  shift
-done
+parse_builds 6 "$@"
 status=0
 n=${#builds[@]}
 for ((r = 0; r < rounds; ++r)); do
@@ -26,7 +16,7 @@ for ((r = 0; r < rounds; ++r)); do
     build=${builds[$(((i + r) % n))]}
     label=${build%%=*}
     echo "== $label round $((r + 1))" >> "$out/put_ab.txt"
-    "${build#*=}" "$@" >> "$out/put_ab.txt" 2>&1 || { echo "$label round $((r + 1)) failed" >&2; status=1; }
+    "${build#*=}" "${bench_args[@]}" >> "$out/put_ab.txt" 2>&1 || { echo "$label round $((r + 1)) failed" >&2; status=1; }
   done
 done
 python3 - "$out/put_ab.txt" <<'PY'
