@@ -7,7 +7,7 @@
 #   racecheck  shared-memory hazards between the threads of a CTA
 #   synccheck  barriers and warp-synchronous calls used wrongly
 #   initcheck  device global memory read before anything wrote it
-# Writes TOOL_TEST.log per run and sanitize.txt (one line per run) under $OUT (or ./out); exits
+# Writes TOOL_TEST.N.log for the Nth run and sanitize.txt (one line per run) under $OUT (or ./out); exits
 # non-zero when a run reported an error, failed a test or passed SANITIZE_TIMEOUT_S (300).
 #   tests/gpu/sanitize.sh memcheck:attention_gpu_test 'racecheck:quantize_gpu_test:QuantizeGpu.*'
 set -uo pipefail
@@ -22,7 +22,9 @@ echo "compute-sanitizer $("$tool_bin" --version | sed -n 's/.*Version //p' | hea
   "$(date -u +%FT%TZ)" | tee "$summary"
 
 status=0
+n=0
 for run in "$@"; do
+  n=$((n + 1))
   IFS=: read -r tool test filter <<< "$run"
   case $tool in
     memcheck) options=(--leak-check full --padding 256) ;;
@@ -30,7 +32,7 @@ for run in "$@"; do
     *) echo "unknown tool $tool in $run" >&2; exit 2 ;;
   esac
   [[ -x $bin/$test ]] || { echo "no $bin/$test" >&2; exit 2; }
-  log=$out/${tool}_$test.log
+  log=$out/${tool}_$test.$n.log  # the same test may run twice, filtered
   start=$SECONDS
   timeout "$limit" "$tool_bin" --tool "$tool" "${options[@]}" --error-exitcode 99 \
     "$bin/$test" ${filter:+--gtest_filter="$filter"} > "$log" 2>&1
