@@ -22,8 +22,8 @@ run_test() {  # name: runs carry/bin/<name> if present, full output to gpu_tests
 }
 
 echo "== GPU tests"
-for t in quantize_gpu_test cuda_backend_test cuda_store_stress_test attention_gpu_test \
-  transfer_backend_test; do
+for t in quantize_gpu_test quantize_layers_gpu_test cuda_backend_test cuda_store_stress_test \
+  attention_gpu_test transfer_backend_test half_range_arena_test; do
   run_test "$t"
 done
 
