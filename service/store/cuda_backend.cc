@@ -13,25 +13,29 @@
 // stream wait, on the GPU, for every append queued so far on every lane (RunSynchronous).
 // PagedDecodeAttention's own append (a decode step's new tokens) rides in its upload and runs on
 // its stream just before the attention.
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "service/store/compute_backend.h"
+
+#if defined(KVPOOL_WITH_CUDA)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <optional>
 #include <string>
 
-#include "absl/status/status.h"
-#include "absl/status/statusor.h"
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/kv_kernels.h"
-#include "service/store/compute_backend.h"
 #include "service/store/cuda_backend_impl.h"
 #include "service/store/cuda_backend_staging.h"
 #include "service/store/cuda_lanes.h"
+#endif
 
 namespace kvpool {
 

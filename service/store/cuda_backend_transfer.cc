@@ -2,6 +2,7 @@
 // outputs stay in device memory; only their small host-side tables (run list, block ids, slot
 // mapping, positions) and results go through a staging slot. GatherArena is one kernel over the
 // whole run list, and ReadRuns the same kernel into the slot, then one copy to the host.
+#if defined(KVPOOL_WITH_CUDA)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -22,7 +23,6 @@
 #include "service/store/kv_store_impl.h"
 #include "service/store/quantize_layer_runs.h"
 
-#if defined(KVPOOL_WITH_CUDA)
 namespace kvpool::cuda_backend_internal {
 
 absl::Status CudaBackend::ReadArena(const uint8_t* src, size_t bytes, void* dst) {
