@@ -27,7 +27,6 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
-#include <string>
 
 #include "absl/strings/str_format.h"
 #include "absl/synchronization/mutex.h"
