@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/kv_kernels.h"
+#include "kernels/page_layout.h"
 
 namespace kvpool {
 namespace {
@@ -22,13 +23,18 @@ absl::Status NoTransferPath(const ComputeBackend& backend, const char* what) {
 }  // namespace
 
 absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p) {
-  if (p.num_tokens < 0) return absl::InvalidArgumentError("QuantizeAppend: num_tokens < 0");
-  if (p.num_tokens == 0) return absl::OkStatus();
-  if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr) {
-    return absl::InvalidArgumentError("QuantizeAppend: null input");
+  if (const char* bad = ValidatePageLayout(p.layout); bad != nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("QuantizeAppend: ", bad));
   }
-  if (p.layout.sink_tokens > 0 && p.positions == nullptr) {
-    return absl::InvalidArgumentError("QuantizeAppend: sinks need positions");
+  if (p.num_tokens < 0 || p.num_blocks < 0 || p.num_sink_blocks < 0) {
+    return absl::InvalidArgumentError("QuantizeAppend: negative token or block count");
+  }
+  if (p.num_tokens == 0) return absl::OkStatus();
+  if (p.k == nullptr || p.v == nullptr || p.slot_mapping == nullptr || p.pages == nullptr) {
+    return absl::InvalidArgumentError("QuantizeAppend: null input or pages");
+  }
+  if (p.layout.sink_tokens > 0 && (p.positions == nullptr || p.sink_pages == nullptr)) {
+    return absl::InvalidArgumentError("QuantizeAppend: sinks need positions and sink pages");
   }
   if (const int t = FirstBadAppendSlot(p); t >= 0) {
     return absl::InvalidArgumentError(absl::StrFormat(

@@ -90,8 +90,10 @@ class ComputeBackend {
   // (block_ids stay host memory), synchronized once at the end.
   [[nodiscard]] virtual absl::Status DequantizeToArena(absl::Span<const DequantizeParams> ps);
   // QuantizeAppend of each element (layers, typically) with k and v in arena memory
-  // (slot_mapping and positions stay host memory), synchronized once at the end. A bad element
-  // (ValidateQuantizeAppend) fails the call before any element is written.
+  // (slot_mapping and positions stay host memory), synchronized once at the end, the elements
+  // applied in order. A bad element (ValidateQuantizeAppend) fails the call before any element is
+  // written; what only a device backend requires (16-byte alignment, a layout it serves:
+  // CheckLayout) may fail a later element after earlier ones were written.
   [[nodiscard]] virtual absl::Status QuantizeAppendFromArena(
       absl::Span<const QuantizeAppendParams> ps);
   // store_internal::CheckHalfRange over n fp16 values at arena `x`.
@@ -126,8 +128,8 @@ absl::StatusOr<std::unique_ptr<ComputeBackend>> NewCudaBackend(
 absl::Status FromKernelStatus(KernelStatus s, const char* what);
 
 // Host-side checks of QuantizeAppend's arguments (slot_mapping and positions are host memory),
-// which a backend runs before it writes anything: the kernels must never see an out-of-range
-// slot.
+// which a backend runs before it writes anything: a valid layout (ValidatePageLayout), counts,
+// the pointers the layout needs, and every slot (the kernels must never see one out of range).
 absl::Status ValidateQuantizeAppend(const QuantizeAppendParams& p);
 
 }  // namespace kvpool

@@ -120,8 +120,9 @@ class KvStore {
       const uint16_t* k = nullptr;
       const uint16_t* v = nullptr;
     };
-    // AddChunk of tokens [token_begin, +num_tokens) of each chunk's layer, with k and v in
-    // backend (arena) memory, e.g. a transfer staging buffer the fused kernel reads directly.
+    // AddChunk of tokens [token_begin, +num_tokens) of each chunk's layer (each layer at most
+    // once), with k and v in backend (arena) memory, e.g. a transfer staging buffer the fused
+    // kernel reads directly.
     // The NaN/Inf checks of every chunk run on the backend before any write; the backend
     // synchronizes once for the checks and once for the writes (a chunk sampled for the quality
     // metric, one in Options::quality_sample_every, is then read back). Returns after k and v

@@ -113,11 +113,16 @@ absl::Status PutSessionImpl::AddChunksFrom(Src src, uint32_t token_begin, uint32
   const size_t per_token = static_cast<size_t>(config.num_kv_heads) * config.head_dim;
   const size_t elems = num_tokens * per_token;
   std::vector<ComputeBackend::HalfRangeCheck> checks;
+  std::vector<bool> named(config.num_layers);
   for (const LayerChunk& c : chunks) {
     if (c.layer >= static_cast<uint32_t>(config.num_layers)) {
       return absl::InvalidArgumentError(
           absl::StrFormat("layer %d out of range [0, %d)", c.layer, config.num_layers));
     }
+    if (named[c.layer]) {
+      return absl::InvalidArgumentError(absl::StrFormat("layer %d named twice", c.layer));
+    }
+    named[c.layer] = true;
     if (c.k == nullptr || c.v == nullptr) return absl::InvalidArgumentError("empty chunk payload");
     const uint16_t bound = MaxInputHalfBits(ns_->pool->layout(c.layer));
     checks.push_back({c.k, elems, bound, "k"});

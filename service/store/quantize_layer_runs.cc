@@ -26,7 +26,9 @@ bool Follows(const QuantizeAppendParams& a, const QuantizeAppendParams& b,
   stride->kv = Bytes(a.k, b.k);
   stride->pages = Bytes(a.pages, b.pages);
   stride->sink_pages = Bytes(a.sink_pages, b.sink_pages);
-  return Bytes(a.v, b.v) == stride->kv;
+  // Elements that write the same pages (one layer twice) run one after the other, in order, as
+  // they would one launch each; in one launch their writes would race.
+  return Bytes(a.v, b.v) == stride->kv && stride->pages != 0;
 }
 
 }  // namespace

@@ -24,7 +24,7 @@ struct QuantizeLayerRun {
 // the run before it when its layout equals the run's but for sign_seed, it names the same
 // num_tokens, slot_mapping and positions arrays and arena sizes, and its k, v, pages and
 // sink_pages lie one stride past the element before (the stride set by the run's second
-// element; k and v by the same one).
+// element; k and v by the same one; pages by a stride other than 0).
 std::vector<QuantizeLayerRun> QuantizeLayerRuns(absl::Span<const QuantizeAppendParams> ps);
 
 }  // namespace kvpool::store_internal

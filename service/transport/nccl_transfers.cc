@@ -447,8 +447,8 @@ absl::Status NcclTransfers::Put(const v1::NcclPutRequest& request,
   const uint64_t most_bytes =
       Fp16KvBytes(config, ids.size() / config.block_tokens * config.block_tokens);
   const uint64_t capacity = std::max(2 * most_bytes, options_.staging_bytes);
-  // As in Get, two staging buffers when there is more than one round: round i + 1 is received
-  // into one while round i is quantized from the other.
+  // Two staging buffers when there is more than one round: round i + 1 is received into one
+  // while round i is quantized from the other.
   auto plan_rounds = [&](uint64_t layer_bytes) {
     return layer_bytes > 0 ? PlanRounds(0, std::vector<uint64_t>(config.num_layers, layer_bytes),
                                         capacity, capacity)

@@ -36,8 +36,9 @@ struct TransportOptions {
   absl::Duration max_transfer_timeout = absl::Minutes(5);
   // Bytes of one staging buffer (backend memory); a round moves as many whole layers as fit
   // (at least one: a layer larger than this gets a buffer of its own size), a Get's first round
-  // as many as fit an eighth of it (gathered before any byte moves). A transfer of more than one
-  // round takes two, to gather (Get) or store (Put) one round while another moves.
+  // as many as fit an eighth of it (gathered before any byte moves). A Get whose payload fits
+  // one buffer lays its rounds side by side in it; a larger Get, and a Put of more than one
+  // round, take two, to gather (Get) or store (Put) one round while another moves.
   uint64_t staging_bytes = uint64_t{256} << 20;
   size_t max_idle_staging = 4;  // staging buffers kept for reuse
   // Device memory all staging buffers may take together (idle ones and those not yet freed

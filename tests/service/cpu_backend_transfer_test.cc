@@ -40,12 +40,21 @@ TEST(CpuBackendTransfer, QuantizeAppendFromArenaWritesNothingWhenAnElementIsBad)
   good.num_tokens = kTokens;
   good.pages = *pages;
   good.num_blocks = kBlocks;
-  QuantizeAppendParams bad = good;
-  bad.slot_mapping = bad_slots.data();
+  // Bad elements: a slot past the arena, no pages, a layout with groups that do not divide
+  // head_dim.
+  std::vector<QuantizeAppendParams> bads(3, good);
+  bads[0].slot_mapping = bad_slots.data();
+  bads[1].pages = nullptr;
+  bads[2].layout.group_size = 48;
 
-  EXPECT_EQ(cpu->QuantizeAppendFromArena({good, bad}).code(), absl::StatusCode::kInvalidArgument);
   const std::vector<uint8_t> untouched(page_bytes, 0x5a);
-  EXPECT_EQ(std::memcmp(*pages, untouched.data(), page_bytes), 0) << "the good element written";
+  for (size_t i = 0; i < bads.size(); ++i) {
+    EXPECT_EQ(cpu->QuantizeAppendFromArena({good, bads[i]}).code(),
+              absl::StatusCode::kInvalidArgument)
+        << "bad element " << i;
+    EXPECT_EQ(std::memcmp(*pages, untouched.data(), page_bytes), 0)
+        << "the good element written beside bad element " << i;
+  }
   ASSERT_TRUE(cpu->QuantizeAppendFromArena({good}).ok());
   EXPECT_NE(std::memcmp(*pages, untouched.data(), page_bytes), 0);
   cpu->FreeArena(*pages);

@@ -85,6 +85,35 @@ TEST_F(StoreTest, ArenaPutSamplesTheSameErrorAsAHostPut) {
   backend_->FreeArena(*arena);
 }
 
+TEST_F(StoreTest, ArenaChunksNamingALayerTwiceAreRefusedAndWriteNothing) {
+  const std::vector<int32_t> ids = TokenIds(8, 5);
+  MakeStore(8);
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 3);
+  const size_t layer_bytes = 8 * PerToken() * sizeof(uint16_t);
+  absl::StatusOr<uint8_t*> arena = backend_->AllocateArena(4 * layer_bytes);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto* halves = reinterpret_cast<uint16_t*>(*arena);
+  for (int i = 0; i < 2; ++i) {  // layer 0's K and V, then layer 1's
+    std::memcpy(halves + 2 * i * 8 * PerToken(), kv.k[i].data(), layer_bytes);
+    std::memcpy(halves + (2 * i + 1) * 8 * PerToken(), kv.v[i].data(), layer_bytes);
+  }
+  const uint16_t* layer0_k = halves;
+  const uint16_t* layer1_k = halves + 2 * 8 * PerToken();
+  auto session = store_->BeginPut("main", ids);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const absl::Status twice = (*session)->AddChunksFromArena(
+      0, 8, {{0, layer0_k, layer0_k + 8 * PerToken()}, {0, layer1_k, layer1_k + 8 * PerToken()}});
+  EXPECT_EQ(twice.code(), absl::StatusCode::kInvalidArgument) << twice;
+  EXPECT_EQ(store_->Stats().namespaces[0].quantized_bytes, 0u);
+  ASSERT_TRUE((*session)
+                  ->AddChunksFromArena(0, 8,
+                                       {{0, layer0_k, layer0_k + 8 * PerToken()},
+                                        {1, layer1_k, layer1_k + 8 * PerToken()}})
+                  .ok());
+  ASSERT_TRUE((*session)->Commit().ok());
+  backend_->FreeArena(*arena);
+}
+
 TEST_F(StoreTest, RawPagesAreByteIdenticalToCpuQuantizeAppend) {
   MakeStore(8);
   const std::vector<int32_t> ids = TokenIds(8, 9);

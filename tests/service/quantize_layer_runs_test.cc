@@ -71,6 +71,17 @@ TEST(QuantizeLayerRuns, SplitsAtAnyDifferenceButTheSeed) {
   EXPECT_EQ(split_at_3([](QuantizeAppendParams& p) { p.v += 8; }), want);
 }
 
+TEST(QuantizeLayerRuns, KeepsElementsThatWriteTheSamePagesApart) {
+  // One layer named three times, its K and V at the staging stride: three runs, which write in
+  // order, never in one launch.
+  std::vector<uint8_t> memory(4 << 20);
+  const int64_t slots[4] = {0, 1, 2, 3};
+  std::vector<QuantizeAppendParams> ps = Round(3, slots, memory.data());
+  for (QuantizeAppendParams& p : ps) p.pages = ps[0].pages;
+  EXPECT_EQ(QuantizeLayerRuns(ps),
+            (std::vector<QuantizeLayerRun>{{0, 1, {}}, {1, 1, {}}, {2, 1, {}}}));
+}
+
 TEST(QuantizeLayerRuns, TakesAtMostTheLaunchsLayers) {
   std::vector<uint8_t> memory(8 << 20);
   const int64_t slots[4] = {0, 1, 2, 3};
