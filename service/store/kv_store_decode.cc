@@ -220,16 +220,20 @@ absl::Status StoreImpl::ReadRaw(uint64_t lease_id, uint32_t layer, uint32_t bloc
                     });
 }
 
-absl::Status StoreImpl::ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t head_begin,
-                                     uint32_t head_end, uint8_t* k, uint8_t* v) {
-  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
-  // Refused before the read, which would renew the lease.
+absl::Status StoreImpl::CheckKeepsSinks(uint64_t lease_id) {
   absl::StatusOr<LeaseView> lease = DescribeLease(lease_id);
   if (!lease.ok()) return lease.status();
   if (lease->info.config.sink_tokens == 0) {
     return absl::FailedPreconditionError(
         absl::StrFormat("namespace %s keeps no sink tokens", lease->info.config.name));
   }
+  return absl::OkStatus();
+}
+
+absl::Status StoreImpl::ReadRawSinks(uint64_t lease_id, uint32_t layer, uint32_t head_begin,
+                                     uint32_t head_end, uint8_t* k, uint8_t* v) {
+  if (k == nullptr || v == nullptr) return absl::InvalidArgumentError("null output buffer");
+  if (absl::Status s = CheckKeepsSinks(lease_id); !s.ok()) return s;
   return PinnedRead(
       lease_id, layer, layer + 1, 0, 1, head_begin, head_end,
       [&](const ReadPlan& plan) -> absl::Status {
@@ -254,12 +258,12 @@ absl::Status StoreImpl::ReadRawToArena(uint64_t lease_id, uint32_t layer_begin, 
   if (sinks && block_begin != 0) {
     return absl::FailedPreconditionError("sink rows are read only from a sequence's first block");
   }
+  if (sinks) {
+    if (absl::Status s = CheckKeepsSinks(lease_id); !s.ok()) return s;
+  }
   return PinnedRead(
       lease_id, layer_begin, layer_end, block_begin, num_blocks, head_begin, head_end,
       [&](const ReadPlan& plan) -> absl::Status {
-        if (sinks && plan.pool->layout(layer_begin).sink_tokens == 0) {
-          return absl::FailedPreconditionError("the namespace keeps no sink tokens");
-        }
         std::vector<ComputeBackend::ArenaRun> runs;
         runs.reserve(size_t{2} * (layer_end - layer_begin) * plan.ids.size());
         for (uint32_t layer = layer_begin; layer < layer_end; ++layer) {

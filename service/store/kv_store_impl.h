@@ -183,6 +183,9 @@ class StoreImpl final : public KvStore {
   absl::Status PinnedRead(uint64_t lease_id, uint32_t layer_begin, uint32_t layer_end,
                           uint32_t block_begin, uint32_t num_blocks, uint32_t head_begin,
                           uint32_t head_end, ReadFn&& read) ABSL_LOCKS_EXCLUDED(mu_);
+  // FAILED_PRECONDITION when lease `lease_id`'s namespace keeps no sink tokens (NOT_FOUND for no
+  // such lease), checked before a read of sink rows, which would renew the lease.
+  absl::Status CheckKeepsSinks(uint64_t lease_id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // One append of `num_tokens` tokens to a lease's tail at one layer.
   struct AppendPlan {

@@ -323,6 +323,8 @@ absl::Status NcclTransfers::Get(const v1::NcclGetRequest& request,
   d.set_block_tokens(config.block_tokens);
   d.set_num_heads(heads);
   if (num_blocks == 0) {  // nothing cached (a Match that hit nothing): no layer, no data moves
+    // The checks passed: the lease is renewed here, as the reads renew it otherwise.
+    if (absl::Status s = store_->RenewLease(request.lease_id()); !s.ok()) return s;
     if (absl::Status s = emit(first); !s.ok()) return s;
     v1::NcclGetResponse last;
     last.mutable_done()->set_bytes(0);

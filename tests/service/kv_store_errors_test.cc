@@ -163,6 +163,11 @@ TEST_F(StoreErrorsTest, RefusedCallsDoNotRenewTheirLeases) {
   std::vector<uint8_t> sink_k(1 << 16), sink_v(1 << 16);  // the namespace keeps no sinks
   EXPECT_EQ(store_->ReadRawSinks(lease_, 0, 0, 2, sink_k.data(), sink_v.data()).code(),
             StatusCode::kFailedPrecondition);
+  absl::StatusOr<uint8_t*> arena = backend_->AllocateArena(1 << 16);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_EQ(store_->ReadRawToArena(lease_, 0, 2, 0, 1, 0, 2, /*sinks=*/true, *arena).code(),
+            StatusCode::kFailedPrecondition);
+  backend_->FreeArena(*arena);
   clock_.Advance(absl::Seconds(6));
   EXPECT_EQ(store_->DescribeLease(lease_).status().code(), StatusCode::kNotFound);
 

@@ -220,12 +220,14 @@ TEST_F(TransportProtocolTest, GetRefusesTooSmallBufferWithoutBreakingChannel) {
 TEST_F(TransportProtocolTest, GetOfALeaseWithoutBlocksSendsNoLayerAndSucceeds) {
   MakeStore(32);
   StartService();
-  auto empty = store_->Match("main", TokenIds(8, 77), absl::ZeroDuration());
+  auto empty = store_->Match("main", TokenIds(8, 77), absl::Milliseconds(1000));
   ASSERT_TRUE(empty.ok()) << empty.status();
   ASSERT_EQ(empty->num_blocks, 0u);
   TestWorker w(stub_.get(), &network_);
   ASSERT_TRUE(w.Open().ok());
+  // Each Get renews the lease (1 s TTL), as the gRPC Get that reads nothing does: 2 s pass.
   for (const v1::GetFormat format : {v1::GET_FORMAT_RAW, v1::GET_FORMAT_FP16}) {
+    clock_.Advance(absl::Milliseconds(999));
     v1::NcclGetDescriptor header;
     std::vector<uint8_t> buf;
     const absl::Status s = w.Get(NcclGetOf(empty->lease_id, format), &header, &buf);
