@@ -238,6 +238,10 @@ int Run(const std::vector<std::string>& args) {
     std::fprintf(stderr, "kvpool: --q_heads_per_kv_head must be at least 1\n");
     return 2;
   }
+  if (absl::GetFlag(FLAGS_deadline_ms) <= 0 || absl::GetFlag(FLAGS_session_deadline_ms) <= 0) {
+    std::fprintf(stderr, "kvpool: --deadline_ms and --session_deadline_ms must be positive\n");
+    return 2;
+  }
   if (cmd == "bench put") return RunBenchPut();
   if (cmd == "bench attend") return RunBenchAttend();
   if (cmd == "demo") return RunDemo();

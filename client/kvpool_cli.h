@@ -21,6 +21,8 @@ ABSL_DECLARE_FLAG(std::string, namespace);
 ABSL_DECLARE_FLAG(int32_t, tokens);
 ABSL_DECLARE_FLAG(uint64_t, seed);
 ABSL_DECLARE_FLAG(int32_t, q_heads_per_kv_head);
+ABSL_DECLARE_FLAG(int32_t, deadline_ms);
+ABSL_DECLARE_FLAG(int32_t, session_deadline_ms);
 
 namespace kvpool::cli {
 

@@ -18,7 +18,8 @@ ABSL_FLAG(int32_t, q_heads_per_kv_head, 4, "query heads per KV head (GQA group) 
 ABSL_FLAG(int32_t, deadline_ms, 60000,
           "deadline of each RPC (Put and Get streams: the whole stream)");
 ABSL_FLAG(int32_t, session_deadline_ms, 3600000,
-          "deadline of a whole AttendStream or AttendSocket session (its many steps)");
+          "deadline of a whole AttendStream or AttendSocket session (its many steps); also the "
+          "TTL `bench attend` asks for its leases (the server caps it at its --max_lease_ttl_ms)");
 ABSL_FLAG(int64_t, attend_spin_us, 500,
           "how long an AttendStream step polls for its response before blocking (0 = block)");
 ABSL_FLAG(int32_t, attend_socket_port, 0,
@@ -30,8 +31,8 @@ ABSL_FLAG(std::string, attend_unix_socket, "",
 ABSL_FLAG(uint64_t, attend_region_bytes, uint64_t{16} << 20,
           "size of the shared-memory region of --attend_unix_socket sessions");
 ABSL_FLAG(bool, wait_for_ready, true,
-          "calls wait (up to --deadline_ms) for the server to accept a connection instead of "
-          "failing at the first connect error");
+          "calls wait (up to their deadline: --deadline_ms, --session_deadline_ms for sessions) "
+          "for the server to accept a connection instead of failing at the first connect error");
 
 namespace kvpool::cli {
 

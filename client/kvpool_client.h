@@ -190,7 +190,9 @@ class ShardedKvPoolClient {
  public:
   // INVALID_ARGUMENT when `targets` is empty or has duplicates, or when the options' AttendSocket
   // would send some shard's sessions to another shard's server: an attend_unix_socket with more
-  // than one target, or an attend_socket_port with two targets on one host.
+  // than one target, or an attend_socket_port with two targets that name the same host (as
+  // written: "localhost" and "127.0.0.1" are not resolved to one host, and such a pair's
+  // sessions get NOT_FOUND for the other shard's leases at their first step).
   static absl::StatusOr<std::unique_ptr<ShardedKvPoolClient>> Create(
       std::vector<std::string> targets, const ClientOptions& options = {});
 
