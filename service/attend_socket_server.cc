@@ -116,7 +116,10 @@ void AttendSocketServer::Shutdown() {
     if (stopping_) return;
     stopping_ = true;
     accepting_ = false;
-    for (Session& s : sessions_) s.conn->Shutdown();
+    for (Session& s : sessions_) {
+      s.cut.store(true, std::memory_order_release);
+      s.conn->Shutdown();
+    }
   }
   StopAccepting();
   // Joined without mu_, which each session takes as it ends.
@@ -289,6 +292,13 @@ void AttendSocketServer::Serve(Session* session) {
     }
     // The size WriteMessage computed, not walked again.
     metrics_.session.Sent(attend_socket::kHeaderBytes + response.GetCachedSize());
+  }
+  // A session the server cut (its shutdown's grace ended) ended so, whatever its socket said
+  // (a read of the shut socket looks like the client closing it): CANCELLED, as an AttendStream
+  // the drain ends, and nothing more can be sent.
+  if (session->cut.load(std::memory_order_acquire)) {
+    end = absl::CancelledError("AttendSocket: the server shut down");
+    tell_peer = false;
   }
   // Counted first: a client that has the status or sees the close also sees the session counted.
   metrics_.session.Finished(static_cast<grpc::StatusCode>(end.code()), absl::Now() - start);

@@ -95,6 +95,7 @@ class AttendSocketServer {
     std::unique_ptr<attend_socket::FrameConnection> conn;
     std::thread thread;
     std::atomic<bool> done{false};  // set under mu_ (AwaitSessions waits on it)
+    std::atomic<bool> cut{false};   // Shutdown shut its socket
   };
 
   // A session's region: mapped, pinned by the backend, counted in regions_bytes_.

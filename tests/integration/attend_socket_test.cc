@@ -397,7 +397,8 @@ TEST(AttendSocket, ShutdownDrainsOpenSessions) {
   EXPECT_LT(absl::Now() - stepped_last, absl::Seconds(5));
 }
 
-// A session still open when the grace ends is cut then.
+// A session still open when the grace ends is cut then, and counted CANCELLED (not as a client
+// that closed its session).
 TEST(AttendSocket, ShutdownCutsSessionsOpenPastTheGrace) {
   SocketFixture s = StartSocket(/*sequences=*/1);
   ASSERT_NE(s.f.server, nullptr);
@@ -409,6 +410,8 @@ TEST(AttendSocket, ShutdownCutsSessionsOpenPastTheGrace) {
   EXPECT_GE(absl::Now() - start, absl::Milliseconds(300));
   EXPECT_LT(absl::Now() - start, absl::Seconds(10));
   EXPECT_FALSE((*open)->Step(AttendRequestFor(s.f, s.f.leases[0], 2)).ok());
+  EXPECT_EQ(MetricCount(s, "AttendSocket", "CANCELLED"), 1);
+  EXPECT_EQ(MetricCount(s, "AttendSocket", "OK"), 0);
 }
 
 TEST(AttendSocket, ShutdownEndsOpenSessionsWithoutHanging) {
