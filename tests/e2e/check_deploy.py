@@ -464,6 +464,7 @@ def check_with_helm(report):
                             [{"name": "attend-socket", "emptyDir": {}}])
         report.expect_equal(where, "extra containers", pod["containers"][1:], [worker])
     # Ports turned off (-1) leave no port, Service port or scrape of theirs.
+    helm_template(report, where, "flags.attend_unix_socket=/tmp/attend.sock")  # /tmp is writable
     closed = helm_template(report, where, "flags.metrics_port=-1", "flags.attend_socket_port=-1",
                            "serviceMonitor.enabled=true")
     if closed is not None:
@@ -474,10 +475,12 @@ def check_with_helm(report):
         kinds = sorted(d["kind"] for d in closed)
         if "ServiceMonitor" in kinds or kinds.count("Service") != 1:
             report.error(where, f"metrics objects rendered with metrics_port=-1: {kinds}")
-    # Servers of one node would share a hostPath socket unless its name holds the pod's.
+    # Servers of one node would share a hostPath socket unless its name holds the pod's; without a
+    # socket directory the server can create its socket only in its writable mounts.
     for bad in (["attendSocketDir.type=emptyDir", "flags.attend_unix_socket=/tmp/attend.sock"],
                 ["attendSocketDir.type=nfs", socket],
-                ["attendSocketDir.type=hostPath", socket]):
+                ["attendSocketDir.type=hostPath", socket],
+                [socket]):
         argv = ["helm", "template", "kvpool", str(CHART)] + [a for b in bad for a in ("--set", b)]
         if subprocess.run(argv, capture_output=True, cwd=ROOT).returncode == 0:
             report.error(where, f"helm template accepted {' '.join(bad)}")
