@@ -1,5 +1,4 @@
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -20,15 +19,17 @@ constexpr uint64_t kMessageOverheadBytes = 1024;
 // strings keep their capacity.
 class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
  public:
-  GetReactor(KvStore* store, const ServiceOptions* options, std::atomic<uint64_t>* open_gets,
-             RpcMetrics::Method* metrics, const v1::GetRequest* request)
+  GetReactor(grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
+             IdleStreams* streams, RpcMetrics::Method* metrics, const v1::GetRequest* request)
       : store_(store),
         options_(options),
-        open_gets_(open_gets),
+        streams_(streams),
+        stream_(ctx),
         metrics_(metrics),
         request_(*request) {
     metrics_->Received(request->ByteSizeLong());
-    if (open_gets_->fetch_add(1, std::memory_order_relaxed) >= options_->max_get_streams) {
+    streams_->Add(&stream_);
+    if (streams_->size() > options_->max_get_streams) {  // this one included
       FinishWith(absl::ResourceExhaustedError(absl::StrCat(
           "more than ", options_->max_get_streams, " Get streams open (--max_get_streams)")));
       return;
@@ -43,14 +44,20 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
 
   void OnWriteDone(bool ok) override {
     if (!ok) {
-      FinishWith(absl::CancelledError("Get stream closed by the client"));
+      FinishWith(stream_.cancelled_idle()
+                     ? absl::DeadlineExceededError(
+                           absl::StrCat("Get stream's client took no message for over ",
+                                        absl::FormatDuration(options_->get_stall_timeout),
+                                        " (--get_stall_timeout_ms): cancelled"))
+                     : absl::CancelledError("Get stream closed by the client"));
       return;
     }
+    streams_->Touch(&stream_);
     Next();
   }
 
   void OnDone() override {
-    open_gets_->fetch_sub(1, std::memory_order_relaxed);
+    streams_->Remove(&stream_);
     delete this;
   }
 
@@ -209,7 +216,8 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
 
   KvStore* const store_;
   const ServiceOptions* const options_;
-  std::atomic<uint64_t>* const open_gets_;
+  IdleStreams* const streams_;
+  IdleStreams::Stream stream_;
   RpcMetrics::Method* const metrics_;
   const v1::GetRequest request_;
   const absl::Time start_ = absl::Now();
@@ -226,12 +234,10 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
 
 }  // namespace
 
-grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(KvStore* store,
-                                                         const ServiceOptions* options,
-                                                         std::atomic<uint64_t>* open_gets,
-                                                         RpcMetrics::Method* metrics,
-                                                         const v1::GetRequest* request) {
-  return new GetReactor(store, options, open_gets, metrics, request);
+grpc::ServerWriteReactor<v1::GetResponse>* NewGetReactor(
+    grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
+    IdleStreams* streams, RpcMetrics::Method* metrics, const v1::GetRequest* request) {
+  return new GetReactor(ctx, store, options, streams, metrics, request);
 }
 
 }  // namespace kvpool

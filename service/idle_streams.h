@@ -1,8 +1,10 @@
-// The Put streams in progress, so that the server's sweep can cancel those that went idle: a Put
-// pins every block of its sequence from its header on, and a client that stalls (or a connection
-// that died without a close) would otherwise hold them for good.
-#ifndef KVPOOL_SERVICE_PUT_STREAMS_H_
-#define KVPOOL_SERVICE_PUT_STREAMS_H_
+// The streams in progress whose client could hold them open for good by stalling (or through a
+// connection that died without a close), so that the server's sweep can cancel those that went
+// idle: a Put pins every block of its sequence from its header on; a Get whose client stops
+// reading keeps its --max_get_streams slot and a message of up to --get_chunk_bytes. Each stream
+// records when it last made progress (a Put's message arrived, a Get's message was taken).
+#ifndef KVPOOL_SERVICE_IDLE_STREAMS_H_
+#define KVPOOL_SERVICE_IDLE_STREAMS_H_
 
 #include <cstddef>
 
@@ -15,7 +17,7 @@
 
 namespace kvpool {
 
-class PutStreams {
+class IdleStreams {
  public:
   // One stream's record, owned by its reactor: registered while the stream is open.
   class Stream {
@@ -28,26 +30,27 @@ class PutStreams {
     }
 
    private:
-    friend class PutStreams;
+    friend class IdleStreams;
     grpc::CallbackServerContext* const ctx_;
     mutable absl::Mutex mu_;
-    absl::Time last_message_ ABSL_GUARDED_BY(mu_);
+    absl::Time last_progress_ ABSL_GUARDED_BY(mu_);
     bool cancelled_idle_ ABSL_GUARDED_BY(mu_) = false;
   };
 
   // `clock` (null: SystemClock()) must outlive this.
-  explicit PutStreams(Clock* clock);
+  explicit IdleStreams(Clock* clock);
 
   // Registers a stream that has just opened; until Remove, the sweep may cancel it.
   void Add(Stream* stream);
-  // A message arrived on the stream.
+  // The stream made progress.
   void Touch(Stream* stream);
   // Before the stream's reactor is deleted.
   void Remove(Stream* stream);
   // Streams open now.
   size_t size();
-  // Cancels every stream with no message for longer than `idle` (TryCancel: the reactor's pending
-  // read then fails and it ends the call without committing). Returns how many.
+  // Cancels every stream without progress for longer than `idle` (TryCancel: the reactor's
+  // pending read or write then fails, and it ends the call; a Put commits nothing). Returns how
+  // many.
   int CancelIdle(absl::Duration idle);
 
  private:
@@ -58,4 +61,4 @@ class PutStreams {
 
 }  // namespace kvpool
 
-#endif  // KVPOOL_SERVICE_PUT_STREAMS_H_
+#endif  // KVPOOL_SERVICE_IDLE_STREAMS_H_

@@ -35,6 +35,7 @@ KvPoolService::KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceO
     : store_(store),
       options_(options),
       put_streams_(clock),
+      get_streams_(clock),
       create_namespace_(metrics->ForMethod("CreateNamespace")),
       list_namespaces_(metrics->ForMethod("ListNamespaces")),
       put_(metrics->ForMethod("Put")),
@@ -73,10 +74,15 @@ grpc::ServerReadReactor<v1::PutRequest>* KvPoolService::Put(grpc::CallbackServer
   return NewPutReactor(ctx, store_, &options_, &put_streams_, &put_, response);
 }
 
-int KvPoolService::CancelIdlePuts() {
-  return options_.put_idle_timeout > absl::ZeroDuration()
-             ? put_streams_.CancelIdle(options_.put_idle_timeout)
-             : 0;
+int KvPoolService::CancelIdleStreams() {
+  int cancelled = 0;
+  if (options_.put_idle_timeout > absl::ZeroDuration()) {
+    cancelled += put_streams_.CancelIdle(options_.put_idle_timeout);
+  }
+  if (options_.get_stall_timeout > absl::ZeroDuration()) {
+    cancelled += get_streams_.CancelIdle(options_.get_stall_timeout);
+  }
+  return cancelled;
 }
 
 grpc::ServerUnaryReactor* KvPoolService::Match(grpc::CallbackServerContext* ctx,
@@ -96,9 +102,9 @@ grpc::ServerUnaryReactor* KvPoolService::Match(grpc::CallbackServerContext* ctx,
   });
 }
 
-grpc::ServerWriteReactor<v1::GetResponse>* KvPoolService::Get(grpc::CallbackServerContext*,
+grpc::ServerWriteReactor<v1::GetResponse>* KvPoolService::Get(grpc::CallbackServerContext* ctx,
                                                               const v1::GetRequest* request) {
-  return NewGetReactor(store_, &options_, &open_gets_, &get_, request);
+  return NewGetReactor(ctx, store_, &options_, &get_streams_, &get_, request);
 }
 
 grpc::ServerUnaryReactor* KvPoolService::Append(grpc::CallbackServerContext* ctx,

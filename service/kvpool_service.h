@@ -7,11 +7,10 @@
 #ifndef KVPOOL_SERVICE_KVPOOL_SERVICE_H_
 #define KVPOOL_SERVICE_KVPOOL_SERVICE_H_
 
-#include <atomic>
 #include <cstdint>
 
 #include "kvpool/v1/kvpool.grpc.pb.h"
-#include "service/put_streams.h"
+#include "service/idle_streams.h"
 #include "service/rpc_metrics.h"
 #include "service/service_options.h"
 #include "service/store/kv_store.h"
@@ -31,13 +30,14 @@ using KvPoolServiceBase = v1::KvPool::WithCallbackMethod_CreateNamespace<
 class KvPoolService final : public KvPoolServiceBase {
  public:
   // `store` and `metrics` must outlive the service and every call it started.
-  // `clock` (null: SystemClock()) times the Put streams' idleness.
+  // `clock` (null: SystemClock()) times the Put and Get streams' idleness.
   KvPoolService(KvStore* store, RpcMetrics* metrics, const ServiceOptions& options,
                 Clock* clock = nullptr);
 
-  // Cancels the Put streams idle for longer than ServiceOptions::put_idle_timeout (none when it
-  // is zero); the server's sweep calls it. Returns how many.
-  int CancelIdlePuts();
+  // Cancels the Put streams idle for longer than ServiceOptions::put_idle_timeout and the Get
+  // streams stalled for longer than ServiceOptions::get_stall_timeout (neither when zero); the
+  // server's sweep calls it. Returns how many.
+  int CancelIdleStreams();
 
   grpc::ServerUnaryReactor* CreateNamespace(grpc::CallbackServerContext* ctx,
                                             const v1::CreateNamespaceRequest* request,
@@ -63,8 +63,8 @@ class KvPoolService final : public KvPoolServiceBase {
  private:
   KvStore* const store_;
   const ServiceOptions options_;
-  PutStreams put_streams_;
-  std::atomic<uint64_t> open_gets_{0};  // Get streams open now
+  IdleStreams put_streams_;
+  IdleStreams get_streams_;
   RpcMetrics::Method create_namespace_;
   RpcMetrics::Method list_namespaces_;
   RpcMetrics::Method put_;

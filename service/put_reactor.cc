@@ -6,8 +6,8 @@
 #include "absl/time/clock.h"
 #include "absl/types/span.h"
 #include "grpcpp/server_context.h"
+#include "service/idle_streams.h"
 #include "service/proto_convert.h"
-#include "service/put_streams.h"
 #include "service/stream_reactors.h"
 
 namespace kvpool {
@@ -18,7 +18,7 @@ namespace {
 class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
  public:
   PutReactor(grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
-             PutStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response)
+             IdleStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response)
       : ctx_(ctx),
         store_(store),
         options_(options),
@@ -142,8 +142,8 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
   grpc::CallbackServerContext* const ctx_;
   KvStore* const store_;
   const ServiceOptions* const options_;
-  PutStreams* const streams_;
-  PutStreams::Stream stream_;
+  IdleStreams* const streams_;
+  IdleStreams::Stream stream_;
   RpcMetrics::Method* const metrics_;
   v1::PutResponse* const response_;
   const absl::Time start_ = absl::Now();
@@ -157,7 +157,7 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
 
 grpc::ServerReadReactor<v1::PutRequest>* NewPutReactor(
     grpc::CallbackServerContext* ctx, KvStore* store, const ServiceOptions* options,
-    PutStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response) {
+    IdleStreams* streams, RpcMetrics::Method* metrics, v1::PutResponse* response) {
   return new PutReactor(ctx, store, options, streams, metrics, response);
 }
 

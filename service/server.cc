@@ -142,7 +142,7 @@ std::shared_ptr<grpc::Channel> Server::InProcessChannel() {
 
 void Server::Sweep() {
   store_->ExpireLeases();
-  service_->CancelIdlePuts();
+  service_->CancelIdleStreams();
   if (transport_service_ != nullptr) transport_service_->channels().ExpireIdle();
 }
 

@@ -1,7 +1,7 @@
 // The kvpool server assembled: compute backend, store (with its start-up namespaces), gRPC
 // server (KvPool service, KvPoolTransport (the NCCL data plane) on a CUDA backend built with
 // NCCL, grpc.health.v1, server reflection), the AttendSocket listener, the /metrics exposer and
-// a sweeper thread (expired leases, idle Put streams).
+// a sweeper thread (expired leases, idle Put streams, stalled Get streams).
 // Shutdown is graceful: health turns NOT_SERVING, no new RPC or AttendSocket connection is taken,
 // in-flight RPCs and open AttendSocket sessions drain until the deadline, then the rest are
 // cancelled.
@@ -59,7 +59,7 @@ struct ServerOptions {
   TransportOptions transport;
   int max_message_bytes = 64 << 20;
   // Period of the sweeper (Sweep); zero disables it (leases still expire lazily on every call,
-  // but idle Put streams are then never cancelled).
+  // but idle Put streams and stalled Get streams are then never cancelled).
   absl::Duration lease_sweep_interval = absl::Seconds(1);
 };
 
@@ -91,8 +91,9 @@ class Server {
   void Shutdown(absl::Duration grace);
 
   // What the sweeper thread does every lease_sweep_interval: drops expired leases, cancels the
-  // Put streams idle for longer than ServiceOptions::put_idle_timeout and aborts the NCCL
-  // channels idle past their timeout.
+  // Put streams idle for longer than ServiceOptions::put_idle_timeout and the Get streams
+  // stalled for longer than ServiceOptions::get_stall_timeout, and aborts the NCCL channels idle
+  // past their timeout.
   void Sweep();
 
  private:

@@ -96,10 +96,14 @@ ABSL_FLAG(uint32_t, get_chunk_bytes, (4u << 20) - 1024,
           "default 4 MiB receive limit)");
 ABSL_FLAG(int64_t, put_idle_timeout_ms, 60000,
           "a Put stream with no message for longer is cancelled and its blocks freed (0 = never)");
+ABSL_FLAG(int64_t, get_stall_timeout_ms, 60000,
+          "a Get stream whose client takes no message for longer (it stopped reading) is "
+          "cancelled, freeing its --max_get_streams slot (0 = never)");
 ABSL_FLAG(int64_t, shutdown_grace_ms, 10000,
           "time in-flight RPCs and open AttendSocket sessions get to finish on shutdown");
 ABSL_FLAG(int64_t, lease_sweep_ms, 1000,
-          "period of the sweep of expired leases and idle Put streams (0 = off)");
+          "period of the sweep of expired leases, idle Put streams and stalled Get streams (0 = "
+          "off)");
 
 namespace kvpool {
 namespace {
@@ -143,6 +147,9 @@ absl::Status CheckFlags() {
   }
   if (absl::GetFlag(FLAGS_max_message_bytes) <= 0) {
     return absl::InvalidArgumentError("--max_message_bytes must be positive");
+  }
+  if (absl::GetFlag(FLAGS_attend_socket_idle_timeout_ms) <= 0) {  // 0 would time out every read
+    return absl::InvalidArgumentError("--attend_socket_idle_timeout_ms must be positive");
   }
   const std::pair<const char*, double> fractions[] = {
       {"pool_memory_fraction", absl::GetFlag(FLAGS_pool_memory_fraction)},
@@ -194,6 +201,7 @@ int Run() {
   options.service.max_get_streams = absl::GetFlag(FLAGS_max_get_streams);
   options.service.get_chunk_bytes = absl::GetFlag(FLAGS_get_chunk_bytes);
   options.service.put_idle_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_put_idle_timeout_ms));
+  options.service.get_stall_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_get_stall_timeout_ms));
   options.attend.threads = absl::GetFlag(FLAGS_attend_threads);
   options.attend.spin = absl::Microseconds(absl::GetFlag(FLAGS_attend_spin_us));
   const int attend_socket_port = absl::GetFlag(FLAGS_attend_socket_port);

@@ -27,6 +27,10 @@ struct ServiceOptions {
   // A Put stream with no message for longer is cancelled by the server's sweep, and its blocks
   // freed; zero = never.
   absl::Duration put_idle_timeout = absl::Minutes(1);
+  // A Get stream whose client has taken no message for longer (one written and not yet sent:
+  // the client stopped reading) is cancelled by the server's sweep, freeing its slot among
+  // max_get_streams; zero = never.
+  absl::Duration get_stall_timeout = absl::Minutes(1);
 };
 
 }  // namespace kvpool

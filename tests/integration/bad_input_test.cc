@@ -384,6 +384,51 @@ TEST(BadInputLimits, GetStreamsPastTheLimitAreRefused) {
   EXPECT_TRUE(served);
 }
 
+// A Get whose client stops reading holds its slot among max_get_streams only until the sweep finds
+// it without a message taken for longer than get_stall_timeout: then it is cancelled (counted
+// DEADLINE_EXCEEDED) and a new Get goes through.
+TEST(BadInputLimits, StalledGetIsCancelledAndFreesItsSlot) {
+  const NamespaceConfig c = SmallNamespace("small", 0);
+  auto t = TestServer::Start({c}, [](ServerOptions* o) {
+    o->service.max_get_streams = 1;
+    o->service.get_stall_timeout = absl::Minutes(1);
+    o->service.get_chunk_bytes = 1;  // one block a message: 8 messages, more than any buffer
+  });
+  ASSERT_NE(t, nullptr);
+  const Sequence s = MakeSequence(c, 64, 1, 16);
+  v1::PutResponse put;
+  ASSERT_TRUE(PutSequence(t->stub.get(), "small", s, c.num_kv_heads * c.head_dim, 16, &put).ok());
+  v1::GetRequest get;  // of a lease that outlives the test's 61 s
+  get.set_lease_id(MatchOk(t->stub.get(), "small", s, 600000).lease_id());
+  grpc::ClientContext stalled_ctx;  // reads one message, then nothing
+  stalled_ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  std::unique_ptr<grpc::ClientReader<v1::GetResponse>> stalled = t->stub->Get(&stalled_ctx, get);
+  v1::GetResponse first;
+  ASSERT_TRUE(stalled->Read(&first));
+  std::vector<v1::GetResponse> got;
+  t->clock.Advance(absl::Seconds(59));
+  t->server->Sweep();
+  EXPECT_EQ(ReadAll(t->stub.get(), get, &got).error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+      << "cancelled before get_stall_timeout";
+  t->clock.Advance(absl::Seconds(2));
+  t->server->Sweep();
+  bool served = false;
+  for (int i = 0; i < 500 && !served; ++i) {  // the stalled stream's end reaches the server
+    got.clear();
+    served = ReadAll(t->stub.get(), get, &got).ok();
+    if (!served) absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_TRUE(served);
+  EXPECT_EQ(got.size(), 8u);
+  while (stalled->Read(&first)) {
+  }
+  EXPECT_EQ(stalled->Finish().error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_NE(t->server->registry()->Serialize().find(
+                "kvpool_rpc_duration_seconds_count{method=\"Get\",code=\"DEADLINE_EXCEEDED\"} 1\n"),
+            std::string::npos)
+      << t->server->registry()->Serialize();
+}
+
 // A Get whose one block (K and V) would not fit a message is refused before anything is read,
 // with a message that names the limit; the same Get of fewer heads goes through.
 TEST(BadInputLimits, GetOfBlocksLargerThanAMessageIsRefusedUpFront) {
