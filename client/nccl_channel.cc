@@ -27,6 +27,11 @@ namespace {
 
 constexpr int kServerRank = 0;
 constexpr absl::Duration kPollInterval = absl::Microseconds(20);
+// How long a transfer's copies may still run once the server has ended the call with an error. A
+// server that refuses a Put's contents receives every byte first (to stay in step) and keeps its
+// channel: this end's sends complete just after, and aborting it for the status alone would break
+// a working channel. Copies still running past this mean the server stopped moving data.
+constexpr absl::Duration kServerFailedGrace = absl::Milliseconds(100);
 
 absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
@@ -209,8 +214,9 @@ class NcclChannelImpl final : public NcclChannel {
 
  private:
   // ncclSend (send) or ncclRecv of every segment to/from the server in one group, then polls
-  // until done; any failure, or `server_failed()` turning true (the server ended the call with an
-  // error), aborts the communicator.
+  // until done; any failure, or the copies still running kServerFailedGrace after
+  // `server_failed()` turned true (the server ended the call with an error), aborts the
+  // communicator.
   absl::Status RunLocked(const std::vector<Segment>& segments, bool send, absl::Time deadline,
                          const std::function<bool()>& server_failed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -233,13 +239,20 @@ class NcclChannelImpl final : public NcclChannel {
       AbortLocked();
       return absl::InternalError("cudaEventRecord failed");
     }
+    absl::Time give_up = deadline;  // kServerFailedGrace after server_failed(), if sooner
+    bool server_ended = false;
     while (true) {
       const cudaError_t q = cudaEventQuery(done_);
       if (q == cudaSuccess) return absl::OkStatus();
       ncclResult_t state = ncclSuccess;
       ncclCommGetAsyncError(comm_, &state);
+      const absl::Time now = absl::Now();
+      if (!server_ended && server_failed()) {
+        server_ended = true;
+        give_up = std::min(give_up, now + kServerFailedGrace);
+      }
       if (q != cudaErrorNotReady || (state != ncclSuccess && state != ncclInProgress) ||
-          absl::Now() > deadline || server_failed()) {
+          now > give_up) {
         AbortLocked();
         return absl::UnavailableError("NCCL transfer failed or timed out; channel aborted");
       }

@@ -1,10 +1,11 @@
 // The NCCL data plane between two processes on two GPUs: the server (KvStore on the CUDA backend,
 // KvPool and KvPoolTransport over TCP) runs here on GPU 0; a worker (this binary started again,
 // NcclWorker.Main) joins on GPU 1. Checks: an NcclPut stores exactly what the host Put path
-// stores; repeated NcclGets (over 4 GiB in all) deliver byte-exact FP16 and RAW payloads (RAW with
-// each layer's sink rows: the namespace keeps 4 sink tokens); a worker killed in the middle of a
-// Get neither hangs nor crashes the server, which then serves the next worker. Skips with a message
-// on a machine with fewer than two GPUs.
+// stores, and one the server refuses for a NaN leaves the channel healthy; repeated NcclGets
+// (over 4 GiB in all) deliver byte-exact FP16 and RAW payloads (RAW with each layer's sink rows:
+// the namespace keeps 4 sink tokens); a worker killed in the middle of a Get neither hangs nor
+// crashes the server, which then serves the next worker. Skips with a message on a machine with
+// fewer than two GPUs.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -121,6 +122,18 @@ TEST(NcclWorker, Main) {
                         absl::Seconds(120));
     ASSERT_TRUE(put.ok()) << put.status();
     EXPECT_EQ(put->tokens_stored(), kTokens);
+    // A Put whose contents the server refuses (a NaN): INVALID_ARGUMENT, and the channel, which
+    // the server keeps (it receives every byte first), stays healthy for the transfers below.
+    const uint16_t nan = 0x7E00;
+    ASSERT_EQ(cudaMemcpy(buffer + 2, &nan, sizeof(nan), cudaMemcpyHostToDevice), cudaSuccess);
+    const std::vector<int32_t> refused_ids = nccl_test::SequenceTokens(kSeed + 2, kTokens);
+    EXPECT_EQ((*channel)
+                  ->Put(kNs, refused_ids, config.num_layers, buffer, buffer + capacity / 2,
+                        token_bytes, absl::Seconds(120))
+                  .status()
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE((*channel)->healthy());
     std::unique_ptr<client::KvPoolClient> kv = client::KvPoolClient::Create(target);
     absl::StatusOr<v1::MatchResponse> match = kv->Match(kNs, ids, absl::Minutes(10));
     ASSERT_TRUE(match.ok()) << match.status();
