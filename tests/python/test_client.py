@@ -102,6 +102,21 @@ def test_a_stream_left_on_an_exception_leaves_no_thread_behind(client):
     assert threading.active_count() <= before
 
 
+def test_a_failed_stream_step_ends_its_thread_without_close(client):
+    """A step that fails ends the call: gRPC's request-consuming thread ends too, although the
+    stream is dropped without close() or a with block."""
+    before = threading.active_count()
+    for _ in range(3):
+        stream = client.attend_stream(timeout=10)
+        with pytest.raises(grpc.RpcError):
+            stream.step(0, [AttendItem(123456789, np.zeros((4 * HEADS, DIM), np.float16))])
+        del stream
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= before
+
+
 def test_second_put_of_a_shared_prefix_is_a_prefix_hit(client):
     ids, k, v, _ = put_sequence(client, 32, seed=21)
     resp = client.put(ids + [5] * 16, np.concatenate([k, k[:, :16]], axis=1),
@@ -274,6 +289,38 @@ def test_in_place_steps_match_unary_attend(server, attend_unix_socket, client):
     finally:
         for lease in leases:
             client.release(lease)
+
+
+def test_in_place_step_with_another_steps_layout_is_refused_before_it_is_sent(
+        server, attend_unix_socket, client):
+    """The server lays a step out by its items and appends: a layout made for more items, or for
+    another count of appends, would have the output read (or the new V written) elsewhere. The
+    step is refused with ValueError, nothing sent, and the session serves the right layout."""
+    ids, _, _, _ = put_sequence(client, 32, seed=66)
+    lease = client.match(ids, namespace="pytest").lease_id
+    try:
+        with Client(server, timeout=30, attend_unix_socket=attend_unix_socket,
+                    attend_region_bytes=1 << 20) as c, c.attend_in_place() as s:
+            q = np.random.default_rng(67).standard_normal((2 * HEADS, DIM)).astype(np.float16)
+            for wrong in (s.layout(4, 2 * HEADS, DIM, num_kv_heads=HEADS),
+                          s.layout(1, 2 * HEADS, DIM, appending=1, num_kv_heads=HEADS),
+                          s.layout(1, 2 * HEADS, DIM, num_kv_heads=HEADS, fp32=True)):
+                with pytest.raises(ValueError):
+                    s.step(0, [lease], 2 * HEADS, DIM, wrong)
+            lay = s.layout(1, 2 * HEADS, DIM, num_kv_heads=HEADS, fp32=True)
+            s.region[lay.q:lay.q + q.nbytes] = q.view(np.uint8).reshape(-1)
+            res = s.step(0, [lease], 2 * HEADS, DIM, lay, fp32=True)
+            assert res.context_tokens == [32]
+            np.testing.assert_array_equal(res.out, client.attend(0, [AttendItem(lease, q)]).out)
+    finally:
+        client.release(lease)
+
+
+def test_in_place_session_needs_a_region(server, attend_unix_socket):
+    with Client(server, timeout=30, attend_unix_socket=attend_unix_socket,
+                attend_region_bytes=0) as c:
+        with pytest.raises(ValueError):
+            c.attend_in_place()
 
 
 def test_failed_in_place_session_raises_its_error_again(server, attend_unix_socket):

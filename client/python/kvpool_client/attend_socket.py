@@ -97,6 +97,7 @@ class AttendSocketSession:
         self._max = max_message_bytes
         self._error: Optional[AttendSocketError] = None
         self._region: Optional[mmap.mmap] = None
+        self._sock: Optional[socket.socket] = None
         try:
             if isinstance(address, str):
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -105,7 +106,11 @@ class AttendSocketSession:
             else:
                 self._sock = socket.create_connection(address, timeout=self._left())
                 self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError as e:
+        except (OSError, AttendSocketError) as e:  # _left() raises past the deadline
+            if self._sock is not None:
+                self._sock.close()
+            if isinstance(e, AttendSocketError):
+                raise
             raise AttendSocketError(grpc.StatusCode.UNAVAILABLE,
                                     f"AttendSocket cannot connect to {address}: {e}") from e
         if region_bytes > 0:

@@ -49,7 +49,7 @@ class AttendItem:
 
 @dataclasses.dataclass
 class AttendResult:
-    out: np.ndarray                 # [items, num_q_heads, head_dim] float32
+    out: np.ndarray                 # [items, num_q_heads, head_dim] float32 (in place: as asked)
     lse: Optional[np.ndarray]       # [items, num_q_heads] when asked
     context_tokens: List[int]       # tokens attended per item
     # The server began a graceful shutdown: start no new sequence there (AttendResponse).
@@ -117,7 +117,12 @@ class AttendStream:
         if self._socket is not None:
             return _attend_result(self._socket.request(req), items, return_lse)
         self._requests.put(req)
-        return _attend_result(next(self._responses), items, return_lse)
+        try:
+            resp = next(self._responses)
+        except BaseException:
+            self._requests.put(self._END)  # the call is over: gRPC's request-consuming thread ends
+            raise
+        return _attend_result(resp, items, return_lse)
 
     def close(self):
         if self._socket is not None:
@@ -160,8 +165,18 @@ class InPlaceAttendStream:
              new_token_ids: Optional[Sequence[int]] = None, sm_scale: float = 0.0,
              return_lse: bool = False, fp32: bool = False) -> AttendResult:
         """Runs the step whose arrays are in the region at `layout` (appending items, marked in
-        `appends`, have their K and V at layout.new_k / new_v in item order). The result's `out`
-        is a view of the region, overwritten by the next step (and kept mapped while it lives)."""
+        `appends`, have their K and V at layout.new_k / new_v in item order), which must be
+        layout() of this step's items and appends (ValueError otherwise, nothing sent: the server
+        lays the step out by its items and appends). The result's `out` is a view of the region,
+        overwritten by the next step and zeros once the session is closed (on an error too): copy
+        it to keep it."""
+        n = len(lease_ids)
+        appending = sum(bool(a) for a in appends) if appends is not None else 0
+        want = region_step_layout(n, appending, num_q_heads * head_dim * 2, layout.kv_bytes,
+                                  num_q_heads * head_dim * (4 if fp32 else 2))
+        if layout != want:
+            raise ValueError(f"layout {layout} is not this step's ({n} items, {appending} "
+                             f"appending, fp32={fp32}): {want}")
         req = pb.AttendRequest(layer=layer, num_q_heads=num_q_heads, sm_scale=sm_scale,
                                return_lse=return_lse,
                                output_dtype=pb.OUTPUT_DTYPE_FP32 if fp32 else pb.OUTPUT_DTYPE_FP16,
@@ -171,7 +186,6 @@ class InPlaceAttendStream:
                           new_token_id=new_token_ids[i] if new_token_ids is not None else -1,
                           append_in_region=bool(appends[i]) if appends is not None else False)
         resp = self._session.request_in_place(req)
-        n = len(lease_ids)
         dtype = np.float32 if fp32 else np.float16
         out = self.region[layout.out:layout.out + n * num_q_heads * head_dim *
                           np.dtype(dtype).itemsize].view(dtype).reshape(n, num_q_heads, head_dim)
@@ -380,6 +394,8 @@ class Client:
         with a region of attend_region_bytes."""
         if not self._attend_unix_socket:
             raise ValueError("attend_in_place needs the Client's attend_unix_socket")
+        if self._attend_region_bytes <= 0:
+            raise ValueError("attend_in_place needs the Client's attend_region_bytes > 0")
         return InPlaceAttendStream(AttendSocketSession(
             self._attend_unix_socket, self._t(timeout), self._max_message_bytes,
             self._attend_region_bytes))
