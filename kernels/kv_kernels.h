@@ -125,6 +125,9 @@ KernelStatus ServesLayout(const PageLayout& layout);
 // PagedDecodeAttention takes at most this many sequences and query heads per call (kUnsupported
 // past it): its grids carry them as y or z dimensions.
 inline constexpr int kMaxAttentionSeqsOrHeads = 65535;
+// ... and at most this many splits of the context when num_splits is given (kInvalidArgument
+// past it; the automatic count stays far below, and the merge indexes splits in 32 bits).
+inline constexpr int kMaxAttentionSplits = 1 << 16;
 [[nodiscard]] KernelStatus QuantizeAppend(const QuantizeAppendParams& p, void* stream);
 // QuantizeAppend of `num_layers` (1 to kMaxQuantizeLayers) layers in ONE launch: layer i reads
 // k and v, and writes pages and sink_pages, i strides (bytes) past p's, rotated with the signs
@@ -140,6 +143,9 @@ struct QuantizeLayerStrides {
                                                 const QuantizeLayerStrides& stride,
                                                 const uint64_t* sign_seeds, void* stream);
 [[nodiscard]] KernelStatus Dequantize(const DequantizeParams& p, void* stream);
+// Checks what the CPU reference checks but the device-resident seq_lens and block_tables, whose
+// contract (FindBadAttentionSequence) the caller must check on its host copies, as the CUDA
+// backend does: a sequence breaking it reads outside the arena or leaves tokens out.
 [[nodiscard]] KernelStatus PagedDecodeAttention(const PagedDecodeAttentionParams& p, void* stream);
 // Workspace PagedDecodeAttention needs for a batch of this shape (0 splits = auto).
 size_t AttentionWorkspaceBytes(const PageLayout& layout, int num_seqs, int num_q_heads,

@@ -242,7 +242,8 @@ KernelStatus Validate(const PagedDecodeAttentionParams& p) {
   // 32-bit page offsets), before anything else.
   if (const KernelStatus served = ServesLayout(l); served != KernelStatus::kOk) return served;
   if (p.num_seqs < 0 || p.num_q_heads <= 0 || p.num_q_heads % l.num_kv_heads != 0 ||
-      !AttentionTableSpanOk(l, p.max_blocks_per_seq) || p.num_splits < 0) {
+      !AttentionTableSpanOk(l, p.max_blocks_per_seq) || p.num_splits < 0 ||
+      p.num_splits > kMaxAttentionSplits) {
     return KernelStatus::kInvalidArgument;
   }
   // The split kernels' grids take sequences as z and the merge kernel's query heads as y (at

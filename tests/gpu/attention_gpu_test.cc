@@ -364,6 +364,9 @@ TEST(CudaPagedAttention, RejectsWhatItCannotServe) {
   p.workspace_bytes = workspace.bytes() - 16;  // too small
   EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
   p.workspace_bytes = workspace.bytes();
+  p.num_splits = cuda::kMaxAttentionSplits + 1;
+  EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
+  p.num_splits = 0;
   p.q = b.q.data() + 1;  // not 16-byte aligned
   EXPECT_EQ(cuda::PagedDecodeAttention(p, nullptr), KernelStatus::kInvalidArgument);
   p.q = b.q.data();
