@@ -28,8 +28,7 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
         metrics_(metrics),
         request_(*request) {
     metrics_->Received(request->ByteSizeLong());
-    streams_->Add(&stream_);
-    if (streams_->size() > options_->max_get_streams) {  // this one included
+    if (streams_->Add(&stream_) > options_->max_get_streams) {
       FinishWith(absl::ResourceExhaustedError(absl::StrCat(
           "more than ", options_->max_get_streams, " Get streams open (--max_get_streams)")));
       return;

@@ -6,10 +6,11 @@ namespace kvpool {
 
 IdleStreams::IdleStreams(Clock* clock) : clock_(clock != nullptr ? clock : SystemClock()) {}
 
-void IdleStreams::Add(Stream* stream) {
+size_t IdleStreams::Add(Stream* stream) {
   Touch(stream);
   absl::MutexLock l(&mu_);
   streams_.insert(stream);
+  return streams_.size();
 }
 
 void IdleStreams::Touch(Stream* stream) {

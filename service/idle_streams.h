@@ -40,8 +40,9 @@ class IdleStreams {
   // `clock` (null: SystemClock()) must outlive this.
   explicit IdleStreams(Clock* clock);
 
-  // Registers a stream that has just opened; until Remove, the sweep may cancel it.
-  void Add(Stream* stream);
+  // Registers a stream that has just opened; until Remove, the sweep may cancel it. Returns the
+  // streams open with it (it included).
+  size_t Add(Stream* stream);
   // The stream made progress.
   void Touch(Stream* stream);
   // Before the stream's reactor is deleted.
