@@ -281,10 +281,11 @@ absl::StatusOr<std::vector<int32_t>> StoreImpl::AllocateLocked(NamespaceState& n
     free_blocks(freed);
   }
   // The other blocks take blocks without a sink page, evicting least recently used leaves
-  // without one for them; blocks with a sink page are kept for first blocks while any other can
-  // be evicted.
-  while (pool.num_free() < n || (pool.num_free() - pool.num_free_sink() < n - firsts &&
-                                 ns.index.unpinned_other_nodes() > 0)) {
+  // without one for them; free blocks with a sink page are kept for first blocks while such a
+  // leaf can be evicted, and taken before evicting any leaf with a sink page (evicting those to
+  // reach blocks without one deeper in their chains took unrelated cached sequences first).
+  while (pool.num_free() < n ||
+         (pool.num_free() - pool.num_free_sink() < n - firsts && ns.index.evictable_other() > 0)) {
     const std::optional<int32_t> victim = ns.index.EvictOne(/*spare_sink_pages=*/true);
     if (!victim.has_value()) return broken;
     free_blocks({*victim});

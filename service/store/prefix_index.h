@@ -93,11 +93,10 @@ class PrefixIndex {
   size_t size() const { return nodes_.size(); }
   size_t evictable() const { return evictable_.size(); }
   size_t pinned_nodes() const { return pinned_nodes_; }
-  // Unpinned nodes whose block has, and has not, a sink page.
+  // Unpinned nodes whose block has a sink page.
   size_t unpinned_sink_nodes() const { return unpinned_sinks_.size(); }
-  size_t unpinned_other_nodes() const {
-    return nodes_.size() - pinned_nodes_ - unpinned_sinks_.size();
-  }
+  // Unpinned leaves whose block has no sink page: what EvictOne(true) takes first.
+  size_t evictable_other() const { return evictable_other_.size(); }
 
  private:
   struct Node {

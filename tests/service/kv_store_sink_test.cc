@@ -264,6 +264,34 @@ TEST_F(WideSinkStoreTest, ANewSequenceEvictsOnlyATreeWithASinkPage) {
   EXPECT_EQ(Cached(s2), 16u);
 }
 
+// 18 blocks, 6 of them (ids 0..5) with a sink page. A chain whose leaf took a block with a sink
+// page (every block without one was taken) holds unpinned blocks without one, reachable only by
+// evicting that leaf. A block without a sink page then takes the free block with one rather than
+// evicting leaves with a sink page, the least recently used unrelated sequences first (it evicted
+// all four leaves down to one of that chain's blocks); a full pool evicts the one least recently
+// used leaf for it.
+TEST_F(SinkStoreBase, ABlockWithoutASinkPageTakesAFreeOneWithRatherThanEvictingSequences) {
+  Make(18, 3, 6);
+  const std::vector<int32_t> u1 = TokenIds(4, 1), u2 = TokenIds(4, 2), u3 = TokenIds(4, 3);
+  for (const auto* u : {&u1, &u2, &u3}) ASSERT_TRUE(PutTokens(*u, 1).ok());  // blocks 0, 1, 2
+  const std::vector<int32_t> a = TokenIds(32, 100), a2 = Concat(a, TokenIds(24, 200));
+  ASSERT_TRUE(PutTokens(a, 2).ok());   // blocks 3, 6..12
+  ASSERT_TRUE(PutTokens(a2, 3).ok());  // 13..17 and 4, its leaf
+  ASSERT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 1u);
+  ASSERT_EQ(Evictions(), 0u);
+  const std::vector<int32_t> u2_longer = Concat(u2, TokenIds(4, 300));
+  ASSERT_TRUE(PutTokens(u2_longer, 4).ok());  // block 5
+  EXPECT_EQ(Evictions(), 0u);
+  EXPECT_EQ(store_->Stats().namespaces[0].sink_blocks_free, 0u);
+  const std::vector<int32_t> u3_longer = Concat(u3, TokenIds(4, 400));
+  ASSERT_TRUE(PutTokens(u3_longer, 5).ok());  // the pool is full: u1, the oldest leaf, goes
+  EXPECT_EQ(Evictions(), 1u);
+  EXPECT_EQ(Cached(u1), 0u);
+  EXPECT_EQ(Cached(u2_longer), 8u);
+  EXPECT_EQ(Cached(u3_longer), 8u);
+  EXPECT_EQ(Cached(a2), 56u);
+}
+
 // One decode step in which a lease crosses into its second block before another lease starts:
 // the starting lease's first block is the one with a sink page, and the two blocks differ (each
 // lease reads back its own token).

@@ -143,7 +143,7 @@ TEST(PrefixIndex, EvictsTheLeastRecentlyUsedTreeWithASinkPage) {
   // b's first block is 5, which has no sink page; its second 6.
   const std::vector<BlockHash> cb = InsertChain(index, b, 5);
   EXPECT_EQ(index.unpinned_sink_nodes(), 2u);  // blocks 0 and 1, both in a's chain
-  EXPECT_EQ(index.unpinned_other_nodes(), 3u);
+  EXPECT_EQ(index.evictable_other(), 2u);      // leaves 2 and 6
   index.Pin(ca[1]);  // a lease on a's first two blocks pins 0 and 1
   index.Pin(ca[0]);
   EXPECT_EQ(index.unpinned_sink_nodes(), 0u);
@@ -154,7 +154,7 @@ TEST(PrefixIndex, EvictsTheLeastRecentlyUsedTreeWithASinkPage) {
   EXPECT_EQ(index.EvictSinkTree(), (std::vector<int32_t>{2, 1, 0}));
   EXPECT_EQ(index.size(), 2u);
   EXPECT_EQ(index.unpinned_sink_nodes(), 0u);
-  EXPECT_EQ(index.unpinned_other_nodes(), 2u);
+  EXPECT_EQ(index.evictable_other(), 1u);  // leaf 6; 5 is its parent
   EXPECT_EQ(index.EvictOne(), 6);  // b's chain is whole and still evicts leaf first
   EXPECT_EQ(index.EvictOne(), 5);
   EXPECT_FALSE(index.EvictOne().has_value());
