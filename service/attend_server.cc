@@ -33,6 +33,8 @@ class AttendUnaryCall final : public QueuedCall {
     if (op == kFinished) {
       // Counted once the response went out, or found the call dead (cancelled by the client or
       // past its deadline): CANCELLED then, unless the server's own status was an error.
+      const bool sent = ok && code_ == grpc::StatusCode::OK;
+      if (sent) queue_->metrics->unary.Sent(response_.ByteSizeLong());
       queue_->metrics->unary.Finished(
           ok || code_ != grpc::StatusCode::OK ? code_ : grpc::StatusCode::CANCELLED, elapsed_);
       delete this;
@@ -47,7 +49,6 @@ class AttendUnaryCall final : public QueuedCall {
     RpcMetrics::Method& method = queue_->metrics->unary;
     method.Received(request_.ByteSizeLong());
     const grpc::Status s = ToGrpcStatus(queue_->unary_runner.Run(request_, &response_));
-    if (s.ok()) method.Sent(response_.ByteSizeLong());
     code_ = s.error_code();
     elapsed_ = absl::Now() - begin;
     // The next call is taken once this one has run: a long step does not hold calls that another
@@ -96,6 +97,7 @@ class AttendStreamCall final : public QueuedCall {
       return;
     }
     if (draining) {
+      if (op == kWritten && ok) queue_->metrics->stream.Sent(response_.ByteSizeLong());
       if (op == kRead || op == kWritten) Count(grpc::StatusCode::CANCELLED);
       delete this;
       return;
@@ -126,6 +128,8 @@ class AttendStreamCall final : public QueuedCall {
               grpc::Status(grpc::StatusCode::CANCELLED, "AttendStream closed by the client"));
           return;
         }
+        // Counted once written: a step's write that the client's cancel ends never went out.
+        queue_->metrics->stream.Sent(response_.ByteSizeLong());
         stream_.Read(&request_, &read_);
         return;
     }
@@ -151,7 +155,6 @@ class AttendStreamCall final : public QueuedCall {
       FinishWith(status);
       return;
     }
-    metrics.stream.Sent(response_.ByteSizeLong());
     metrics.step.Finished(grpc::StatusCode::OK, absl::Now() - begin);
     stream_.Write(response_, &written_);
   }

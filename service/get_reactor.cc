@@ -51,6 +51,8 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
                      : absl::CancelledError("Get stream closed by the client"));
       return;
     }
+    // Counted once written: a write the cancel of a stalled stream ends never went out.
+    metrics_->Sent(response_.ByteSizeLong());
     streams_->Touch(&stream_);
     Next();
   }
@@ -202,7 +204,6 @@ class GetReactor final : public grpc::ServerWriteReactor<v1::GetResponse> {
       }
     }
     block_ += n;
-    metrics_->Sent(response_.ByteSizeLong());
     StartWrite(&response_);
   }
 

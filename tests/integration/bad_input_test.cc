@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
@@ -425,13 +426,20 @@ TEST(BadInputLimits, StalledGetIsCancelledAndFreesItsSlot) {
   }
   EXPECT_TRUE(served);
   EXPECT_EQ(got.size(), 8u);
-  while (stalled->Read(&first)) {
-  }
+  // Sent bytes count the messages written: those the stalled client took and the served Get's,
+  // not the write the cancel ended.
+  size_t sent = first.ByteSizeLong();
+  for (const v1::GetResponse& r : got) sent += r.ByteSizeLong();
+  while (stalled->Read(&first)) sent += first.ByteSizeLong();
   EXPECT_EQ(stalled->Finish().error_code(), grpc::StatusCode::CANCELLED);
-  EXPECT_NE(t->server->registry()->Serialize().find(
+  const std::string metrics = t->server->registry()->Serialize();
+  EXPECT_NE(metrics.find(
                 "kvpool_rpc_duration_seconds_count{method=\"Get\",code=\"DEADLINE_EXCEEDED\"} 1\n"),
             std::string::npos)
-      << t->server->registry()->Serialize();
+      << metrics;
+  EXPECT_NE(metrics.find(absl::StrCat("kvpool_rpc_sent_bytes_total{method=\"Get\"} ", sent, "\n")),
+            std::string::npos)
+      << metrics;
 }
 
 // A Get whose one block (K and V) would not fit a message is refused before anything is read,
