@@ -39,9 +39,10 @@ struct StoreFamilies {
                                       {"namespace"})),
         quant_error(r->AddGauge("kvpool_quantization_relative_error",
                                 "Sampled relative L2 error of recent puts.", {"namespace"})),
-        device_memory(r->AddGauge("kvpool_device_memory_bytes",
-                                  "Device memory: total, free, and allocated to arenas.",
-                                  {"state"})) {}
+        device_memory(r->AddGauge(
+            "kvpool_device_memory_bytes",
+            "Device memory: total, free, and allocated to arenas (the pools and NCCL staging).",
+            {"state"})) {}
 
   void Collect(const StoreStats& s) {
     for (const NamespaceStoreStats& n : s.namespaces) {

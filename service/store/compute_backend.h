@@ -19,7 +19,7 @@
 namespace kvpool {
 
 struct ComputeBackendStats {
-  uint64_t arena_bytes = 0;          // bytes allocated for arenas
+  uint64_t arena_bytes = 0;          // bytes allocated for arenas (pools and NCCL staging)
   uint64_t device_total_bytes = 0;   // device memory, 0 for the CPU backend
   uint64_t device_free_bytes = 0;
 };

@@ -58,7 +58,8 @@ struct NamespaceStoreStats {
 struct StoreStats {
   std::string backend;
   uint64_t active_leases = 0;
-  uint64_t lease_token_ids = 0;  // kept by the live leases together
+  // Kept by the leases together: live ones, and released or expired ones a call still uses.
+  uint64_t lease_token_ids = 0;
   std::vector<NamespaceStoreStats> namespaces;
   ComputeBackendStats memory;
 };
