@@ -6,8 +6,57 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "google/protobuf/wire_format_lite.h"
+#include "grpcpp/support/proto_buffer_reader.h"
 
 namespace kvpool {
+namespace {
+
+// AttendRequest.items' field number.
+constexpr int kItemsField = 4;
+
+// The items on the wire that `in` reads, or nullopt when its bytes are not a message.
+std::optional<size_t> CountItems(google::protobuf::io::ZeroCopyInputStream* in) {
+  using google::protobuf::internal::WireFormatLite;
+  google::protobuf::io::CodedInputStream coded(in);
+  size_t items = 0;
+  for (uint32_t tag = coded.ReadTag(); tag != 0; tag = coded.ReadTag()) {
+    if (WireFormatLite::GetTagFieldNumber(tag) == kItemsField &&
+        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
+      ++items;
+    }
+    if (!WireFormatLite::SkipField(&coded, tag)) return std::nullopt;
+  }
+  if (!coded.ConsumedEntireMessage()) return std::nullopt;
+  return items;
+}
+
+}  // namespace
+
+absl::Status AttendRunner::Parse(std::string_view wire, v1::AttendRequest* request) const {
+  const int size = static_cast<int>(wire.size());
+  google::protobuf::io::ArrayInputStream count(wire.data(), size), parse(wire.data(), size);
+  return ParseFrom(&count, &parse, request);
+}
+
+absl::Status AttendRunner::Parse(grpc::ByteBuffer* wire, v1::AttendRequest* request) const {
+  grpc::ProtoBufferReader count(wire), parse(wire);
+  return ParseFrom(&count, &parse, request);
+}
+
+absl::Status AttendRunner::ParseFrom(google::protobuf::io::ZeroCopyInputStream* count,
+                                     google::protobuf::io::ZeroCopyInputStream* parse,
+                                     v1::AttendRequest* request) const {
+  const absl::Status not_a_request =
+      absl::InvalidArgumentError("the request is not an AttendRequest");
+  const std::optional<size_t> items = CountItems(count);
+  if (!items.has_value()) return not_a_request;
+  if (absl::Status s = store_->CheckAttendBatch(*items); !s.ok()) return s;
+  if (!request->ParseFromZeroCopyStream(parse)) return not_a_request;
+  return absl::OkStatus();
+}
 
 absl::Status AttendRunner::ResolveGeometry(uint64_t lease_id) {
   if (geometry_valid_ && geometry_lease_ == lease_id) return absl::OkStatus();

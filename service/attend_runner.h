@@ -6,9 +6,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "google/protobuf/io/zero_copy_stream.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "kvpool/v1/attend_region.h"
 #include "kvpool/v1/kvpool.pb.h"
 #include "service/store/kv_store.h"
@@ -22,6 +25,12 @@ class AttendRunner {
   explicit AttendRunner(KvStore* store, const std::atomic<bool>* draining = nullptr)
       : store_(store), draining_(draining) {}
 
+  // Parses `request` from its wire bytes. Its items are counted on the wire first, so that a
+  // request of more than the store's --max_attend_batch is refused (RESOURCE_EXHAUSTED) before
+  // any is built: an empty item takes 2 bytes there and about 50 times that parsed. Bytes that
+  // are not an AttendRequest get INVALID_ARGUMENT.
+  absl::Status Parse(std::string_view wire, v1::AttendRequest* request) const;
+  absl::Status Parse(grpc::ByteBuffer* wire, v1::AttendRequest* request) const;
   // Runs `request` and fills `response` (cleared first; its fields' capacity is reused): the
   // store writes the output, in the requested dtype, straight into the response's fields.
   absl::Status Run(const v1::AttendRequest& request, v1::AttendResponse* response);
@@ -31,6 +40,10 @@ class AttendRunner {
                            const attend_socket::SharedRegion& region, v1::AttendResponse* response);
 
  private:
+  // Parse over two streams of the same bytes: one counts the items, one parses them.
+  absl::Status ParseFrom(google::protobuf::io::ZeroCopyInputStream* count,
+                         google::protobuf::io::ZeroCopyInputStream* parse,
+                         v1::AttendRequest* request) const;
   absl::Status Step(const v1::AttendRequest& request, const attend_socket::SharedRegion* region,
                     v1::AttendResponse* response);
   // Geometry of the namespace of the last first-item lease seen, so that a stream describes

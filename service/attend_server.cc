@@ -4,11 +4,24 @@
 #include <chrono>
 #include <memory>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "grpcpp/support/proto_buffer_writer.h"
 #include "service/proto_convert.h"
 
 namespace kvpool {
 namespace {
+
+// The calls take and give wire bytes (raw methods), so that a request's items are counted before
+// it is parsed (AttendRunner::Parse); responses are serialized as gRPC would.
+absl::Status SerializeResponse(const v1::AttendResponse& response, grpc::ByteBuffer* bytes) {
+  bytes->Clear();  // the last step's
+  bool own_buffer = false;
+  const grpc::Status s =
+      grpc::SerializationTraits<v1::AttendResponse>::Serialize(response, bytes, &own_buffer);
+  if (s.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("AttendResponse not serialized: ", s.error_message()));
+}
 
 // A call served on one AttendServer::Queue. Every operation it posts carries a Tag naming the
 // call and the operation; the queue's thread hands each completion to Proceed.
@@ -34,7 +47,7 @@ class AttendUnaryCall final : public QueuedCall {
       // Counted once the response went out, or found the call dead (cancelled by the client or
       // past its deadline): CANCELLED then, unless the server's own status was an error.
       const bool sent = ok && code_ == grpc::StatusCode::OK;
-      if (sent) queue_->metrics->unary.Sent(response_.ByteSizeLong());
+      if (sent) queue_->metrics->unary.Sent(response_bytes_.Length());
       queue_->metrics->unary.Finished(
           ok || code_ != grpc::StatusCode::OK ? code_ : grpc::StatusCode::CANCELLED, elapsed_);
       delete this;
@@ -47,15 +60,15 @@ class AttendUnaryCall final : public QueuedCall {
     }
     const absl::Time begin = absl::Now();
     RpcMetrics::Method& method = queue_->metrics->unary;
-    method.Received(request_.ByteSizeLong());
-    const grpc::Status s = ToGrpcStatus(queue_->unary_runner.Run(request_, &response_));
+    method.Received(request_bytes_.Length());
+    const grpc::Status s = ToGrpcStatus(Run());
     code_ = s.error_code();
     elapsed_ = absl::Now() - begin;
     // The next call is taken once this one has run: a long step does not hold calls that another
     // queue's thread could run.
     Listen(queue_);
     if (s.ok()) {
-      responder_.Finish(response_, s, &finished_);
+      responder_.Finish(response_bytes_, s, &finished_);
     } else {
       responder_.FinishWithError(s, &finished_);
     }
@@ -65,13 +78,22 @@ class AttendUnaryCall final : public QueuedCall {
   enum Op : int { kAccepted, kFinished };
 
   explicit AttendUnaryCall(AttendServer::Queue* queue) : queue_(queue) {
-    queue_->service->RequestAttend(&ctx_, &request_, &responder_, queue_->cq.get(),
+    queue_->service->RequestAttend(&ctx_, &request_bytes_, &responder_, queue_->cq.get(),
                                    queue_->cq.get(), &accepted_);
+  }
+
+  absl::Status Run() {
+    AttendRunner& runner = queue_->unary_runner;
+    if (absl::Status s = runner.Parse(&request_bytes_, &request_); !s.ok()) return s;
+    if (absl::Status s = runner.Run(request_, &response_); !s.ok()) return s;
+    return SerializeResponse(response_, &response_bytes_);
   }
 
   AttendServer::Queue* const queue_;
   grpc::ServerContext ctx_;
-  grpc::ServerAsyncResponseWriter<v1::AttendResponse> responder_{&ctx_};
+  grpc::ServerAsyncResponseWriter<grpc::ByteBuffer> responder_{&ctx_};
+  grpc::ByteBuffer request_bytes_;
+  grpc::ByteBuffer response_bytes_;
   v1::AttendRequest request_;
   v1::AttendResponse response_;
   // The run's status and time, counted when the finish returns.
@@ -97,7 +119,7 @@ class AttendStreamCall final : public QueuedCall {
       return;
     }
     if (draining) {
-      if (op == kWritten && ok) queue_->metrics->stream.Sent(response_.ByteSizeLong());
+      if (op == kWritten && ok) queue_->metrics->stream.Sent(response_bytes_.Length());
       if (op == kRead || op == kWritten) Count(grpc::StatusCode::CANCELLED);
       delete this;
       return;
@@ -110,7 +132,7 @@ class AttendStreamCall final : public QueuedCall {
         }
         Listen(queue_);
         start_ = absl::Now();
-        stream_.Read(&request_, &read_);
+        stream_.Read(&request_bytes_, &read_);
         return;
       case kRead:
         if (!ok) {
@@ -129,8 +151,8 @@ class AttendStreamCall final : public QueuedCall {
           return;
         }
         // Counted once written: a step's write that the client's cancel ends never went out.
-        queue_->metrics->stream.Sent(response_.ByteSizeLong());
-        stream_.Read(&request_, &read_);
+        queue_->metrics->stream.Sent(response_bytes_.Length());
+        stream_.Read(&request_bytes_, &read_);
         return;
     }
   }
@@ -147,8 +169,10 @@ class AttendStreamCall final : public QueuedCall {
   void Step() {
     const absl::Time begin = absl::Now();
     AttendServer::Metrics& metrics = *queue_->metrics;
-    metrics.stream.Received(request_.ByteSizeLong());
-    const absl::Status s = runner_.Run(request_, &response_);
+    metrics.stream.Received(request_bytes_.Length());
+    absl::Status s = runner_.Parse(&request_bytes_, &request_);
+    if (s.ok()) s = runner_.Run(request_, &response_);
+    if (s.ok()) s = SerializeResponse(response_, &response_bytes_);
     if (!s.ok()) {
       const grpc::Status status = ToGrpcStatus(s);
       metrics.step.Finished(status.error_code(), absl::Now() - begin);
@@ -156,7 +180,7 @@ class AttendStreamCall final : public QueuedCall {
       return;
     }
     metrics.step.Finished(grpc::StatusCode::OK, absl::Now() - begin);
-    stream_.Write(response_, &written_);
+    stream_.Write(response_bytes_, &written_);
   }
 
   // Ends the stream with the server's error `s`, counted before Finish: a client that has the
@@ -173,10 +197,12 @@ class AttendStreamCall final : public QueuedCall {
   AttendServer::Queue* const queue_;
   AttendRunner runner_;
   grpc::ServerContext ctx_;
-  grpc::ServerAsyncReaderWriter<v1::AttendResponse, v1::AttendRequest> stream_{&ctx_};
+  grpc::ServerAsyncReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer> stream_{&ctx_};
   absl::Time start_;
   // The read ended the stream and its OK status was posted: counted when the finish returns.
   bool closing_ = false;
+  grpc::ByteBuffer request_bytes_;
+  grpc::ByteBuffer response_bytes_;
   v1::AttendRequest request_;
   v1::AttendResponse response_;
   Tag accepted_{this, kAccepted};

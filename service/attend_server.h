@@ -1,6 +1,6 @@
 // Attend and AttendStream, the decode hot path, on gRPC's async API with threads of its own.
 // Each of `threads` completion queues is drained by one thread that runs the calls it accepted
-// inline (framing, the store call, the response): a unary Attend from its request to its
+// inline (parsing, framing, the store call, the response): a unary Attend from its request to its
 // response, a stream's steps strictly read, run, write. After each event the thread keeps
 // polling its queue without sleeping for `spin`, so the next call or decode step is picked up
 // without a thread wake-up; idle longer than that, it blocks. The client polls the same way

@@ -273,8 +273,8 @@ void AttendSocketServer::Serve(Session* session) {
       end = absl::InvalidArgumentError("AttendSocket: a client sends request or attach frames");
     } else if (frame->type == FrameType::kRegionRequest && region == nullptr) {
       end = absl::FailedPreconditionError("AttendSocket: a region request before an attach");
-    } else if (!request.ParseFromString(payload)) {
-      end = absl::InvalidArgumentError("AttendSocket: the request is not an AttendRequest");
+    } else if (absl::Status parsed = runner.Parse(payload, &request); !parsed.ok()) {
+      end = absl::Status(parsed.code(), absl::StrCat("AttendSocket: ", parsed.message()));
     } else if (frame->type == FrameType::kRegionRequest) {
       end = runner.RunInRegion(request, region->region(), &response);
     } else {

@@ -1,5 +1,6 @@
 // The kvpool.v1.KvPool gRPC service on the callback API, except Attend and AttendStream, which are
-// async and served by AttendServer (attend_server.h) on threads of its own. Handlers are thin:
+// async on wire bytes (raw methods) and served by AttendServer (attend_server.h) on threads of
+// its own. Handlers are thin:
 // they check framing (byte lengths vs shapes, empty payloads, stream limits), convert proto <->
 // store types, call KvStore, and turn absl::Status into grpc::Status at this edge only. The other
 // streaming RPCs have one reactor class each (stream_reactors.h). Every call is recorded in
@@ -23,8 +24,8 @@ namespace kvpool {
 using KvPoolServiceBase = v1::KvPool::WithCallbackMethod_CreateNamespace<
     v1::KvPool::WithCallbackMethod_ListNamespaces<v1::KvPool::WithCallbackMethod_Put<
         v1::KvPool::WithCallbackMethod_Match<v1::KvPool::WithCallbackMethod_Get<
-            v1::KvPool::WithCallbackMethod_Append<v1::KvPool::WithAsyncMethod_Attend<
-                v1::KvPool::WithAsyncMethod_AttendStream<v1::KvPool::WithCallbackMethod_Release<
+            v1::KvPool::WithCallbackMethod_Append<v1::KvPool::WithRawMethod_Attend<
+                v1::KvPool::WithRawMethod_AttendStream<v1::KvPool::WithCallbackMethod_Release<
                     v1::KvPool::WithCallbackMethod_Stats<v1::KvPool::Service>>>>>>>>>>;
 
 class KvPoolService final : public KvPoolServiceBase {

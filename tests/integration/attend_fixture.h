@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "client/kvpool_client.h"
@@ -16,6 +17,17 @@ namespace kvpool::testing {
 
 inline constexpr int kAttendQHeads = 4;
 inline constexpr int kAttendPromptTokens = 48;  // whole blocks: all of it is cached
+
+// The wire bytes of an AttendRequest of `items` items (field 4), the first of which does not
+// parse (a field 1 tag without its value) and the rest empty (2 bytes each): a server that
+// counts the items before it parses answers RESOURCE_EXHAUSTED past --max_attend_batch, one that
+// parses first INVALID_ARGUMENT.
+inline std::string UnparsedItemsBytes(size_t items) {
+  std::string wire = "\x22\x01\x08";
+  wire.reserve(2 * items + 1);
+  for (size_t i = 1; i < items; ++i) wire.append("\x22\x00", 2);
+  return wire;
+}
 
 struct AttendFixture {
   std::unique_ptr<TestServer> server;

@@ -13,6 +13,8 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/kvpool_client.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/attend_fixture.h"
 
@@ -206,6 +208,52 @@ TEST(AttendServer, BadUnaryCallLeavesItsQueueServing) {
   ExpectSeries(
       f, {"{method=\"Attend\",code=\"INVALID_ARGUMENT\"} 1\n",
           "{method=\"Attend\",code=\"NOT_FOUND\"} 1\n", "{method=\"Attend\",code=\"OK\"} 3\n"});
+}
+
+// Attend and AttendStream requests of more items than --max_attend_batch get RESOURCE_EXHAUSTED
+// from their count on the wire, before any item is built (the first does not parse), and the
+// queue serves on.
+TEST(AttendServer, ItemsOverTheBatchLimitAreRefusedBeforeParsing) {
+  AttendFixture f = Start(/*threads=*/1, /*spin_us=*/500, /*sequences=*/1);
+  ASSERT_NE(f.server, nullptr);
+  const std::string wire = UnparsedItemsBytes(100000);
+  const grpc::Slice slice(wire);
+  grpc::GenericStub stub(f.server->server->InProcessChannel());
+  grpc::CompletionQueue cq;
+  void* tag = nullptr;
+  bool ok = false;
+  auto next = [&] { return cq.Next(&tag, &ok) && ok; };
+  {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer request(&slice, 1), response;
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+        stub.PrepareUnaryCall(&ctx, "/kvpool.v1.KvPool/Attend", request, &cq);
+    grpc::Status status;
+    call->StartCall();
+    call->Finish(&response, &status, &tag);
+    ASSERT_TRUE(next());
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  }
+  {
+    grpc::ClientContext ctx;
+    grpc::ByteBuffer request(&slice, 1), response;
+    std::unique_ptr<grpc::GenericClientAsyncReaderWriter> call =
+        stub.PrepareCall(&ctx, "/kvpool.v1.KvPool/AttendStream", &cq);
+    call->StartCall(&tag);
+    ASSERT_TRUE(next());
+    call->Write(request, &tag);
+    ASSERT_TRUE(next());
+    call->Read(&response, &tag);
+    EXPECT_FALSE(next());  // no response: the stream ends with the status
+    grpc::Status status;
+    call->Finish(&status, &tag);
+    ASSERT_TRUE(next());
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << status.error_message();
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  EXPECT_TRUE(f.client->Attend(AttendRequestFor(f, f.leases[0], 2)).ok());
 }
 
 TEST(AttendServer, ShutdownEndsOpenStreamsWithoutHanging) {

@@ -294,6 +294,18 @@ TEST(AttendSocket, BadFramesGetAStatusAndTheServerGoesOn) {
   EXPECT_EQ(MetricCount(s, "AttendSocket", "RESOURCE_EXHAUSTED"), 1);
 }
 
+// A request of more items than --max_attend_batch gets RESOURCE_EXHAUSTED from their count on the
+// wire, before any item is built (the first does not parse).
+TEST(AttendSocket, ItemsOverTheBatchLimitAreRefusedBeforeParsing) {
+  SocketFixture s = StartSocket(/*sequences=*/0);
+  ASSERT_NE(s.f.server, nullptr);
+  const std::string wire = UnparsedItemsBytes(100000);
+  const absl::Status status = StatusAfterSending(
+      s.f.server->server->attend_socket_port(),
+      RawFrameHeader(kMagic, static_cast<uint16_t>(FrameType::kRequest), 0, wire.size()) + wire);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted) << status;
+}
+
 TEST(AttendSocket, ConnectionsBeyondTheLimitAreRefused) {
   SocketFixture s =
       StartSocket(/*sequences=*/1, [](AttendSocketOptions* o) { o->max_connections = 1; });
