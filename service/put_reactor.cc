@@ -79,7 +79,8 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
     }
     absl::StatusOr<std::unique_ptr<KvStore::PutSession>> session =
         store_->BeginPut(header.namespace_(),
-                         absl::MakeConstSpan(header.token_ids().data(), header.token_ids().size()));
+                         absl::MakeConstSpan(header.token_ids().data(), header.token_ids().size()),
+                         options_->max_put_stream_bytes - stream_bytes_);
     if (!session.ok()) return session.status();
     session_ = *std::move(session);
     return absl::OkStatus();

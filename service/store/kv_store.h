@@ -135,8 +135,12 @@ class KvStore {
     // (block, layer) was not fully written.
     [[nodiscard]] virtual absl::StatusOr<PutResult> Commit() = 0;
   };
+  // `max_payload_bytes`: the fp16 K/V the caller can still take for this Put (a gRPC Put
+  // stream's room left under --max_put_stream_bytes). A Put whose new blocks need more, every
+  // layer's K and V of their tokens, is RESOURCE_EXHAUSTED before anything is evicted.
   virtual absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(
-      std::string_view ns, absl::Span<const int32_t> token_ids) = 0;
+      std::string_view ns, absl::Span<const int32_t> token_ids,
+      uint64_t max_payload_bytes = UINT64_MAX) = 0;
   // BeginPut's checks of the namespace and the token ids, changing nothing: the namespace's info.
   // A Put stores at most the ids' whole blocks, so a caller that takes resources of its own
   // for it (a transfer's staging) can size them before BeginPut evicts cached blocks.

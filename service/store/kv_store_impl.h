@@ -74,7 +74,8 @@ class StoreImpl final : public KvStore {
   absl::StatusOr<NamespaceInfo> GetNamespace(std::string_view name) const override;
   std::vector<NamespaceInfo> ListNamespaces() const override;
   absl::StatusOr<std::unique_ptr<PutSession>> BeginPut(
-      std::string_view ns, absl::Span<const int32_t> token_ids) override;
+      std::string_view ns, absl::Span<const int32_t> token_ids,
+      uint64_t max_payload_bytes = UINT64_MAX) override;
   absl::StatusOr<NamespaceInfo> CheckPut(std::string_view ns,
                                          absl::Span<const int32_t> token_ids) const override;
   absl::StatusOr<MatchResult> Match(std::string_view ns, absl::Span<const int32_t> token_ids,

@@ -298,7 +298,7 @@ absl::StatusOr<KvStore::PutResult> PutSessionImpl::Commit() {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
-    std::string_view ns_name, absl::Span<const int32_t> token_ids) {
+    std::string_view ns_name, absl::Span<const int32_t> token_ids, uint64_t max_payload_bytes) {
   if (absl::Status s = CheckTokenIds(token_ids, /*allow_empty=*/false); !s.ok()) return s;
   absl::StatusOr<Chained> chained = ChainIn(ns_name, token_ids);
   if (!chained.ok()) return chained.status();
@@ -308,6 +308,14 @@ absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
   absl::MutexLock l(&mu_);
   ExpireLocked();
   const size_t cached = ns.index.LongestPrefix(chain);
+  const uint64_t new_tokens = (chain.size() - cached) * static_cast<uint64_t>(ns.block_tokens());
+  const uint64_t payload = new_tokens * static_cast<uint64_t>(Fp16BytesPerToken(ns.info.config));
+  if (payload > max_payload_bytes) {
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "Put of %d new tokens needs %d bytes of fp16 K/V, more than the %d its stream may still "
+        "carry (--max_put_stream_bytes); nothing evicted",
+        new_tokens, payload, max_payload_bytes));
+  }
   // Pin the cached prefix first so that eviction for our blocks cannot take it.
   for (size_t b = 0; b < cached; ++b) ns.index.Pin(chain[b]);
   // Without a cached prefix the first new block starts the sequence.

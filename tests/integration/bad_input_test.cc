@@ -285,6 +285,28 @@ TEST(BadInputLimits, PutStreamOverLimitIsResourceExhaustedAndStoresNothing) {
   EXPECT_EQ(FindNamespace(GetStats(t->stub.get()), "small")->tokens_stored(), 0u);
 }
 
+// A Put whose new blocks need more fp16 K/V than --max_put_stream_bytes lets its stream carry is
+// refused at its header, before it evicts anything for them: the cached sequence stays.
+TEST(BadInputLimits, PutThatCannotFitItsStreamLimitEvictsNothing) {
+  NamespaceConfig c = SmallNamespace("small", 0);
+  c.capacity_bytes = 8 * BytesPerBlock(c);
+  auto t =
+      TestServer::Start({c}, [](ServerOptions* o) { o->service.max_put_stream_bytes = 100 << 10; });
+  ASSERT_NE(t, nullptr);
+  const int pt = c.num_kv_heads * c.head_dim;
+  const Sequence cached = MakeSequence(c, 64, 1, 1);  // 64 KiB of K/V: fits
+  v1::PutResponse r;
+  ASSERT_TRUE(PutSequence(t->stub.get(), "small", cached, pt, 16, &r).ok());
+  const Sequence big = MakeSequence(c, 128, 5000, 2);  // 128 KiB: needs the whole pool
+  const grpc::Status st = PutSequence(t->stub.get(), "small", big, pt, 16, &r);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_NE(st.error_message().find("--max_put_stream_bytes"), std::string::npos)
+      << st.error_message();
+  const v1::NamespaceStats* ns = FindNamespace(GetStats(t->stub.get()), "small");
+  EXPECT_EQ(ns->evictions(), 0u);
+  EXPECT_EQ(ns->tokens_stored(), 64u);
+}
+
 // A batch over --max_attend_batch is refused before anything is sized by its item count (the
 // unary runner of each Attend thread is kept for the server's life, and so is what it sizes).
 TEST(BadInputLimits, AttendBatchOverLimitIsResourceExhausted) {
