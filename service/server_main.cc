@@ -36,7 +36,9 @@ ABSL_FLAG(int64_t, default_lease_ttl_ms, 30000, "lease lifetime when a Match ask
 ABSL_FLAG(int64_t, max_lease_ttl_ms, 600000, "longest lease lifetime granted");
 ABSL_FLAG(uint64_t, max_leases, 65536, "leases alive at once");
 ABSL_FLAG(int, max_message_bytes, 64 << 20, "largest gRPC message, either direction");
-ABSL_FLAG(uint64_t, max_put_stream_bytes, uint64_t{4} << 30, "largest Put stream");
+ABSL_FLAG(uint64_t, max_put_stream_bytes, uint64_t{64} << 30,
+          "largest Put stream (the default namespace takes 128 KiB of fp16 K/V per token: 512K "
+          "tokens); a Put whose new tokens need more is refused before it evicts anything");
 ABSL_FLAG(uint64_t, max_get_streams, 256,
           "Get streams open at once (one more gets RESOURCE_EXHAUSTED)");
 ABSL_FLAG(uint64_t, max_put_streams, 1024,

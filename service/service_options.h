@@ -10,7 +10,7 @@ namespace kvpool {
 
 struct ServiceOptions {
   // Total request bytes one Put stream may carry (RESOURCE_EXHAUSTED beyond).
-  uint64_t max_put_stream_bytes = uint64_t{4} << 30;
+  uint64_t max_put_stream_bytes = uint64_t{64} << 30;
   // Put streams open at once: a header arriving on one more gets RESOURCE_EXHAUSTED (each open
   // session keeps its sequence's token ids and pins its blocks).
   uint64_t max_put_streams = 1024;
