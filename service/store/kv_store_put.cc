@@ -279,18 +279,23 @@ absl::StatusOr<KvStore::PutResult> PutSessionImpl::Commit() {
   }
   if (absl::Status s = store_->backend()->Synchronize(); !s.ok()) return s;
   absl::MutexLock l(&store_->mu());
+  size_t duplicates = 0;
   for (size_t b = 0; b < blocks_.size(); ++b) {
     const size_t i = cached_ + b;
     const BlockHash& parent = i == 0 ? ns_->index.root() : chain_[i - 1];
     // The parent is pinned by this session or was published just before.
     absl::StatusOr<int32_t> published = ns_->index.Insert(parent, chain_[i], blocks_[b]);
     // A concurrent put published the same block first: ours is a duplicate.
-    if (!published.ok() || *published != blocks_[b]) ns_->pool->Free({blocks_[b]});
+    if (!published.ok() || *published != blocks_[b]) {
+      ns_->pool->Free({blocks_[b]});
+      ++duplicates;
+    }
   }
   ReleaseLocked(/*free_blocks=*/false);
+  const uint32_t duplicate_tokens = static_cast<uint32_t>(duplicates * bt);
   KvStore::PutResult r;
-  r.tokens_cached = tokens_cached();
-  r.tokens_stored = tokens_to_store();
+  r.tokens_cached = tokens_cached() + duplicate_tokens;
+  r.tokens_stored = tokens_to_store() - duplicate_tokens;
   r.tokens_ignored = tokens_ignored();
   return r;
 }

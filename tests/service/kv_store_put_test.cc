@@ -165,8 +165,14 @@ TEST_F(StoreTest, ConcurrentIdenticalPutsDedup) {
     }
   }
   EXPECT_EQ(store_->Stats().namespaces[0].blocks_free, 4u);
-  ASSERT_TRUE((*first)->Commit().ok());
-  ASSERT_TRUE((*second)->Commit().ok());
+  const absl::StatusOr<KvStore::PutResult> a = (*first)->Commit();
+  const absl::StatusOr<KvStore::PutResult> b = (*second)->Commit();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->tokens_stored, 8u);
+  EXPECT_EQ(a->tokens_cached, 0u);
+  // The second found both blocks published: they count as cached, not stored.
+  EXPECT_EQ(b->tokens_stored, 0u);
+  EXPECT_EQ(b->tokens_cached, 8u);
   const NamespaceStoreStats stats = store_->Stats().namespaces[0];
   EXPECT_EQ(stats.tokens_stored, 8u);
   EXPECT_EQ(stats.blocks_free, 6u);  // the duplicates went back
