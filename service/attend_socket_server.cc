@@ -270,8 +270,11 @@ void AttendSocketServer::Serve(Session* session) {
       continue;
     }
     if (frame->type != FrameType::kRequest && frame->type != FrameType::kRegionRequest) {
+      // Not a step: the session ends with it, and no step is counted.
       end = absl::InvalidArgumentError("AttendSocket: a client sends request or attach frames");
-    } else if (frame->type == FrameType::kRegionRequest && region == nullptr) {
+      break;
+    }
+    if (frame->type == FrameType::kRegionRequest && region == nullptr) {
       end = absl::FailedPreconditionError("AttendSocket: a region request before an attach");
     } else if (absl::Status parsed = runner.Parse(payload, &request); !parsed.ok()) {
       end = absl::Status(parsed.code(), absl::StrCat("AttendSocket: ", parsed.message()));

@@ -292,6 +292,8 @@ TEST(AttendSocket, BadFramesGetAStatusAndTheServerGoesOn) {
   // Each refused session was counted before its client saw the status.
   EXPECT_EQ(MetricCount(s, "AttendSocket", "INVALID_ARGUMENT"), 4);
   EXPECT_EQ(MetricCount(s, "AttendSocket", "RESOURCE_EXHAUSTED"), 1);
+  // Of those frames only the request that does not parse was a step; the response frame was not.
+  EXPECT_EQ(MetricCount(s, "AttendSocket.step", "INVALID_ARGUMENT"), 1);
 }
 
 // A request of more items than --max_attend_batch gets RESOURCE_EXHAUSTED from their count on the
