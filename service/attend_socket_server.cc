@@ -240,12 +240,19 @@ void AttendSocketServer::Serve(Session* session) {
   bool tell_peer = true;                 // false once the socket itself has failed
   bool frame_unread = false;             // the last frame was refused from its header
   for (;;) {
-    const bool spin = spinning_.fetch_add(1, std::memory_order_relaxed) < options_.max_spinning;
+    bool spin = spinning_.fetch_add(1, std::memory_order_relaxed) < options_.max_spinning;
     if (!spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
+    const absl::Duration spin_for = spin ? options_.spin : absl::ZeroDuration();
+    // The slot is given back once the spin is over, not when the read returns: an idle session
+    // blocks in its read for up to idle_timeout.
+    auto stop_spinning = [&] {
+      if (spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
+      spin = false;
+    };
     absl::StatusOr<FrameConnection::Frame> frame =
-        conn.Read(&payload, options_.max_frame_bytes, absl::Now() + options_.idle_timeout,
-                  spin ? options_.spin : absl::ZeroDuration());
-    if (spin) spinning_.fetch_sub(1, std::memory_order_relaxed);
+        conn.Read(&payload, options_.max_frame_bytes, absl::Now() + options_.idle_timeout, spin_for,
+                  stop_spinning);
+    stop_spinning();
     // Clients have no descriptors to pass: one sent along is closed at once.
     if (const int passed = conn.TakeReceivedFd(); passed >= 0) close(passed);
     if (!frame.ok()) {

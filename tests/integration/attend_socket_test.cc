@@ -5,6 +5,7 @@
 #include "kvpool/v1/attend_socket.h"
 
 #include <poll.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -146,6 +147,41 @@ TEST(AttendSocket, SpinningSessionsMatchUnaryAttend) {
 // One session at a time may spin; the others block: the same answers.
 TEST(AttendSocket, SessionsBeyondTheSpinningLimitBlockAndMatch) {
   ExpectSessionsMatchUnary(absl::Microseconds(500), absl::Microseconds(500), /*max_spinning=*/1);
+}
+
+// The process's CPU time, user and system.
+absl::Duration CpuTime() {
+  rusage r;
+  getrusage(RUSAGE_SELF, &r);
+  return absl::DurationFromTimeval(r.ru_utime) + absl::DurationFromTimeval(r.ru_stime);
+}
+
+// An idle connection gives its spinning slot back once its spin is over, though its read blocks
+// on: with one slot, a session stepping after it spins through the gaps between its steps (it
+// burns CPU there; the client does not spin). Its slot was kept until the idle read returned.
+TEST(AttendSocket, AnIdleSessionGivesItsSpinningSlotBack) {
+  SocketFixture s = StartSocket(
+      /*sequences=*/1,
+      [](AttendSocketOptions* o) {
+        o->spin = absl::Milliseconds(200);
+        o->max_spinning = 1;
+      },
+      /*client_spin=*/absl::ZeroDuration());
+  ASSERT_NE(s.f.server, nullptr);
+  const int idle = RawConnect(s.f.server->server->attend_socket_port());
+  ASSERT_GE(idle, 0) << std::strerror(errno);
+  absl::SleepFor(absl::Milliseconds(400));  // its session has spun and blocks in its read
+  auto session = s.socket_client->OpenAttendStream();
+  ASSERT_TRUE(session.ok()) << session.status();
+  ASSERT_TRUE((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 1)).ok());
+  const absl::Duration start = CpuTime();
+  for (int i = 0; i < 10; ++i) {
+    absl::SleepFor(absl::Milliseconds(50));  // the server's session spins through this gap
+    ASSERT_TRUE((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], 2 + i)).ok());
+  }
+  EXPECT_GE(CpuTime() - start, absl::Milliseconds(150)) << "the stepping session did not spin";
+  close(idle);
+  EXPECT_TRUE((*session)->Finish().ok());
 }
 
 TEST(AttendSocket, BlockingSessionsMatchUnaryAttend) {

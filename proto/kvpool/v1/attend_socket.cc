@@ -200,7 +200,8 @@ void FrameConnection::Shutdown() { shutdown(fd_, SHUT_RDWR); }
 absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payload,
                                                              uint32_t max_payload,
                                                              absl::Time deadline,
-                                                             absl::Duration spin) {
+                                                             absl::Duration spin,
+                                                             absl::FunctionRef<void()> spin_ended) {
   using Clock = std::chrono::steady_clock;
   // The spin ends by the deadline too.
   const Clock::time_point spin_end =
@@ -209,6 +210,7 @@ absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payloa
   uint8_t header[kHeaderBytes];
   // Fills [dst, dst + n): spinning on recv until spin_end, then polling until the deadline.
   size_t total = 0;  // bytes of this frame read so far
+  bool blocked = false;
   auto fill = [&](uint8_t* dst, size_t n) -> absl::Status {
     size_t got = 0;
     while (got < n) {
@@ -226,6 +228,8 @@ absl::StatusOr<FrameConnection::Frame> FrameConnection::Read(std::string* payloa
       if (errno == EINTR) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) return SocketError("recv");
       if (Clock::now() < spin_end) continue;
+      if (!blocked) spin_ended();
+      blocked = true;
       absl::StatusOr<bool> ready = WaitFor(fd_, POLLIN, deadline);
       if (!ready.ok()) return ready.status();
       if (!*ready) return absl::DeadlineExceededError("AttendSocket read deadline");

@@ -26,6 +26,7 @@
 #include <memory>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -66,9 +67,11 @@ class FrameConnection {
   // the peer closed between frames, UNAVAILABLE when it closed inside one or the socket failed,
   // DEADLINE_EXCEEDED, INVALID_ARGUMENT for a header that is not this format's, RESOURCE_EXHAUSTED
   // for a payload over `max_payload` (nothing of it is read). A descriptor passed with the frame
-  // (Unix sockets) is kept for TakeReceivedFd.
-  absl::StatusOr<Frame> Read(std::string* payload, uint32_t max_payload, absl::Time deadline,
-                             absl::Duration spin);
+  // (Unix sockets) is kept for TakeReceivedFd. `spin_ended` runs once when the spin is over and
+  // the read is about to block, if it does.
+  absl::StatusOr<Frame> Read(
+      std::string* payload, uint32_t max_payload, absl::Time deadline, absl::Duration spin,
+      absl::FunctionRef<void()> spin_ended = [] {});
   // Writes `message` as a frame of `type` (kRequest, kResponse or kRegionRequest).
   absl::Status WriteMessage(FrameType type, const google::protobuf::MessageLite& message,
                             absl::Time deadline);
