@@ -1,7 +1,8 @@
 // `kvpool demo`: simulated prefill and decode workers against a running server. Requests share
 // a system prompt; prefill workers Put each prompt (skipping what Match says is cached), decode
 // workers Match it, Append the uncached tail and run decode steps for every layer over one
-// AttendStream, checking each output against fp64 attention over the fp16 K/V sent.
+// AttendStream session (over the AttendSocket when the client has one, as deploy/local/run_demo.sh
+// gives it), checking each output against fp64 attention over the fp16 K/V sent.
 #include <algorithm>
 #include <atomic>
 #include <cmath>

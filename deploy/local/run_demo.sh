@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The README's run command. Installs dependencies, builds kvpool-server and kvpool into build/,
-# starts kvpool-server --backend=auto in the background, waits until its gRPC port answers, runs
+# starts kvpool-server --backend=auto in the background (its output in a log file, whose path is
+# printed), waits until it says it listens (every port and socket open: a port held by another
+# process makes it exit, and the demo is not run against that process), runs
 # `kvpool demo` against it (extra arguments go to the demo; its decode steps go over the
 # AttendSocket's Unix socket, in a shared-memory region), stops the server with SIGTERM and exits
 # with the demo's status. KVPOOL_PORT / KVPOOL_METRICS_PORT / KVPOOL_ATTEND_SOCKET_PORT override
@@ -12,27 +14,35 @@ port=${KVPOOL_PORT:-50051}
 metrics_port=${KVPOOL_METRICS_PORT:-9464}
 attend_socket_port=${KVPOOL_ATTEND_SOCKET_PORT:-50052}
 attend_unix_socket=${KVPOOL_ATTEND_UNIX_SOCKET:-${TMPDIR:-/tmp}/kvpool-attend-$$.sock}
+log=${TMPDIR:-/tmp}/kvpool-server-$$.log
 
 "$root/deploy/local/install_deps.sh"
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo
 cmake --build "$build" --target kvpool-server kvpool -j"$(nproc)"
 
 "$build/kvpool-server" --backend=auto --port="$port" --metrics_port="$metrics_port" \
-  --attend_socket_port="$attend_socket_port" --attend_unix_socket="$attend_unix_socket" &
+  --attend_socket_port="$attend_socket_port" --attend_unix_socket="$attend_unix_socket" \
+  >"$log" 2>&1 &
 server=$!
+echo "kvpool-server log: $log"
 stop_server() {
   kill -TERM "$server" 2>/dev/null || true
   wait "$server" 2>/dev/null || true
 }
 trap stop_server EXIT
 
-# Ready when the port accepts a connection; give up after 60 s or if the server exits.
+# Ready when its start-up line is logged; give up after 60 s or if the server exits.
 deadline=$((SECONDS + 60))
-until (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; do
-  kill -0 "$server" 2>/dev/null || { echo "kvpool-server exited before serving" >&2; exit 1; }
-  ((SECONDS < deadline)) || { echo "kvpool-server not serving on :$port after 60 s" >&2; exit 1; }
+until grep -q " listening: " "$log"; do
+  kill -0 "$server" 2>/dev/null || {
+    cat "$log" >&2
+    echo "kvpool-server exited before serving" >&2
+    exit 1
+  }
+  ((SECONDS < deadline)) || { echo "kvpool-server not serving after 60 s" >&2; exit 1; }
   sleep 0.2
 done
+grep " listening: " "$log"
 
 status=0
 "$build/kvpool" --target="127.0.0.1:$port" --attend_unix_socket="$attend_unix_socket" demo "$@" \
