@@ -288,26 +288,32 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
                                              std::vector<int64_t>* slots,
                                              std::vector<int32_t>* positions) {
   const size_t bt = ns.block_tokens();
-  // Tokens each distinct lease grows by, in first-seen order, and whether a plan names ids (-1
-  // names none).
+  // Tokens each distinct lease grows by, in first-seen order, and one past the last position
+  // its plans name an id for (-1 names none; 0: none named), which its token_ids grow to.
   struct Growth {
     Lease* lease;
     uint64_t tokens;
-    bool named;
+    uint64_t named_end;
   };
   std::vector<Growth> growth;
   absl::flat_hash_map<Lease*, size_t> slot_of;
   for (const AppendPlan& plan : plans) {
     auto [it, inserted] = slot_of.try_emplace(plan.lease, growth.size());
-    if (inserted) growth.push_back({plan.lease, 0, false});
-    growth[it->second].tokens += plan.num_tokens;
-    growth[it->second].named |= std::any_of(plan.token_ids.begin(), plan.token_ids.end(),
-                                            [](int32_t id) { return id >= 0; });
+    if (inserted) growth.push_back({plan.lease, 0, 0});
+    Growth& g = growth[it->second];
+    const uint64_t begin = plan.lease->layer_tokens[layer] + g.tokens;
+    for (size_t i = plan.token_ids.size(); i-- > 0;) {
+      if (plan.token_ids[i] >= 0) {
+        g.named_end = std::max(g.named_end, begin + i + 1);
+        break;
+      }
+    }
+    g.tokens += plan.num_tokens;
   }
   size_t needed = 0;
   size_t firsts = 0;      // leases that take their first block
   uint64_t more_ids = 0;  // at most what the leases' token_ids grow by below
-  for (const auto& [lease, n, named] : growth) {
+  for (const auto& [lease, n, named_end] : growth) {
     const uint64_t after = lease->layer_tokens[layer] + n;
     if (after > options_.max_sequence_tokens) {
       return absl::ResourceExhaustedError(absl::StrFormat(
@@ -317,13 +323,13 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
     const size_t blocks_after = (after + bt - 1) / bt;
     if (blocks_after > lease->blocks.size()) needed += blocks_after - lease->blocks.size();
     if (blocks_after > 0 && lease->blocks.empty()) ++firsts;
-    if (named && after > lease->token_ids.size()) more_ids += after - lease->token_ids.size();
+    if (named_end > lease->token_ids.size()) more_ids += named_end - lease->token_ids.size();
   }
   if (absl::Status s = CheckLeaseTokenIdsLocked(more_ids); !s.ok()) return s;
   absl::StatusOr<std::vector<int32_t>> ids = AllocateLocked(ns, needed, firsts);
   if (!ids.ok()) return ids.status();
   size_t next_first = 0, next = firsts;  // ids [0, firsts) are for first blocks
-  for (const auto& [lease, n, named] : growth) {
+  for (const auto& [lease, n, named_end] : growth) {
     const size_t blocks_after = (lease->layer_tokens[layer] + n + bt - 1) / bt;
     while (lease->blocks.size() < blocks_after) {
       Lease::Block block;

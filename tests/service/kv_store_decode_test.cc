@@ -299,6 +299,28 @@ TEST_F(StoreTest, LeasesExpireWithTheClock) {
   EXPECT_EQ(stats.namespaces[0].blocks_evictable, 2u);
 }
 
+// The limit counts the ids an append keeps: up to the last position it names, not its end.
+TEST_F(StoreTest, LeaseTokenIdLimitCountsOnlyTheIdsAnAppendKeeps) {
+  store_options_.max_lease_token_ids = 6;
+  MakeStore(16);
+  const SequenceKv kv = MakeSequenceKv(config_, 8, 27);
+  // Nothing cached: the lease holds no tokens but keeps the 4 ids.
+  auto lease = store_->Match("main", TokenIds(4, 5), absl::ZeroDuration());
+  ASSERT_TRUE(lease.ok());
+  std::vector<int32_t> ids(8, -1);
+  ids[5] = 77;  // positions 0..7 of layer 0: naming 5 grows the ids from 4 to 6, the limit
+  const absl::StatusOr<uint32_t> held =
+      store_->Append(lease->lease_id, 0, ids, 8, kv.k[0].data(), kv.v[0].data());
+  EXPECT_TRUE(held.ok()) << held.status();
+  EXPECT_EQ(store_->Stats().lease_token_ids, 6u);
+  ids[5] = -1;
+  ids[7] = 78;  // positions 8..15: naming 15 needs 16 ids
+  EXPECT_EQ(
+      store_->Append(lease->lease_id, 0, ids, 8, kv.k[0].data(), kv.v[0].data()).status().code(),
+      absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store_->Stats().lease_token_ids, 6u);
+}
+
 TEST_F(StoreTest, LeaseTokenIdsAreBoundedAcrossLeases) {
   store_options_.max_lease_token_ids = 20;
   MakeStore(16);
