@@ -35,9 +35,10 @@ fi
 
 # The Python packages go into a virtual environment, $KVPOOL_VENV (by default .venv at the
 # repository root, made with $PYTHON or python3): Debian's own Python refuses pip installs
-# (PEP 668). The other scripts put its bin/ first on PATH.
+# (PEP 668). The other scripts put its bin/ first on PATH. deploy/constraints.txt pins their
+# versions.
 root=$(cd "$(dirname "$0")/../.." && pwd)
 venv=${KVPOOL_VENV:-$root/.venv}
 [[ -x $venv/bin/python ]] || "${PYTHON:-python3}" -m venv "$venv"
 "$venv/bin/python" -m pip install -q -r "$root/client/python/requirements.txt" \
-  -r "$root/deploy/requirements-dev.txt"
+  -r "$root/deploy/requirements-dev.txt" -c "$root/deploy/constraints.txt"
