@@ -6,7 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
-#include "grpcpp/support/proto_buffer_writer.h"
+#include "grpcpp/impl/codegen/proto_utils.h"
 #include "service/proto_convert.h"
 
 namespace kvpool {
