@@ -117,6 +117,7 @@ void AttendSocketServer::Shutdown() {
     stopping_ = true;
     accepting_ = false;
     for (Session& s : sessions_) {
+      if (s.conn == nullptr) continue;  // ended
       s.cut.store(true, std::memory_order_release);
       s.conn->Shutdown();
     }
@@ -143,8 +144,7 @@ void AttendSocketServer::Accept(int listen_fd) {
       if (fd >= 0) close(fd);
       return;
     }
-    // Ended sessions keep their descriptors until reaped: reaped on failed accepts too, which
-    // those descriptors may be what fails.
+    // Ended sessions' threads are joined here, on failed accepts too.
     ReapLocked();
     if (fd < 0) continue;  // as above, or the peer gave up before the accept
     auto conn = std::make_unique<FrameConnection>(fd);
@@ -319,10 +319,11 @@ void AttendSocketServer::Serve(Session* session) {
     // and read the status, rather than block until its deadline.
     if (frame_unread) conn.DiscardInput(kDiscardQuiet, absl::Now() + kDiscardLimit);
   }
-  // The peer sees the close now; the descriptor itself is closed when the session is reaped, so
-  // that Shutdown never acts on a number the kernel has handed out again.
+  // The peer sees the close now. The descriptor and the buffers go under mu_, so that Shutdown
+  // never acts on a number the kernel has handed out again; the thread is joined when reaped.
   conn.Shutdown();
   absl::MutexLock l(&mu_);
+  session->conn.reset();
   session->done.store(true, std::memory_order_release);
 }
 

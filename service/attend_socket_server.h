@@ -92,7 +92,7 @@ class AttendSocketServer {
 
  private:
   struct Session {
-    std::unique_ptr<attend_socket::FrameConnection> conn;
+    std::unique_ptr<attend_socket::FrameConnection> conn;  // null once the session ended
     std::thread thread;
     std::atomic<bool> done{false};  // set under mu_ (AwaitSessions waits on it)
     std::atomic<bool> cut{false};   // Shutdown shut its socket

@@ -1,9 +1,11 @@
 // Attend over the AttendSocket (service/attend_socket_server.h, client/attend_socket_session.h)
 // with the CPU backend on loopback: sessions give the same answers as gRPC, appends included; a
 // bad step, a bad frame, a refused connection and an idle session each get their status and end
-// only their own session; shutdown with sessions open does not hang; target parsing.
+// only their own session; an ended session closes its descriptor; shutdown with sessions open does
+// not hang; target parsing.
 #include "kvpool/v1/attend_socket.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -370,6 +372,35 @@ TEST(AttendSocket, ConnectionsBeyondTheLimitAreRefused) {
     if (!third.ok()) absl::SleepFor(absl::Milliseconds(2));
   }
   EXPECT_TRUE(third.ok()) << third;
+}
+
+int OpenDescriptors() {
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) n += fcntl(fd, F_GETFD) != -1 ? 1 : 0;
+  return n;
+}
+
+// An ended session's descriptor is closed when it ends, not when the next connection comes.
+TEST(AttendSocket, AnEndedSessionClosesItsDescriptor) {
+  SocketFixture s = StartSocket(/*sequences=*/1);
+  ASSERT_NE(s.f.server, nullptr);
+  const int before = OpenDescriptors();
+  for (int i = 0; i < 3; ++i) {
+    auto session = s.socket_client->OpenAttendStream();
+    ASSERT_TRUE(session.ok());
+    ASSERT_TRUE((*session)->Step(AttendRequestFor(s.f, s.f.leases[0], i)).ok());
+    EXPECT_TRUE((*session)->Finish().ok());
+  }
+  for (int i = 0; i < 1000 && MetricCount(s, "AttendSocket", "OK") < 3; ++i) {
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  ASSERT_EQ(MetricCount(s, "AttendSocket", "OK"), 3);
+  int open = OpenDescriptors();
+  for (int i = 0; i < 500 && open > before; ++i) {
+    absl::SleepFor(absl::Milliseconds(2));
+    open = OpenDescriptors();
+  }
+  EXPECT_EQ(open, before);
 }
 
 TEST(AttendSocket, IdleSessionIsClosedWithDeadlineExceeded) {
