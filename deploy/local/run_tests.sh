@@ -10,10 +10,11 @@ build=${KVPOOL_BUILD_DIR:-$root/build}
 "$root/deploy/local/install_deps.sh"
 export PATH="${KVPOOL_VENV:-$root/.venv}/bin:$PATH"  # its Python packages (install_deps.sh)
 # FlashInfer's headers (PyPI sdist, git-ignored) so that the peer benchmark builds here too, only
-# where nvcc is found the way CMake's check_language(CUDA) looks for it: CMake uses them only when
-# it builds the CUDA targets.
+# where nvcc is found the way CMake's check_language(CUDA) looks for it ($CUDACXX, PATH,
+# $CUDA_PATH/bin): CMake uses them only when it builds the CUDA targets.
 flashinfer_include=
-if [[ -n ${CUDACXX:-} ]] || command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
+if [[ -n ${CUDACXX:-} ]] || command -v nvcc >/dev/null \
+  || [[ -n ${CUDA_PATH:-} && -x $CUDA_PATH/bin/nvcc ]]; then
   flashinfer_include=$("$root/tests/bench/fetch_flashinfer.sh")
 fi
 cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \
