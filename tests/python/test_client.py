@@ -117,6 +117,50 @@ def test_a_failed_stream_step_ends_its_thread_without_close(client):
     assert threading.active_count() <= before
 
 
+def test_a_dropped_stream_ends_its_thread_after_good_steps(client):
+    """A stream dropped without close() or a with block after steps that succeeded ends its call
+    and gRPC's request-consuming thread."""
+    ids, _, _, _ = put_sequence(client, 32, seed=51)
+    m = client.match(ids, namespace="pytest")
+    q = np.ones((2 * HEADS, DIM), np.float16)
+    try:
+        before = threading.active_count()
+        for _ in range(3):
+            stream = client.attend_stream(timeout=10)
+            assert stream.step(0, [AttendItem(m.lease_id, q)]).context_tokens == [32]
+            del stream
+        deadline = time.monotonic() + 5
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before
+    finally:
+        client.release(m.lease_id)
+
+
+def test_a_finished_stream_raises_a_status_on_every_later_step(client):
+    """As the AttendSocket's sessions do: a failed stream raises its failure again, a closed one
+    FAILED_PRECONDITION."""
+    ids, _, _, _ = put_sequence(client, 32, seed=53)
+    m = client.match(ids, namespace="pytest")
+    q = np.ones((2 * HEADS, DIM), np.float16)
+    try:
+        stream = client.attend_stream(timeout=10)
+        with pytest.raises(grpc.RpcError) as e:
+            stream.step(0, [AttendItem(m.lease_id + 1000, q)])
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.RpcError) as e:
+            stream.step(0, [AttendItem(m.lease_id, q)])
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        stream = client.attend_stream(timeout=10)
+        assert stream.step(0, [AttendItem(m.lease_id, q)]).context_tokens == [32]
+        stream.close()
+        with pytest.raises(grpc.RpcError) as e:
+            stream.step(0, [AttendItem(m.lease_id, q)])
+        assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    finally:
+        client.release(m.lease_id)
+
+
 def test_second_put_of_a_shared_prefix_is_a_prefix_hit(client):
     ids, k, v, _ = put_sequence(client, 32, seed=21)
     resp = client.put(ids + [5] * 16, np.concatenate([k, k[:, :16]], axis=1),
@@ -216,6 +260,19 @@ def test_attend_socket_answer_over_max_message_bytes_is_resource_exhausted(
             with pytest.raises(AttendSocketError) as e:
                 stream.step(0, [AttendItem(m.lease_id, q)])
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        client.release(m.lease_id)
+
+
+def test_attend_socket_without_a_message_limit_steps(server, attend_socket_port, client):
+    """max_message_bytes=-1 is gRPC's "no limit", on the AttendSocket too."""
+    ids, _, _, _ = put_sequence(client, 32, seed=49)
+    m = client.match(ids, namespace="pytest")
+    q = np.ones((2 * HEADS, DIM), np.float16)
+    try:
+        with Client(server, timeout=30, attend_socket_port=attend_socket_port,
+                    max_message_bytes=-1) as c, c.attend_stream() as stream:
+            assert stream.step(0, [AttendItem(m.lease_id, q)]).context_tokens == [32]
     finally:
         client.release(m.lease_id)
 

@@ -28,7 +28,8 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
 class AttendSocketError(grpc.RpcError):
-    """A failed AttendSocket session, with a gRPC status code like the stubs' errors."""
+    """A failed AttendSocket session (or a finished AttendStream), with a gRPC status code like
+    the stubs' errors."""
 
     def __init__(self, code: grpc.StatusCode, details: str):
         super().__init__(f"{code.name}: {details}")
@@ -94,7 +95,7 @@ class AttendSocketSession:
     def __init__(self, address: Union[tuple, str], timeout: Optional[float],
                  max_message_bytes: int, region_bytes: int = 0):
         self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._max = max_message_bytes
+        self._max = max_message_bytes if max_message_bytes >= 0 else (1 << 32) - 1  # -1: none
         self._error: Optional[AttendSocketError] = None
         self._region: Optional[mmap.mmap] = None
         self._sock: Optional[socket.socket] = None

@@ -14,14 +14,14 @@ import grpc
 import numpy as np
 
 try:
-    from .attend_socket import (AttendSocketSession, RegionStepLayout, region_step_layout,
-                                socket_address)
+    from .attend_socket import (AttendSocketError, AttendSocketSession, RegionStepLayout,
+                                region_step_layout, socket_address)
     from .v1 import kvpool_pb2 as pb
     from .v1 import kvpool_pb2_grpc as pb_grpc
 except ImportError as e:  # pragma: no cover - a checkout without generated stubs
     raise ImportError(
-        "kvpool_client.v1 stubs are missing: run client/python/gen_proto.sh (or pip install "
-        "client/python)") from e
+        f"kvpool_client.v1 stubs are missing or need a newer protobuf ({e}): run "
+        "client/python/gen_proto.sh (or pip install client/python)") from e
 
 _DTYPES = {
     "": pb.KV_DTYPE_UNSPECIFIED,
@@ -100,12 +100,14 @@ class AttendStream:
     """A decode loop's session, kept open: step() sends one request and returns its response.
     An AttendStream RPC, or an AttendSocket connection when the Client has an
     attend_unix_socket (with a shared-memory region) or an attend_socket_port. Use as a context
-    manager, or call close()."""
+    manager, or call close(). Once the session has failed or is closed, step() raises a
+    grpc.RpcError: the failure again, or FAILED_PRECONDITION after close()."""
 
     _END = object()
 
     def __init__(self, stub, timeout, socket_session: Optional[AttendSocketSession] = None):
         self._socket = socket_session
+        self._ended: Optional[grpc.RpcError] = None  # the gRPC call is over: what step() raises
         if socket_session is None:
             self._requests: "queue.Queue" = queue.Queue()
             self._responses = stub.AttendStream(iter(self._requests.get, self._END),
@@ -116,21 +118,45 @@ class AttendStream:
         req = _attend_request(layer, items, sm_scale, return_lse)
         if self._socket is not None:
             return _attend_result(self._socket.request(req), items, return_lse)
+        if self._ended is not None:
+            raise self._ended
         self._requests.put(req)
         try:
             resp = next(self._responses)
+        except StopIteration:  # ended with OK but no answer to this step
+            self._end(AttendSocketError(grpc.StatusCode.INTERNAL,
+                                        "AttendStream: the server ended the call without an answer"))
+            raise self._ended from None
+        except grpc.RpcError as e:
+            self._end(e)
+            raise
         except BaseException:
-            self._requests.put(self._END)  # the call is over: gRPC's request-consuming thread ends
+            self._cancel("interrupted")
             raise
         return _attend_result(resp, items, return_lse)
+
+    def _end(self, why: grpc.RpcError):
+        self._ended = why
+        self._requests.put(self._END)  # the call is over: gRPC's request-consuming thread ends
+
+    def _cancel(self, why: str):
+        self._end(AttendSocketError(grpc.StatusCode.CANCELLED, f"AttendStream: {why}"))
+        self._responses.cancel()
 
     def close(self):
         if self._socket is not None:
             self._socket.close()
             return
-        self._requests.put(self._END)
+        if self._ended is not None:
+            return
+        self._end(AttendSocketError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    "AttendStream: the stream is closed"))
         for _ in self._responses:  # drains and surfaces the final status
             pass
+
+    def __del__(self):  # dropped without close(): the call and gRPC's thread end
+        if getattr(self, "_socket", True) is None and self._ended is None:
+            self._cancel("dropped without close()")
 
     def __enter__(self):
         return self
@@ -138,9 +164,8 @@ class AttendStream:
     def __exit__(self, *exc):
         if exc[0] is None or self._socket is not None:
             self.close()
-        else:
-            self._requests.put(self._END)  # ends gRPC's request-consuming thread
-            self._responses.cancel()
+        elif self._ended is None:
+            self._cancel("left on an exception")
 
 
 class InPlaceAttendStream:
