@@ -98,7 +98,7 @@ struct StoreFamilies {
 
 }  // namespace
 
-void RegisterStoreMetrics(const KvStore* store, metrics::Registry* registry) {
+void RegisterStoreMetrics(KvStore* store, metrics::Registry* registry) {
   auto families = std::make_shared<StoreFamilies>(registry);
   registry->AddCollector([store, families] { families->Collect(store->Stats()); });
 }

@@ -11,7 +11,7 @@ namespace kvpool {
 
 // Registers the store families in `registry` and a collector reading `store`; both must
 // outlive the registry's last Serialize.
-void RegisterStoreMetrics(const KvStore* store, metrics::Registry* registry);
+void RegisterStoreMetrics(KvStore* store, metrics::Registry* registry);
 
 }  // namespace kvpool
 

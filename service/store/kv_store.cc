@@ -434,8 +434,9 @@ absl::Status StoreImpl::RenewLease(uint64_t lease_id) {
   return absl::OkStatus();
 }
 
-StoreStats StoreImpl::Stats() const {
+StoreStats StoreImpl::Stats() {
   absl::MutexLock l(&mu_);
+  ExpireLocked();
   StoreStats s;
   s.backend = options_.backend->name();
   s.active_leases = leases_.size();

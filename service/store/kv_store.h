@@ -241,7 +241,8 @@ class KvStore {
   // anything by the request's item count.
   virtual absl::Status CheckAttendBatch(size_t items) const = 0;
 
-  virtual StoreStats Stats() const = 0;
+  // Leases past their TTL are expired first, as by every other call, so that they are not counted.
+  virtual StoreStats Stats() = 0;
 };
 
 }  // namespace kvpool

@@ -103,7 +103,7 @@ class StoreImpl final : public KvStore {
   absl::Status Attend(uint32_t layer, uint32_t num_q_heads, float sm_scale,
                       absl::Span<const AttendItem> items, const AttendOutputs& outputs) override;
   absl::Status CheckAttendBatch(size_t items) const override;
-  StoreStats Stats() const override;
+  StoreStats Stats() override;
 
   // ---- shared with the Put session and the decode paths ----------------------------------------
   const Options& options() const { return options_; }

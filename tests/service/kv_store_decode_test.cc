@@ -299,6 +299,23 @@ TEST_F(StoreTest, LeasesExpireWithTheClock) {
   EXPECT_EQ(stats.namespaces[0].blocks_evictable, 2u);
 }
 
+// Stats expires what is past its TTL first: a lease nobody calls on is not counted as live, nor
+// its blocks as in use, once its time is up (the metrics read Stats alone).
+TEST_F(StoreTest, StatsDoNotCountExpiredLeases) {
+  MakeStore(8);
+  const std::vector<int32_t> ids = TokenIds(8, 4);
+  ASSERT_TRUE(Put(ids, MakeSequenceKv(config_, 8, 28)).ok());
+  ASSERT_TRUE(store_->Match("main", ids, absl::Seconds(1)).ok());
+  StoreStats stats = store_->Stats();
+  EXPECT_EQ(stats.active_leases, 1u);
+  EXPECT_EQ(stats.namespaces[0].blocks_in_use, 2u);
+  clock_.Advance(absl::Seconds(2));
+  stats = store_->Stats();
+  EXPECT_EQ(stats.active_leases, 0u);
+  EXPECT_EQ(stats.namespaces[0].blocks_in_use, 0u);
+  EXPECT_EQ(stats.namespaces[0].blocks_evictable, 2u);
+}
+
 // The limit counts the ids an append keeps: up to the last position it names, not its end.
 TEST_F(StoreTest, LeaseTokenIdLimitCountsOnlyTheIdsAnAppendKeeps) {
   store_options_.max_lease_token_ids = 6;
