@@ -12,7 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "client/kvpool_client.h"
+#include "kvpool_client.h"  // by file name: installed as kvpool/kvpool_client.h
 
 namespace kvpool::client {
 

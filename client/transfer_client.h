@@ -32,9 +32,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
-#include "client/kvpool_client.h"
-#include "client/nccl_channel.h"
 #include "kvpool/v1/kvpool.pb.h"
+
+// By file name: installed beside this header as kvpool/<name>.h.
+#include "kvpool_client.h"
+#include "nccl_channel.h"
 
 namespace kvpool::client {
 
