@@ -141,10 +141,11 @@ absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& 
     }
   }
   absl::MutexLock l(&mu_);
-  if (FindNamespaceLocked(config.name) != nullptr) {
+  if (FindNamespaceLocked(config.name) != nullptr ||
+      std::find(creating_.begin(), creating_.end(), config.name) != creating_.end()) {
     return absl::AlreadyExistsError(absl::StrFormat("namespace %s exists", config.name));
   }
-  if (namespaces_.size() >= static_cast<size_t>(options_.max_namespaces)) {
+  if (namespaces_.size() + creating_.size() >= static_cast<size_t>(options_.max_namespaces)) {
     return absl::ResourceExhaustedError(absl::StrFormat(
         "namespace limit of %d reached (--max_namespaces)", options_.max_namespaces));
   }
@@ -162,9 +163,19 @@ absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& 
         absl::StrFormat("namespace %s: %d bytes hold no block (%d bytes, with a sink page %d)",
                         config.name, capacity, bytes_per_block, ArenaBytes(config, 1)));
   }
+  // The arena is allocated and zero-filled without mu_ (that takes long for a large one, and every
+  // other call would wait), its name and capacity held meanwhile.
+  reserved_bytes_ += capacity;
+  creating_.push_back(config.name);
+  mu_.Unlock();
   absl::StatusOr<std::unique_ptr<BlockPool>> pool =
       BlockPool::Create(config, blocks, options_.backend);
-  if (!pool.ok()) return pool.status();
+  mu_.Lock();
+  creating_.erase(std::find(creating_.begin(), creating_.end(), config.name));
+  if (!pool.ok()) {
+    reserved_bytes_ -= capacity;
+    return pool.status();
+  }
   NamespaceInfo info;
   info.config = config;
   info.config.capacity_bytes = capacity;
@@ -173,7 +184,6 @@ absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& 
   info.bytes_per_block = bytes_per_block;
   info.bytes_per_token = BytesPerToken(config);
   info.fp16_bytes_per_token = Fp16BytesPerToken(config);
-  reserved_bytes_ += capacity;
   namespaces_.push_back(std::make_unique<NamespaceState>(
       static_cast<int>(namespaces_.size()), info, *std::move(pool)));
   return info;

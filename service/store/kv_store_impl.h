@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -221,7 +222,10 @@ class StoreImpl final : public KvStore {
   mutable absl::Mutex mu_;
   // Append-only, so pointers to NamespaceState stay valid for the store's lifetime.
   std::vector<std::unique_ptr<NamespaceState>> namespaces_ ABSL_GUARDED_BY(mu_);
+  // Capacity of the namespaces, those being created included.
   uint64_t reserved_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Names of the namespaces whose arenas are being allocated, outside mu_.
+  std::vector<std::string> creating_ ABSL_GUARDED_BY(mu_);
   LeaseTable leases_ ABSL_GUARDED_BY(mu_);
   // The token ids the leases in leases_, and those dropped but still in use, keep.
   uint64_t lease_token_ids_ ABSL_GUARDED_BY(mu_) = 0;

@@ -1,12 +1,16 @@
 // One test per class of bad input to the store API: each is rejected with the documented code
-// and changes nothing.
+// and changes nothing; and what a namespace being created holds (its name and capacity, not the
+// store's lock).
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "gtest/gtest.h"
 #include "kernels/fp16.h"
@@ -49,6 +53,59 @@ TEST(StoreNamespaces, ALayerTheBackendDoesNotServeIsRefused) {
   const absl::StatusOr<NamespaceInfo> created = (*store)->CreateNamespace(c);
   ASSERT_TRUE(created.ok()) << created.status();
   EXPECT_EQ(created->config.capacity_bytes, uint64_t{1} << 20);  // the whole pool was free
+}
+
+// A backend whose arena allocations, once gated, wait until released (at most 10 s).
+class GatedArenaBackend final : public ForwardingBackend {
+ public:
+  absl::StatusOr<uint8_t*> AllocateArena(size_t bytes) override {
+    if (gated.load()) {
+      entered.Notify();
+      timed_out = !released.WaitForNotificationWithTimeout(absl::Seconds(10));
+    }
+    return ForwardingBackend::AllocateArena(bytes);
+  }
+  std::atomic<bool> gated{false};
+  absl::Notification entered, released;
+  bool timed_out = false;  // read after the creating thread is joined
+};
+
+// A namespace's arena is allocated and zero-filled without the store's lock: other calls go on
+// meanwhile, while its name and capacity are already taken.
+TEST(StoreNamespaces, CallsGoOnWhileANamespaceArenaIsFilled) {
+  GatedArenaBackend backend;
+  FakeClock clock;
+  KvStore::Options o;
+  o.pool_bytes = 2 << 20;
+  o.backend = &backend;
+  o.clock = &clock;
+  auto store = KvStore::Create(o);
+  ASSERT_TRUE(store.ok()) << store.status();
+  NamespaceConfig main = SmallConfig("main");
+  main.capacity_bytes = 1 << 20;
+  ASSERT_TRUE((*store)->CreateNamespace(main).ok());
+  const std::vector<int32_t> ids = TokenIds(8, 1);
+  ASSERT_TRUE(PutIntoStore(**store, "main", ids, MakeSequenceKv(main, 8, 2)).ok());
+
+  backend.gated = true;
+  absl::StatusOr<NamespaceInfo> second = absl::UnknownError("not run");
+  std::thread creating([&] { second = (*store)->CreateNamespace(SmallConfig("second")); });
+  backend.entered.WaitForNotification();
+  auto lease = (*store)->Match("main", ids, absl::Seconds(10));
+  ASSERT_TRUE(lease.ok()) << lease.status();
+  EXPECT_EQ(lease->cached_tokens, 8u);
+  EXPECT_EQ((*store)->Stats().namespaces.size(), 1u);
+  EXPECT_EQ((*store)->CreateNamespace(SmallConfig("second")).status().code(),
+            StatusCode::kAlreadyExists);
+  NamespaceConfig third = SmallConfig("third");
+  third.capacity_bytes = 64 << 10;  // the rest of the pool is the second's
+  EXPECT_EQ((*store)->CreateNamespace(third).status().code(), StatusCode::kResourceExhausted);
+  backend.released.Notify();
+  creating.join();
+  EXPECT_FALSE(backend.timed_out) << "the calls above waited for the arena";
+  ASSERT_TRUE(second.ok()) << second.status();
+  EXPECT_EQ(second->config.capacity_bytes, uint64_t{1} << 20);
+  EXPECT_EQ((*store)->ListNamespaces().size(), 2u);
 }
 
 // A backend whose attention kernels take at most 2 query heads per call (as the CUDA backend's
