@@ -5,8 +5,9 @@
 # process makes it exit, and the demo is not run against that process), runs
 # `kvpool demo` against it (extra arguments go to the demo; its decode steps go over the
 # AttendSocket's Unix socket, in a shared-memory region), stops the server with SIGTERM and exits
-# with the demo's status. KVPOOL_PORT / KVPOOL_METRICS_PORT / KVPOOL_ATTEND_SOCKET_PORT override
-# the ports, KVPOOL_ATTEND_UNIX_SOCKET the Unix socket's path.
+# with the demo's status; SIGTERM or SIGINT to the script stops the demo and the server.
+# KVPOOL_PORT / KVPOOL_METRICS_PORT / KVPOOL_ATTEND_SOCKET_PORT override the ports,
+# KVPOOL_ATTEND_UNIX_SOCKET the Unix socket's path.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${KVPOOL_BUILD_DIR:-$root/build}
@@ -30,6 +31,9 @@ stop_server() {
   wait "$server" 2>/dev/null || true
 }
 trap stop_server EXIT
+# A signal ends the script through its EXIT trap, the server stopped.
+trap 'exit 143' TERM
+trap 'exit 130' INT
 
 # Ready when its start-up line is logged; give up after 60 s or if the server exits.
 deadline=$((SECONDS + 60))
@@ -45,8 +49,12 @@ done
 grep " listening: " "$log"
 
 status=0
-"$build/kvpool" --target="127.0.0.1:$port" --attend_unix_socket="$attend_unix_socket" demo "$@" \
-  || status=$?
-trap - EXIT
+# In the background, so that a signal to the script reaches the demo as well as the server.
+"$build/kvpool" --target="127.0.0.1:$port" --attend_unix_socket="$attend_unix_socket" demo "$@" &
+demo=$!
+trap 'kill -TERM "$demo" 2>/dev/null; wait "$demo"; exit 143' TERM
+trap 'kill -TERM "$demo" 2>/dev/null; wait "$demo"; exit 130' INT
+wait "$demo" || status=$?
+trap - EXIT TERM INT
 stop_server
 exit "$status"
