@@ -34,9 +34,11 @@ inline absl::Status CheckCudaAttentionShape(size_t num_seqs, size_t num_q_heads)
 inline absl::Status ValidatePagedDecodeAttention(const PagedDecodeAttentionParams& p,
                                                  const QuantizeAppendParams* append) {
   const PageLayout& l = p.layout;
-  if (p.num_seqs < 0 || p.num_q_heads <= 0 || !AttentionTableSpanOk(l, p.max_blocks_per_seq)) {
+  if (p.num_seqs < 0 || p.num_q_heads <= 0 || !AttentionTableSpanOk(l, p.max_blocks_per_seq) ||
+      p.num_splits < 0 || p.num_splits > cuda::kMaxAttentionSplits) {
     return absl::InvalidArgumentError(
-        "PagedDecodeAttention: bad batch shape (or tables spanning over 2^30 tokens)");
+        "PagedDecodeAttention: bad batch shape (or tables spanning over 2^30 tokens, or over "
+        "2^16 splits)");
   }
   if (absl::Status s = CheckCudaAttentionShape(p.num_seqs, p.num_q_heads); !s.ok()) return s;
   if (p.num_seqs == 0) return absl::OkStatus();

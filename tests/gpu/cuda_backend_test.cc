@@ -364,7 +364,7 @@ TEST(CudaBackend, StoreRefusesNamespacesItsKernelsDoNotServe) {
   EXPECT_TRUE((*store)->CreateNamespace(TestConfig()).ok());
 }
 
-TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
+TEST(CudaBackend, RejectsBadAppendsAndStepsBeforeWriting) {
   KVPOOL_SKIP_WITHOUT_GPU();
   auto backend = NewCudaBackend(0);
   ASSERT_TRUE(backend.ok()) << backend.status();
@@ -399,6 +399,13 @@ TEST(CudaBackend, RejectsOutOfRangeSlotsBeforeWriting) {
   const absl::Status step = (*backend)->PagedDecodeAttention(a, &p);
   EXPECT_EQ(step.code(), absl::StatusCode::kInvalidArgument) << step;
   EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float x) { return x == -1.0f; }));
+  // So does a valid append riding in a step that asks for more splits than the kernels take.
+  const std::vector<int64_t> good_slots = {0, 1};
+  QuantizeAppendParams good = AppendParams(l, k, v, good_slots, positions, 2, *arena, num_blocks);
+  good.layout.sink_tokens = 0;
+  a.num_splits = cuda::kMaxAttentionSplits + 1;
+  const absl::Status split_step = (*backend)->PagedDecodeAttention(a, &good);
+  EXPECT_EQ(split_step.code(), absl::StatusCode::kInvalidArgument) << split_step;
   ASSERT_TRUE((*backend)->Synchronize().ok());
   // Nothing was written: the arena is still zero.
   std::vector<uint8_t> host(l.layer_page_bytes(), 0xFF);
