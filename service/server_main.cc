@@ -153,6 +153,24 @@ absl::Status CheckFlags() {
   if (absl::GetFlag(FLAGS_attend_socket_idle_timeout_ms) <= 0) {  // 0 would time out every read
     return absl::InvalidArgumentError("--attend_socket_idle_timeout_ms must be positive");
   }
+  // Times where 0 means none (no spin, no timeout, no sweep): a negative one is a mistake.
+  const std::pair<const char*, int64_t> times[] = {
+      {"default_lease_ttl_ms", absl::GetFlag(FLAGS_default_lease_ttl_ms)},
+      {"max_lease_ttl_ms", absl::GetFlag(FLAGS_max_lease_ttl_ms)},
+      {"attend_spin_us", absl::GetFlag(FLAGS_attend_spin_us)},
+      {"attend_socket_spin_us", absl::GetFlag(FLAGS_attend_socket_spin_us)},
+      {"nccl_channel_idle_timeout_ms", absl::GetFlag(FLAGS_nccl_channel_idle_timeout_ms)},
+      {"nccl_default_join_timeout_ms", absl::GetFlag(FLAGS_nccl_default_join_timeout_ms)},
+      {"nccl_max_join_timeout_ms", absl::GetFlag(FLAGS_nccl_max_join_timeout_ms)},
+      {"nccl_default_transfer_timeout_ms", absl::GetFlag(FLAGS_nccl_default_transfer_timeout_ms)},
+      {"nccl_max_transfer_timeout_ms", absl::GetFlag(FLAGS_nccl_max_transfer_timeout_ms)},
+      {"put_idle_timeout_ms", absl::GetFlag(FLAGS_put_idle_timeout_ms)},
+      {"get_stall_timeout_ms", absl::GetFlag(FLAGS_get_stall_timeout_ms)},
+      {"shutdown_grace_ms", absl::GetFlag(FLAGS_shutdown_grace_ms)},
+      {"lease_sweep_ms", absl::GetFlag(FLAGS_lease_sweep_ms)}};
+  for (const auto& [name, t] : times) {
+    if (t < 0) return absl::InvalidArgumentError(absl::StrCat("--", name, "=", t, " is negative"));
+  }
   const std::pair<const char*, double> fractions[] = {
       {"pool_memory_fraction", absl::GetFlag(FLAGS_pool_memory_fraction)},
       {"default_namespace_fraction", absl::GetFlag(FLAGS_default_namespace_fraction)}};

@@ -260,7 +260,7 @@ TEST(ServerBinary, UnusableFlagsStopItWithTheirName) {
   for (const std::string flag :
        {"--port=70000", "--metrics_port=-2", "--attend_socket_port=65536", "--max_message_bytes=0",
         "--default_namespace_fraction=0", "--pool_memory_fraction=nan",
-        "--attend_socket_idle_timeout_ms=0"}) {
+        "--attend_socket_idle_timeout_ms=0", "--lease_sweep_ms=-1", "--get_stall_timeout_ms=-5"}) {
     ServerProcess server;
     EXPECT_FALSE(server.Start({flag, "--backend=cpu", "--pool_bytes=67108864"})) << flag;
     EXPECT_EQ(server.Terminate(), 2) << flag;
