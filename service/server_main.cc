@@ -12,7 +12,10 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "service/server.h"
@@ -280,6 +283,13 @@ int Run() {
 }  // namespace kvpool
 
 int main(int argc, char** argv) {
+  // --help lists the flags of this file (abseil looks for a file named after the binary).
+  absl::FlagsUsageConfig usage;
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "service/server_main.cc");
+  };
+  absl::SetFlagsUsageConfig(usage);
+  absl::SetProgramUsageMessage("kvpool-server [flags]: the kvpool KV-cache pool service");
   absl::ParseCommandLine(argc, argv);
   return kvpool::Run();
 }

@@ -255,6 +255,20 @@ TEST(ServerBinary, ServesPutMatchGetAndMetricsThenExitsCleanlyOnSigterm) {
   EXPECT_NE(access(unix_socket.c_str(), F_OK), 0) << "the Unix socket file is left behind";
 }
 
+// --help lists the server's flags, the limits among them.
+TEST(ServerBinary, HelpListsTheServersFlags) {
+  FILE* help = popen((ServerBinary() + " --help 2>&1").c_str(), "r");
+  ASSERT_NE(help, nullptr);
+  std::string text;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof(buf), help)) > 0;) text.append(buf, n);
+  pclose(help);
+  for (const char* flag :
+       {"--max_leases (", "--max_attend_batch (", "--pool_bytes (", "--port ("}) {
+    EXPECT_NE(text.find(flag), std::string::npos) << flag << " not in:\n" << text;
+  }
+}
+
 // Flags the server cannot use stop it before it listens, with a message naming the flag.
 TEST(ServerBinary, UnusableFlagsStopItWithTheirName) {
   for (const std::string flag :
