@@ -240,8 +240,9 @@ absl::Status StoreImpl::CheckTokenIds(absl::Span<const int32_t> token_ids,
     return absl::InvalidArgumentError("token_ids is empty");
   }
   if (token_ids.size() > options_.max_sequence_tokens) {
-    return absl::ResourceExhaustedError(absl::StrFormat(
-        "%d token ids, over the limit of %d", token_ids.size(), options_.max_sequence_tokens));
+    return absl::ResourceExhaustedError(
+        absl::StrFormat("%d token ids, over the limit of %d (--max_sequence_tokens)",
+                        token_ids.size(), options_.max_sequence_tokens));
   }
   for (size_t i = 0; i < token_ids.size(); ++i) {
     if (token_ids[i] < 0) {

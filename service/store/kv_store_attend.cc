@@ -15,8 +15,9 @@ namespace kvpool::store_internal {
 
 absl::Status StoreImpl::CheckAttendBatch(size_t items) const {
   if (items <= options_.max_attend_batch) return absl::OkStatus();
-  return absl::ResourceExhaustedError(absl::StrFormat(
-      "attend batch of %d items, over the limit of %d", items, options_.max_attend_batch));
+  return absl::ResourceExhaustedError(
+      absl::StrFormat("attend batch of %d items, over the limit of %d (--max_attend_batch)", items,
+                      options_.max_attend_batch));
 }
 
 namespace {

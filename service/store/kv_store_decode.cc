@@ -317,8 +317,8 @@ absl::Status StoreImpl::ReserveAppendsLocked(NamespaceState& ns, uint32_t layer,
     const uint64_t after = lease->layer_tokens[layer] + n;
     if (after > options_.max_sequence_tokens) {
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "lease %d would hold %d tokens at layer %d, over the limit of %d", lease->id, after,
-          layer, options_.max_sequence_tokens));
+          "lease %d would hold %d tokens at layer %d, over the limit of %d (--max_sequence_tokens)",
+          lease->id, after, layer, options_.max_sequence_tokens));
     }
     const size_t blocks_after = (after + bt - 1) / bt;
     if (blocks_after > lease->blocks.size()) needed += blocks_after - lease->blocks.size();

@@ -14,8 +14,8 @@ namespace kvpool {
 absl::StatusOr<std::shared_ptr<Lease>> LeaseTable::Add(std::shared_ptr<Lease> lease,
                                                        absl::Time now) {
   if (leases_.size() >= max_leases_) {
-    return absl::ResourceExhaustedError(
-        absl::StrFormat("lease limit reached: %d leases are active", leases_.size()));
+    return absl::ResourceExhaustedError(absl::StrFormat(
+        "lease limit reached: %d leases are active (--max_leases)", leases_.size()));
   }
   do {
     lease->id = absl::Uniform<uint64_t>(absl::IntervalClosed, ids_, 1, UINT64_MAX);

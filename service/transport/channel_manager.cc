@@ -47,7 +47,8 @@ absl::StatusOr<ChannelManager::Opened> ChannelManager::Open(absl::Duration join_
     absl::MutexLock l(&mu_);
     if (channels_.size() + opening_ >= options_.max_channels) {
       return absl::ResourceExhaustedError(absl::StrFormat(
-          "%d NCCL channels open or opening, the server's limit", channels_.size() + opening_));
+          "%d NCCL channels open or opening, the server's limit (--nccl_max_channels)",
+          channels_.size() + opening_));
     }
     ++opening_;
   }

@@ -332,7 +332,8 @@ TEST(BadInputLimits, AttendBatchOverLimitIsResourceExhausted) {
     v1::AttendResponse resp;
     const grpc::Status st = t->stub->Attend(&ctx, req, &resp);
     EXPECT_EQ(st.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << items << " items";
-    EXPECT_NE(st.error_message().find("over the limit of 2"), std::string::npos)
+    EXPECT_NE(st.error_message().find("over the limit of 2 (--max_attend_batch)"),
+              std::string::npos)
         << st.error_message();
   }
   req.mutable_items()->DeleteSubrange(2, req.items_size() - 2);
