@@ -155,7 +155,7 @@ class AttendStream:
             pass
 
     def __del__(self):  # dropped without close(): the call and gRPC's thread end
-        if getattr(self, "_socket", True) is None and self._ended is None:
+        if getattr(self, "_responses", None) is not None and self._ended is None:
             self._cancel("dropped without close()")
 
     def __enter__(self):
