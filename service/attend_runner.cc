@@ -6,6 +6,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "google/protobuf/descriptor.h"
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/wire_format_lite.h"
@@ -14,23 +15,88 @@
 namespace kvpool {
 namespace {
 
-// AttendRequest.items' field number.
-constexpr int kItemsField = 4;
+// Fields the parse would keep as unknown fields, each one an allocation: a request may carry a
+// few (a newer client's), not millions.
+constexpr size_t kMaxUnknownFields = 1024;
 
-// The items on the wire that `in` reads, or nullopt when its bytes are not a message.
-std::optional<size_t> CountItems(google::protobuf::io::ZeroCopyInputStream* in) {
-  using google::protobuf::internal::WireFormatLite;
-  google::protobuf::io::CodedInputStream coded(in);
+struct WireCount {
   size_t items = 0;
-  for (uint32_t tag = coded.ReadTag(); tag != 0; tag = coded.ReadTag()) {
-    if (WireFormatLite::GetTagFieldNumber(tag) == kItemsField &&
-        WireFormatLite::GetTagWireType(tag) == WireFormatLite::WIRETYPE_LENGTH_DELIMITED) {
-      ++items;
+  size_t unknown = 0;
+  bool malformed = false;  // an item that is not an AttendItem, or a group (none is a field here)
+};
+
+// The wire type each field number of a message takes (-1: no such field), from its descriptor:
+// a table for the low numbers, which every field of these messages has, so that the scan looks
+// nothing up per field.
+class FieldWireTypes {
+ public:
+  explicit FieldWireTypes(const google::protobuf::Descriptor& type) : type_(type) {
+    for (int& w : low_) w = -1;
+    for (int i = 0; i < type.field_count(); ++i) {
+      if (type.field(i)->number() < kLow) low_[type.field(i)->number()] = Of(*type.field(i));
     }
-    if (!WireFormatLite::SkipField(&coded, tag)) return std::nullopt;
   }
-  if (!coded.ConsumedEntireMessage()) return std::nullopt;
-  return items;
+  int operator()(int number) const {
+    if (number < kLow) return low_[number];
+    const google::protobuf::FieldDescriptor* field = type_.FindFieldByNumber(number);
+    return field == nullptr ? -1 : Of(*field);
+  }
+
+ private:
+  static constexpr int kLow = 32;
+  static int Of(const google::protobuf::FieldDescriptor& field) {
+    using google::protobuf::internal::WireFormatLite;
+    return WireFormatLite::WireTypeForFieldType(
+        static_cast<WireFormatLite::FieldType>(field.type()));
+  }
+  const google::protobuf::Descriptor& type_;
+  int low_[kLow];
+};
+
+// Reads the fields of an AttendRequest (`items` set: their field number) or an AttendItem
+// (`items` 0) up to its end or the current limit, counting items (each scanned in turn) and
+// unknown fields into `*count`; false when the bytes are not a message at all. Nothing is
+// allocated, whatever the bytes.
+bool ScanFields(google::protobuf::io::CodedInputStream& coded, const FieldWireTypes& wire_types,
+                int items, WireCount* count) {
+  using google::protobuf::internal::WireFormatLite;
+  static const FieldWireTypes item_wire_types(*v1::AttendItem::descriptor());
+  for (uint32_t tag = coded.ReadTag(); tag != 0; tag = coded.ReadTag()) {
+    const int number = WireFormatLite::GetTagFieldNumber(tag);
+    const int wire_type = WireFormatLite::GetTagWireType(tag);
+    const bool known = wire_types(number) == wire_type;
+    if (known && items != 0 && number == items) {
+      ++count->items;
+      uint32_t length = 0;
+      if (!coded.ReadVarint32(&length)) return false;
+      const auto limit = coded.PushLimit(static_cast<int>(length));
+      if (!ScanFields(coded, item_wire_types, 0, count) || !coded.ConsumedEntireMessage()) {
+        count->malformed = true;
+        if (!coded.Skip(coded.BytesUntilLimit())) return false;
+      }
+      coded.PopLimit(limit);
+      continue;
+    }
+    if (wire_type == WireFormatLite::WIRETYPE_START_GROUP ||
+        wire_type == WireFormatLite::WIRETYPE_END_GROUP) {
+      count->malformed = true;
+    }
+    if (!known) ++count->unknown;
+    if (!WireFormatLite::SkipField(&coded, tag)) return false;
+  }
+  return coded.ConsumedEntireMessage();
+}
+
+// The items, unknown fields and malformed parts on the wire that `in` reads, or nullopt when its
+// bytes are not a message.
+std::optional<WireCount> CountFields(google::protobuf::io::ZeroCopyInputStream* in) {
+  static const FieldWireTypes request_wire_types(*v1::AttendRequest::descriptor());
+  google::protobuf::io::CodedInputStream coded(in);
+  WireCount count;
+  if (!ScanFields(coded, request_wire_types, v1::AttendRequest::kItemsFieldNumber, &count)) {
+    return std::nullopt;
+  }
+  return count;
 }
 
 }  // namespace
@@ -49,11 +115,13 @@ absl::Status AttendRunner::Parse(grpc::ByteBuffer* wire, v1::AttendRequest* requ
 absl::Status AttendRunner::ParseFrom(google::protobuf::io::ZeroCopyInputStream* count,
                                      google::protobuf::io::ZeroCopyInputStream* parse,
                                      v1::AttendRequest* request) const {
-  const absl::Status not_a_request =
-      absl::InvalidArgumentError("the request is not an AttendRequest");
-  const std::optional<size_t> items = CountItems(count);
-  if (!items.has_value()) return not_a_request;
-  if (absl::Status s = store_->CheckAttendBatch(*items); !s.ok()) return s;
+  const absl::Status not_a_request = absl::InvalidArgumentError(
+      absl::StrCat("the request is not an AttendRequest (or holds a group, or over ",
+                   kMaxUnknownFields, " unknown fields)"));
+  const std::optional<WireCount> fields = CountFields(count);
+  if (!fields.has_value()) return not_a_request;
+  if (absl::Status s = store_->CheckAttendBatch(fields->items); !s.ok()) return s;
+  if (fields->malformed || fields->unknown > kMaxUnknownFields) return not_a_request;
   if (!request->ParseFromZeroCopyStream(parse)) return not_a_request;
   return absl::OkStatus();
 }

@@ -28,7 +28,8 @@ class AttendRunner {
   // Parses `request` from its wire bytes. Its items are counted on the wire first, so that a
   // request of more than the store's --max_attend_batch is refused (RESOURCE_EXHAUSTED) before
   // any is built: an empty item takes 2 bytes there and about 50 times that parsed. Bytes that
-  // are not an AttendRequest get INVALID_ARGUMENT.
+  // are not an AttendRequest get INVALID_ARGUMENT, and so do requests holding a group or over
+  // 1024 unknown fields (each one kept by the parse, at 2 bytes on the wire).
   absl::Status Parse(std::string_view wire, v1::AttendRequest* request) const;
   absl::Status Parse(grpc::ByteBuffer* wire, v1::AttendRequest* request) const;
   // Runs `request` and fills `response` (cleared first; its fields' capacity is reused): the
@@ -40,7 +41,8 @@ class AttendRunner {
                            const attend_socket::SharedRegion& region, v1::AttendResponse* response);
 
  private:
-  // Parse over two streams of the same bytes: one counts the items, one parses them.
+  // Parse over two streams of the same bytes: one counts the items and unknown fields, one parses
+  // them.
   absl::Status ParseFrom(google::protobuf::io::ZeroCopyInputStream* count,
                          google::protobuf::io::ZeroCopyInputStream* parse,
                          v1::AttendRequest* request) const;

@@ -256,6 +256,58 @@ TEST(AttendServer, ItemsOverTheBatchLimitAreRefusedBeforeParsing) {
   EXPECT_TRUE(f.client->Attend(AttendRequestFor(f, f.leases[0], 2)).ok());
 }
 
+// Unknown fields are kept by the parse, one allocation each (2 bytes on the wire): a request
+// may carry a few, at the top or in an item, but not over 1024, nor a group (which nests more).
+TEST(AttendServer, RequestsWithManyUnknownFieldsOrAGroupAreRefusedBeforeParsing) {
+  AttendFixture f = Start(/*threads=*/1, /*spin_us=*/500, /*sequences=*/1);
+  ASSERT_NE(f.server, nullptr);
+  grpc::GenericStub stub(f.server->server->InProcessChannel());
+  auto attend = [&](const std::string& wire) {
+    const grpc::Slice slice(wire);
+    grpc::ByteBuffer request(&slice, 1), response;
+    grpc::ClientContext ctx;
+    grpc::CompletionQueue cq;
+    std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+        stub.PrepareUnaryCall(&ctx, "/kvpool.v1.KvPool/Attend", request, &cq);
+    grpc::Status status;
+    void* tag = nullptr;
+    bool ok = false;
+    call->StartCall();
+    call->Finish(&response, &status, &tag);
+    EXPECT_TRUE(cq.Next(&tag, &ok) && ok);
+    cq.Shutdown();
+    while (cq.Next(&tag, &ok)) {
+    }
+    return status;
+  };
+  // Field 9 (varint) is no field of AttendRequest, field 15 none of AttendItem.
+  auto unknown = [](const char* field, int n) {
+    std::string bytes;
+    for (int i = 0; i < n; ++i) bytes.append(field, 2);
+    return bytes;
+  };
+  // The request with `top` after its other fields and `in_item` inside its one item.
+  auto request = [&](const std::string& top, const std::string& in_item) {
+    v1::AttendRequest r = AttendRequestFor(f, f.leases[0], 3);
+    const std::string item = r.items(0).SerializeAsString() + in_item;
+    r.clear_items();
+    std::string wire = r.SerializeAsString() + "\x22";
+    for (size_t n = item.size(); n > 0; n >>= 7) {
+      wire += static_cast<char>((n & 0x7F) | (n >= 0x80 ? 0x80 : 0));
+    }
+    return wire + item + top;
+  };
+  const std::string valid = request("", "");
+  EXPECT_TRUE(attend(request(unknown("\x48\x01", 3), unknown("\x78\x01", 3))).ok());
+  const grpc::Status many = attend(request(unknown("\x48\x01", 2000), ""));
+  EXPECT_EQ(many.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << many.error_message();
+  const grpc::Status in_item = attend(request("", unknown("\x78\x01", 2000)));
+  EXPECT_EQ(in_item.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << in_item.error_message();
+  const grpc::Status group = attend(valid + "\x4b\x4c");  // an empty group, field 9
+  EXPECT_EQ(group.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << group.error_message();
+  EXPECT_TRUE(f.client->Attend(AttendRequestFor(f, f.leases[0], 4)).ok());
+}
+
 TEST(AttendServer, ShutdownEndsOpenStreamsWithoutHanging) {
   AttendFixture f = Start(/*threads=*/2, /*spin_us=*/500, /*sequences=*/2);
   ASSERT_NE(f.server, nullptr);
