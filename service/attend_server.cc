@@ -151,7 +151,9 @@ class AttendStreamCall final : public QueuedCall {
           return;
         }
         // Counted once written: a step's write that the client's cancel ends never went out.
+        // Its bytes are not kept while the stream waits for the next step.
         queue_->metrics->stream.Sent(response_bytes_.Length());
+        response_bytes_.Clear();
         stream_.Read(&request_bytes_, &read_);
         return;
     }
@@ -171,6 +173,7 @@ class AttendStreamCall final : public QueuedCall {
     AttendServer::Metrics& metrics = *queue_->metrics;
     metrics.stream.Received(request_bytes_.Length());
     absl::Status s = runner_.Parse(&request_bytes_, &request_);
+    request_bytes_.Clear();  // parsed: not kept until the next read replaces it
     if (s.ok()) s = runner_.Run(request_, &response_);
     if (s.ok()) s = SerializeResponse(response_, &response_bytes_);
     if (!s.ok()) {
