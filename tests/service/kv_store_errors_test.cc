@@ -23,6 +23,14 @@ namespace {
 
 using absl::StatusCode;
 
+// A store over `backend` whose pool holds `pool_bytes`.
+absl::StatusOr<std::unique_ptr<KvStore>> StoreOver(ComputeBackend* backend, uint64_t pool_bytes) {
+  KvStore::Options o;
+  o.pool_bytes = pool_bytes;
+  o.backend = backend;
+  return KvStore::Create(o);
+}
+
 // A backend whose kernels do not serve INT8 pages.
 class NoInt8Backend final : public ForwardingBackend {
  public:
@@ -36,12 +44,7 @@ class NoInt8Backend final : public ForwardingBackend {
 // Puts would all fail).
 TEST(StoreNamespaces, ALayerTheBackendDoesNotServeIsRefused) {
   NoInt8Backend backend;
-  FakeClock clock;
-  KvStore::Options o;
-  o.pool_bytes = 1 << 20;
-  o.backend = &backend;
-  o.clock = &clock;
-  auto store = KvStore::Create(o);
+  auto store = StoreOver(&backend, 1 << 20);
   ASSERT_TRUE(store.ok()) << store.status();
   NamespaceConfig c = SmallConfig("mixed");  // layer 0 INT4, layer 1 INT8
   const absl::StatusOr<NamespaceInfo> refused = (*store)->CreateNamespace(c);
@@ -74,12 +77,7 @@ class GatedArenaBackend final : public ForwardingBackend {
 // meanwhile, while its name and capacity are already taken.
 TEST(StoreNamespaces, CallsGoOnWhileANamespaceArenaIsFilled) {
   GatedArenaBackend backend;
-  FakeClock clock;
-  KvStore::Options o;
-  o.pool_bytes = 2 << 20;
-  o.backend = &backend;
-  o.clock = &clock;
-  auto store = KvStore::Create(o);
+  auto store = StoreOver(&backend, 2 << 20);
   ASSERT_TRUE(store.ok()) << store.status();
   NamespaceConfig main = SmallConfig("main");
   main.capacity_bytes = 1 << 20;
@@ -395,10 +393,7 @@ TEST(StoreAttendBatch, ItemsOfAnotherNamespaceAreRefusedBeforeTheirInputsAreRead
   narrow.head_dim = 16;
   wide.capacity_bytes = ArenaBytes(wide, 8);
   narrow.capacity_bytes = ArenaBytes(narrow, 8);
-  KvStore::Options o;
-  o.backend = backend.get();
-  o.pool_bytes = wide.capacity_bytes + narrow.capacity_bytes;
-  auto store = KvStore::Create(o);
+  auto store = StoreOver(backend.get(), wide.capacity_bytes + narrow.capacity_bytes);
   ASSERT_TRUE(store.ok()) << store.status();
   ASSERT_TRUE((*store)->CreateNamespace(wide).ok());
   ASSERT_TRUE((*store)->CreateNamespace(narrow).ok());
