@@ -352,11 +352,20 @@ def suites():
             if (d / name).exists():
                 c[key] = d / name
     rows = []
+    int4_ms, sdpa_ms, over_fi = {}, {}, {"int4_rot128": [], "fp8_rot128": []}
     for commit, files in calls.items():
         if "attention" not in files:
             continue
         d = json.loads(files["attention"].read_text())
         cases = {(c["batch"], c["context"], c["format"]): c for c in d["cases"]}
+        for b, t in SHAPES:
+            int4 = cases[(b, t, "int4_rot128")]
+            int4_ms.setdefault((b, t), []).append(int4["ms"])
+            sdpa_ms.setdefault((b, t), []).append(int4["sdpa_flash_fp16_ms"])
+        for fmt, key in (("int4_rot128", "speedup_vs_flashinfer_tc_fp16"),
+                         ("fp8_rot128", "speedup_vs_flashinfer_tc_fp8")):
+            over_fi[fmt] += [cases[(b, t, fmt)][key] for b, t in SHAPES
+                             if key in cases[(b, t, fmt)]]
 
         def per_shape(fmt, key, fmt_str):
             return " / ".join(fmt_str.format(cases[(b, t, fmt)][key]) for b, t in SHAPES)
@@ -391,6 +400,14 @@ def suites():
     print("|---|---|---|---|---|---|---|")
     for date, *cols in sorted(rows):
         print(f"| {date or '-'} | " + " | ".join(cols) + " |")
+
+    def spread(times):  # per shape: (slowest - fastest) / fastest; the range over the shapes
+        moved = [max(v) / min(v) - 1 for v in times.values()]
+        return f"{min(moved):.1%}-{max(moved):.1%}"
+    print(f"\nOver these {len(rows)} calls, per shape: INT4 rot128's time moved by "
+          f"{spread(int4_ms)}, SDPA's by {spread(sdpa_ms)}; INT4 x FlashInfer's tensor-core fp16 "
+          f"{min(over_fi['int4_rot128']):.2f}-{max(over_fi['int4_rot128']):.2f}x, FP8 x its fp8 "
+          f"{min(over_fi['fp8_rot128']):.2f}-{max(over_fi['fp8_rot128']):.2f}x.")
     print()
 
 
