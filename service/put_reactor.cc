@@ -110,8 +110,11 @@ class PutReactor final : public grpc::ServerReadReactor<v1::PutRequest> {
   }
 
   // A stream swept as idle or cancelled by the client ends like a complete one: it must not
-  // publish, and is counted as what ended it, header or not.
+  // publish, and is counted as what ended it, header or not. It leaves the sweep's registry first:
+  // a sweep could otherwise cancel the call after its session had published, and the client would
+  // see a failed Put that stored its blocks.
   absl::Status Commit() {
+    streams_->Remove(&stream_);
     if (stream_.cancelled_idle()) {
       return absl::DeadlineExceededError(absl::StrCat(
           "Put stream sent nothing for over ", absl::FormatDuration(options_->put_idle_timeout),

@@ -1,18 +1,22 @@
 // Every limit on requests (message and stream sizes, batch, open streams, stalled streams, a pool
 // full of pinned blocks) gets RESOURCE_EXHAUSTED or its documented status, changes nothing in the
 // pool, and frees its slot when the offending call ends.
+#include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
 #include "tests/integration/test_server.h"
+#include "tests/service/kv_store_test_util.h"
 
 namespace kvpool::testing {
 namespace {
@@ -331,6 +335,49 @@ TEST(BadInputLimits, StalledPutIsCancelledAndItsBlocksFreed) {
   const Sequence next = MakeSequence(c, 64, 5000, 14);
   v1::PutResponse r;
   EXPECT_TRUE(PutSequence(t->stub.get(), "small", next, c.num_kv_heads * c.head_dim, 16, &r).ok());
+}
+
+// The CPU backend, whose Synchronize (a Put's commit calls it just before publishing) runs `hook`
+// once when armed.
+class HookedSynchronize final : public ForwardingBackend {
+ public:
+  std::function<void()> hook;
+  std::atomic<bool> armed{false};
+
+  absl::Status Synchronize() override {
+    if (armed.exchange(false)) hook();
+    return ForwardingBackend::Synchronize();
+  }
+};
+
+// A sweep that runs while a Put commits (its last chunk came just under put_idle_timeout before
+// its half-close) must not cancel it: the Put has published by the time the cancel would reach
+// the client, which would see a failed Put that stored its blocks.
+TEST(BadInputLimits, SweepDuringAPutsCommitLeavesItOk) {
+  const NamespaceConfig c = SmallNamespace("small", 1 << 20);
+  auto backend = std::make_unique<HookedSynchronize>();
+  HookedSynchronize* hooked = backend.get();
+  auto t = TestServer::Start(
+      {c},
+      [](ServerOptions* o) {
+        o->service.put_idle_timeout = absl::Minutes(1);
+        o->store.quality_sample_every = 0;  // no read-back, so the commit's is the one Synchronize
+      },
+      std::move(backend));
+  ASSERT_NE(t, nullptr);
+  hooked->hook = [&] {
+    t->clock.Advance(absl::Minutes(2));
+    t->server->Sweep();
+  };
+  hooked->armed = true;
+  const Sequence s = MakeSequence(c, 64, 1, 15);
+  v1::PutResponse r;
+  const grpc::Status st =
+      PutSequence(t->stub.get(), "small", s, c.num_kv_heads * c.head_dim, 16, &r);
+  EXPECT_FALSE(hooked->armed) << "the commit never synchronized";
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(r.tokens_stored(), 64u);
+  EXPECT_EQ(FindNamespace(GetStats(t->stub.get()), "small")->tokens_stored(), 64u);
 }
 
 TEST(BadInputLimits, PoolFullOfPinnedBlocksIsResourceExhaustedAndSaysSo) {
