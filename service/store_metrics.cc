@@ -20,7 +20,7 @@ struct StoreFamilies {
         tokens_stored(
             r->AddGauge("kvpool_tokens_stored", "Tokens in published blocks.", {"namespace"})),
         query_tokens(r->AddCounter("kvpool_prefix_query_tokens_total",
-                                   "Tokens looked up by Match and Put.", {"namespace"})),
+                                   "Tokens looked up by Match and committed Puts.", {"namespace"})),
         hit_tokens(r->AddCounter("kvpool_prefix_hit_tokens_total", "Looked-up tokens found cached.",
                                  {"namespace"})),
         evictions(r->AddCounter("kvpool_evictions_total", "Blocks evicted.", {"namespace"})),

@@ -279,6 +279,11 @@ absl::StatusOr<KvStore::PutResult> PutSessionImpl::Commit() {
   }
   if (absl::Status s = store_->backend()->Synchronize(); !s.ok()) return s;
   absl::MutexLock l(&store_->mu());
+  // Only a committed Put counts its lookup and refreshes its cached prefix: one that fails changes
+  // nothing (its prefix stayed pinned, so unevictable, until now).
+  for (size_t b = 0; b < cached_; ++b) ns_->index.Touch(chain_[b]);
+  ns_->prefix_query_tokens += token_ids_.size();
+  ns_->prefix_hit_tokens += tokens_cached();
   size_t duplicates = 0;
   for (size_t b = 0; b < blocks_.size(); ++b) {
     const size_t i = cached_ + b;
@@ -330,9 +335,6 @@ absl::StatusOr<std::unique_ptr<KvStore::PutSession>> StoreImpl::BeginPut(
     for (size_t b = 0; b < cached; ++b) ns.index.Unpin(chain[b]);
     return blocks.status();
   }
-  for (size_t b = 0; b < cached; ++b) ns.index.Touch(chain[b]);
-  ns.prefix_query_tokens += token_ids.size();
-  ns.prefix_hit_tokens += cached * ns.block_tokens();
   return std::unique_ptr<PutSession>(
       new PutSessionImpl(this, &ns, std::move(ids), std::move(chain), cached, *std::move(blocks)));
 }

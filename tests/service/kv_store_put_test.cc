@@ -224,6 +224,29 @@ TEST_F(StoreTest, NanRejectedAndNothingStored) {
   EXPECT_EQ(store_->Stats().namespaces[0].tokens_stored, 0u);
 }
 
+// A Put that fails (here a NaN; a stream that ends incomplete or is cancelled alike) counts no
+// prefix lookup: a retried prefill would otherwise count its prompt again.
+TEST_F(StoreTest, FailedPutCountsNoPrefixLookup) {
+  MakeStore(8);
+  const std::vector<int32_t> cached = TokenIds(8, 1);
+  SequenceKv kv = MakeSequenceKv(config_, 12, 9);
+  ASSERT_TRUE(Put(cached, kv).ok());
+  const NamespaceStoreStats before = store_->Stats().namespaces[0];
+  std::vector<int32_t> ids = cached;
+  for (int32_t t : TokenIds(4, 900)) ids.push_back(t);
+  kv.k[0][8 * PerToken() + 5] = 0x7E00;  // NaN in the first new token
+  {
+    auto session = store_->BeginPut("main", ids);
+    ASSERT_TRUE(session.ok()) << session.status();
+    EXPECT_EQ((*session)->tokens_cached(), 8u);
+    EXPECT_EQ((*session)->AddChunk(0, 0, 12, kv.k[0].data(), kv.v[0].data()).code(),
+              absl::StatusCode::kInvalidArgument);
+  }
+  const NamespaceStoreStats after = store_->Stats().namespaces[0];
+  EXPECT_EQ(after.prefix_query_tokens, before.prefix_query_tokens);
+  EXPECT_EQ(after.prefix_hit_tokens, before.prefix_hit_tokens);
+}
+
 TEST_F(StoreTest, PoolFullOfPinnedBlocksIsResourceExhausted) {
   MakeStore(4);
   const std::vector<int32_t> ids = TokenIds(16, 1);
