@@ -159,9 +159,13 @@ absl::StatusOr<NamespaceInfo> StoreImpl::CreateNamespace(const NamespaceConfig& 
   const uint64_t bytes_per_block = BytesPerBlock(config);
   const ArenaBlocks blocks = PlanArena(config, capacity);
   if (blocks.blocks == 0) {
-    return absl::ResourceExhaustedError(
+    // A capacity_bytes asked for that holds no block is bad input, which no retry mends; the
+    // unreserved rest of the pool (capacity_bytes 0) holding none is the pool's limit.
+    const std::string what =
         absl::StrFormat("namespace %s: %d bytes hold no block (%d bytes, with a sink page %d)",
-                        config.name, capacity, bytes_per_block, ArenaBytes(config, 1)));
+                        config.name, capacity, bytes_per_block, ArenaBytes(config, 1));
+    return config.capacity_bytes != 0 ? absl::InvalidArgumentError(what)
+                                      : absl::ResourceExhaustedError(what);
   }
   // The arena is allocated and zero-filled without mu_ (that takes long for a large one, and every
   // other call would wait), its name and capacity held meanwhile.

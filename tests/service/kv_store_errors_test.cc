@@ -441,5 +441,20 @@ TEST_F(StoreErrorsTest, InvalidNamespaceConfigIsRejected) {
             StatusCode::kResourceExhausted);
 }
 
+// A capacity_bytes too small for one block is INVALID_ARGUMENT (a retry cannot succeed), however
+// much of the pool is unreserved.
+TEST(StoreNamespaces, CapacityHoldingNoBlockIsInvalidArgument) {
+  ForwardingBackend backend;
+  auto store = StoreOver(&backend, 1 << 20);
+  ASSERT_TRUE(store.ok()) << store.status();
+  NamespaceConfig c = SmallConfig("tiny");
+  c.capacity_bytes = BytesPerBlock(c) - 1;
+  const absl::Status s = (*store)->CreateNamespace(c).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s;
+  EXPECT_TRUE((*store)->ListNamespaces().empty());
+  c.capacity_bytes = BytesPerBlock(c);
+  EXPECT_TRUE((*store)->CreateNamespace(c).ok());
+}
+
 }  // namespace
 }  // namespace kvpool::testing
