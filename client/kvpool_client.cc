@@ -296,14 +296,25 @@ class GrpcKvPoolClient final : public KvPoolClient {
     result.format = request.format() == v1::GET_FORMAT_RAW ? v1::GET_FORMAT_RAW
                                                             : v1::GET_FORMAT_FP16;
     v1::GetResponse msg;
+    // The first message the server should not have sent; the stream is read to its end first.
+    absl::Status bad;
     while (reader->Read(&msg)) {
       result.payload_bytes +=
           msg.k().size() + msg.v().size() + msg.sink_k().size() + msg.sink_v().size();
-      parts[msg.layer()][msg.block_begin()] = std::move(msg);
+      const uint32_t layer = msg.layer(), begin = msg.block_begin();
+      if (bad.ok() && (layer < request.layer_begin() ||
+                       (request.layer_end() != 0 && layer >= request.layer_end()))) {
+        bad = absl::DataLossError(absl::StrFormat("Get: layer %d was not asked for", layer));
+      }
+      if (!parts[layer].try_emplace(begin, std::move(msg)).second && bad.ok()) {
+        bad =
+            absl::DataLossError(absl::StrFormat("Get: layer %d block %d sent twice", layer, begin));
+      }
       msg.Clear();
     }
     absl::Status s = FromGrpc(reader->Finish());
     if (!s.ok()) return s;
+    if (!bad.ok()) return bad;
     for (auto& [layer, blocks] : parts) {
       GetLayer out;
       out.layer = layer;
@@ -443,7 +454,8 @@ std::unique_ptr<KvPoolClient> KvPoolClient::Create(std::shared_ptr<grpc::Channel
 }
 
 uint32_t ProtocolMilliseconds(absl::Duration d) {
-  return static_cast<uint32_t>(std::min<int64_t>(absl::ToInt64Milliseconds(d), UINT32_MAX));
+  const int64_t ms = absl::ToInt64Milliseconds(absl::Ceil(d, absl::Milliseconds(1)));
+  return static_cast<uint32_t>(std::min<int64_t>(ms, UINT32_MAX));
 }
 
 }  // namespace kvpool::client

@@ -169,8 +169,9 @@ class KvPoolClient {
   virtual absl::StatusOr<v1::StatsResponse> Stats(const CallOptions& call = {}) = 0;
 };
 
-// Milliseconds of `d` (not negative) for the protocol's uint32 fields (ttl_ms, timeout_ms):
-// clamped at UINT32_MAX (about 49.7 days), never wrapped.
+// Milliseconds of `d` (not negative) for the protocol's uint32 fields (ttl_ms, timeout_ms), where
+// 0 means the server's default: rounded up (a positive duration is never sent as 0) and clamped
+// at UINT32_MAX (about 49.7 days), never wrapped.
 uint32_t ProtocolMilliseconds(absl::Duration d);
 
 // Index in `targets` of the shard for a sequence, by rendezvous (highest random weight) hashing

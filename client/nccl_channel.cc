@@ -37,6 +37,31 @@ absl::Status FromGrpc(const grpc::Status& s) {
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()), s.error_message());
 }
 
+// A transfer's timeout is its data-phase deadline on this end: not positive, it would expire at
+// once and abort the channel while the server waited (0 is the server's default there).
+absl::Status CheckTimeout(absl::Duration timeout) {
+  if (timeout > absl::ZeroDuration()) return absl::OkStatus();
+  return absl::InvalidArgumentError("NCCL transfer timeout must be positive");
+}
+
+// Makes `device` the calling thread's current CUDA device for its scope, then restores the
+// caller's: a worker that drives other GPUs must not find its device changed by a transfer.
+class ScopedDevice {
+ public:
+  explicit ScopedDevice(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    ok_ = cudaSetDevice(device) == cudaSuccess;
+  }
+  ~ScopedDevice() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  bool ok() const { return ok_; }
+
+ private:
+  int previous_ = -1;
+  bool ok_ = false;
+};
+
 struct Segment {
   void* data;
   uint64_t bytes;
@@ -91,7 +116,7 @@ class NcclChannelImpl final : public NcclChannel {
     req.set_channel_id(id_);
     v1::CloseChannelResponse resp;
     stub_->CloseChannel(&ctx, req, &resp);
-    cudaSetDevice(device_);
+    const ScopedDevice device(device_);
     AbortLocked();
     if (done_ != nullptr) cudaEventDestroy(done_);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -103,8 +128,8 @@ class NcclChannelImpl final : public NcclChannel {
     if (unique_id.size() != sizeof(ncclUniqueId::internal)) {
       return absl::InvalidArgumentError("the server's ncclUniqueId has the wrong size");
     }
-    if (cudaSetDevice(device_) != cudaSuccess ||
-        cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
+    const ScopedDevice device(device_);
+    if (!device.ok() || cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking) != cudaSuccess ||
         cudaEventCreateWithFlags(&done_, cudaEventDisableTiming) != cudaSuccess) {
       return absl::FailedPreconditionError(
           absl::StrFormat("CUDA device %d unusable for NCCL", device_));
@@ -119,13 +144,13 @@ class NcclChannelImpl final : public NcclChannel {
       return absl::UnavailableError(
           absl::StrFormat("ncclCommInitRankConfig: %s", ncclGetErrorString(r)));
     }
-    return PollCommLocked(deadline, "joining");
+    absl::Status joined = PollCommLocked(deadline, "joining");
+    healthy_.store(joined.ok(), std::memory_order_release);
+    return joined;
   }
 
-  bool healthy() const override {
-    absl::MutexLock l(&mu_);
-    return comm_ != nullptr;
-  }
+  // Without mu_, which a transfer holds for its whole length.
+  bool healthy() const override { return healthy_.load(std::memory_order_acquire); }
   uint64_t channel_id() const override { return id_; }
   void SetCloseDeadline(absl::Time deadline) override {
     absl::MutexLock c(&close_mu_);
@@ -134,6 +159,7 @@ class NcclChannelImpl final : public NcclChannel {
 
   absl::StatusOr<v1::NcclGetDescriptor> Get(v1::NcclGetRequest request, void* dst,
                                             uint64_t capacity, absl::Duration timeout) override {
+    if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
     absl::MutexLock l(&mu_);
     if (comm_ == nullptr) return absl::UnavailableError("NCCL channel aborted");
     request.set_channel_id(id_);
@@ -163,18 +189,17 @@ class NcclChannelImpl final : public NcclChannel {
     StreamTail<v1::NcclGetResponse> tail(reader.get());
     const absl::Status moved =
         RunLocked(segments, /*send=*/false, deadline, [&] { return tail.Failed(); });
-    if (!moved.ok()) ctx.TryCancel();
-    if (absl::Status s = FromGrpc(tail.Wait()); !s.ok()) {
+    if (absl::Status s = EndTransfer(ctx, tail, moved); !s.ok()) {
       if (moved.ok()) AbortLocked();  // the server failed after its sends: out of step
       return s;
     }
-    if (!moved.ok()) return moved;
     return header;
   }
 
   absl::StatusOr<v1::PutResponse> Put(std::string_view ns, absl::Span<const int32_t> token_ids,
                                       uint32_t num_layers, const void* k, const void* v,
                                       uint64_t token_bytes, absl::Duration timeout) override {
+    if (absl::Status s = CheckTimeout(timeout); !s.ok()) return s;
     absl::MutexLock l(&mu_);
     if (comm_ == nullptr) return absl::UnavailableError("NCCL channel aborted");
     v1::NcclPutRequest request;
@@ -205,9 +230,7 @@ class NcclChannelImpl final : public NcclChannel {
     StreamTail<v1::NcclPutResponse> tail(reader.get());
     const absl::Status moved =
         RunLocked(segments, /*send=*/true, deadline, [&] { return tail.Failed(); });
-    if (!moved.ok()) ctx.TryCancel();
-    if (absl::Status s = FromGrpc(tail.Wait()); !s.ok()) return s;
-    if (!moved.ok()) return moved;
+    if (absl::Status s = EndTransfer(ctx, tail, moved); !s.ok()) return s;
     if (!tail.last().has_result()) return absl::InternalError("NcclPut ended without a result");
     return tail.last().result();
   }
@@ -221,7 +244,7 @@ class NcclChannelImpl final : public NcclChannel {
                          const std::function<bool()>& server_failed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (segments.empty()) return absl::OkStatus();
-    cudaSetDevice(device_);
+    const ScopedDevice device(device_);
     ncclResult_t r = ncclGroupStart();
     for (const Segment& s : segments) {
       if (r != ncclSuccess && r != ncclInProgress) break;
@@ -251,13 +274,33 @@ class NcclChannelImpl final : public NcclChannel {
         server_ended = true;
         give_up = std::min(give_up, now + kServerFailedGrace);
       }
-      if (q != cudaErrorNotReady || (state != ncclSuccess && state != ncclInProgress) ||
-          now > give_up) {
+      if (q != cudaErrorNotReady || (state != ncclSuccess && state != ncclInProgress)) {
         AbortLocked();
-        return absl::UnavailableError("NCCL transfer failed or timed out; channel aborted");
+        return absl::UnavailableError("NCCL transfer failed; channel aborted");
+      }
+      if (now > give_up) {
+        AbortLocked();
+        return server_ended ? absl::UnavailableError(
+                                  "NCCL transfer still running after the server ended the call; "
+                                  "channel aborted")
+                            : absl::DeadlineExceededError(
+                                  "NCCL transfer not complete by its timeout; channel aborted");
       }
       absl::SleepFor(kPollInterval);
     }
+  }
+
+  // Ends a transfer's call once its data phase is over (`moved`): a failed one is cancelled, and
+  // its status is the server's when the server had ended the call with an error first (the cause
+  // is on its side), else this end's own (the server's would be the CANCELLED of that cancel).
+  template <typename Response>
+  static absl::Status EndTransfer(grpc::ClientContext& ctx, StreamTail<Response>& tail,
+                                  const absl::Status& moved) {
+    const bool server_failed_first = !moved.ok() && tail.Failed();
+    if (!moved.ok()) ctx.TryCancel();
+    const absl::Status finished = FromGrpc(tail.Wait());
+    if (moved.ok()) return finished;
+    return server_failed_first ? finished : moved;
   }
 
   absl::Status PollCommLocked(absl::Time deadline, const char* phase)
@@ -294,6 +337,7 @@ class NcclChannelImpl final : public NcclChannel {
   }
 
   void AbortLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    healthy_.store(false, std::memory_order_release);
     if (comm_ != nullptr) ncclCommAbort(comm_);
     comm_ = nullptr;
   }
@@ -305,6 +349,7 @@ class NcclChannelImpl final : public NcclChannel {
   cudaStream_t stream_ ABSL_GUARDED_BY(mu_) = nullptr;
   cudaEvent_t done_ ABSL_GUARDED_BY(mu_) = nullptr;
   ncclComm_t comm_ ABSL_GUARDED_BY(mu_) = nullptr;
+  std::atomic<bool> healthy_{false};  // joined and not aborted: comm_ != nullptr
   // Apart from mu_, which a transfer holds while another thread sets this.
   absl::Mutex close_mu_;
   absl::Time close_deadline_ ABSL_GUARDED_BY(close_mu_) = absl::InfiniteFuture();
@@ -317,15 +362,17 @@ absl::StatusOr<std::unique_ptr<NcclChannel>> NcclChannel::Open(
   if (join_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("NcclChannel::Open takes a positive join timeout");
   }
+  // One deadline for the RPC and the join after it, as the server counts its join from the RPC.
+  const absl::Time deadline = absl::Now() + join_timeout;
   auto stub = v1::KvPoolTransport::NewStub(channel);
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + join_timeout));
+  ctx.set_deadline(absl::ToChronoTime(deadline));
   v1::OpenChannelRequest req;
   req.set_join_timeout_ms(ProtocolMilliseconds(join_timeout));
   v1::OpenChannelResponse resp;
   if (grpc::Status s = stub->OpenChannel(&ctx, req, &resp); !s.ok()) return FromGrpc(s);
   auto impl = std::make_unique<NcclChannelImpl>(std::move(stub), resp.channel_id(), device);
-  if (absl::Status s = impl->Join(resp.nccl_unique_id(), absl::Now() + join_timeout); !s.ok()) {
+  if (absl::Status s = impl->Join(resp.nccl_unique_id(), deadline); !s.ok()) {
     return s;
   }
   return std::unique_ptr<NcclChannel>(std::move(impl));

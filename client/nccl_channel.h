@@ -5,7 +5,14 @@
 // waiting on the server) and leaves the channel unusable: open a new one, or fall back to the
 // gRPC streaming Get/Put of KvPoolClient.
 //
-// Thread safety: one transfer at a time (the protocol requires it); calls are serialized by mu_.
+// Thread safety: one transfer at a time (the protocol requires it); transfers are serialized by
+// mu_, and healthy() reads a flag without it.
+//
+// Timeouts: a transfer's `timeout` must be positive (INVALID_ARGUMENT otherwise, the channel kept)
+// and bounds its data phase on this end (DEADLINE_EXCEEDED past it, the channel aborted); the
+// server gets the same as timeout_ms. The RPC itself may run up to 5 s longer, so that the
+// server's own status (and a Put's result) still arrives. A failed transfer returns the server's
+// status when the server ended the call first, else this end's.
 #ifndef KVPOOL_CLIENT_NCCL_CHANNEL_H_
 #define KVPOOL_CLIENT_NCCL_CHANNEL_H_
 

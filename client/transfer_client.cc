@@ -65,8 +65,12 @@ TransferPath TransferClient::path() const {
 }
 
 std::shared_ptr<NcclChannel> TransferClient::HealthyChannel() const {
-  absl::MutexLock l(&mu_);
-  return channel_ != nullptr && channel_->healthy() ? channel_ : nullptr;
+  std::shared_ptr<NcclChannel> channel;
+  {
+    absl::MutexLock l(&mu_);
+    channel = channel_;
+  }
+  return channel != nullptr && channel->healthy() ? channel : nullptr;
 }
 
 void TransferClient::DropChannel(const std::shared_ptr<NcclChannel>& channel) {

@@ -101,7 +101,8 @@ class TransferClient {
   // Reads the selection of `request` (its max_chunk_bytes applies to the gRPC path) into `dst`,
   // which holds `capacity` bytes. RESOURCE_EXHAUSTED when the payload does not fit. Both calls
   // take a positive timeout (INVALID_ARGUMENT otherwise) that covers the call, a gRPC retry
-  // after a failed NCCL attempt included.
+  // after a failed NCCL attempt included; only an NCCL attempt whose server is slow to answer
+  // may end up to 5 s past it (NcclChannel), with no time left for a retry then.
   absl::StatusOr<TransferGetResult> Get(const v1::GetRequest& request, void* dst, uint64_t capacity,
                                         absl::Duration timeout);
   // Stores the sequence `token_ids` of namespace `ns` from `src`; only the tokens the server

@@ -210,8 +210,9 @@ TEST_F(KvPoolClientTest, GetReassemblesOutOfOrderMessagesPerLayerInBlockOrder) {
   EXPECT_EQ(r->payload_bytes, 2u * (6 + 6));
 }
 
-// Blocks missing at the start or inside a layer, K and V of other sizes than the blocks hold,
-// and more tokens than the blocks hold are DATA_LOSS, not a result shaped by the server's word.
+// Blocks missing at the start or inside a layer or sent twice, layers not asked for, K and V of
+// other sizes than the blocks hold, and more tokens than the blocks hold are DATA_LOSS, not a
+// result shaped by the server's word.
 TEST_F(KvPoolClientTest, GetReportsMissingBlocksAndBadSizesAsDataLoss) {
   v1::GetResponse short_v = Part(0, 0, "AB");
   short_v.mutable_v()->pop_back();
@@ -223,11 +224,20 @@ TEST_F(KvPoolClientTest, GetReportsMissingBlocksAndBadSizesAsDataLoss) {
        {std::vector<v1::GetResponse>{Part(0, 0, "A"), Part(0, 2, "C")},
         std::vector<v1::GetResponse>{Part(0, 1, "B")}, std::vector<v1::GetResponse>{short_v},
         std::vector<v1::GetResponse>{two_claimed_one_sent},
-        std::vector<v1::GetResponse>{too_many_tokens}}) {
+        std::vector<v1::GetResponse>{too_many_tokens},
+        std::vector<v1::GetResponse>{Part(0, 0, "AB"), Part(0, 0, "CD")}}) {
     fake_.get_script_ = script;
     absl::StatusOr<GetResult> r = Client(1 << 20)->Get(v1::GetRequest());
     EXPECT_EQ(r.status().code(), absl::StatusCode::kDataLoss) << script.front().DebugString();
   }
+  // A layer outside the one asked for.
+  v1::GetRequest second_layer;
+  second_layer.set_layer_begin(1);
+  second_layer.set_layer_end(2);
+  fake_.get_script_ = {Part(0, 0, "A")};
+  EXPECT_EQ(Client(1 << 20)->Get(second_layer).status().code(), absl::StatusCode::kDataLoss);
+  fake_.get_script_ = {Part(1, 0, "A")};
+  EXPECT_TRUE(Client(1 << 20)->Get(second_layer).ok());
 }
 
 // A layer's sink rows (sent with block 0) come back with it; sink rows that are not sink_tokens

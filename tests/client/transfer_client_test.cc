@@ -8,6 +8,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -79,7 +80,10 @@ class FakeNcclChannel final : public NcclChannel {
   explicit FakeNcclChannel(ChannelLog* log) : log_(log) {}
   ~FakeNcclChannel() override { log_->destroyed = true; }
 
-  bool healthy() const override { return healthy_; }
+  bool healthy() const override {
+    absl::SleepFor(healthy_delay_);
+    return healthy_;
+  }
   uint64_t channel_id() const override { return 1; }
   void SetCloseDeadline(absl::Time deadline) override { log_->close_deadline = deadline; }
 
@@ -115,6 +119,7 @@ class FakeNcclChannel final : public NcclChannel {
   absl::Status error_;    // returned by every transfer when not OK
   bool breaks_ = false;   // whether a failure breaks the channel
   absl::Duration delay_;  // before each transfer returns
+  absl::Duration healthy_delay_;  // before healthy() returns
   std::string payload_;
   v1::NcclGetDescriptor descriptor_;
 
@@ -381,6 +386,23 @@ TEST_F(TransferClientTest, PutOverGrpcSendsTheWholeSequenceFromTheBuffer) {
 }
 
 // A zero timeout would expire an NCCL attempt at once and abort the channel: refused up front.
+// A channel's healthy() may wait (a real one once waited for another thread's transfer): the
+// client asks it outside its own lock, so that attaching a new channel does not wait too.
+TEST_F(TransferClientTest, AttachingAChannelDoesNotWaitForAnotherThreadsHealthCheck) {
+  ChannelLog log, next_log;
+  std::unique_ptr<FakeNcclChannel> slow = Channel(&log);
+  slow->healthy_delay_ = absl::Seconds(1);
+  TransferClient client(kv_.get(), HostBufferCopy(), std::move(slow));
+  std::thread asking([&] { EXPECT_EQ(client.path(), TransferPath::kNccl); });
+  absl::SleepFor(absl::Milliseconds(100));  // `asking` is inside healthy() by now
+  const absl::Time start = absl::Now();
+  client.SetChannel(Channel(&next_log));
+  const absl::Duration took = absl::Now() - start;
+  asking.join();
+  EXPECT_LT(took, absl::Milliseconds(500));
+  EXPECT_TRUE(log.destroyed);  // once `asking` let go of it
+}
+
 TEST_F(TransferClientTest, RejectsTimeoutsThatAreNotPositive) {
   ChannelLog log;
   TransferClient client(kv_.get(), HostBufferCopy(), Channel(&log));

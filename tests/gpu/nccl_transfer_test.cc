@@ -147,10 +147,10 @@ TEST(NcclWorker, Main) {
   v1::NcclGetRequest request;
   request.set_lease_id(lease);
   request.set_format(v1::GET_FORMAT_FP16);
-  if (mode == "get_fails") {
+  if (mode == "get_fails" || mode == "get_times_out") {
     const absl::Time start = absl::Now();
-    absl::StatusOr<v1::NcclGetDescriptor> d =
-        (*channel)->Get(request, buffer, capacity, absl::Seconds(120));
+    absl::StatusOr<v1::NcclGetDescriptor> d = (*channel)->Get(
+        request, buffer, capacity, absl::Seconds(mode == "get_times_out" ? 3 : 120));
     out << static_cast<int>(d.status().code()) << " "
         << absl::ToInt64Milliseconds(absl::Now() - start) << "\n";
     return;
@@ -169,9 +169,19 @@ TEST(NcclWorker, Main) {
   }
   for (const std::string& line : first) out << line << "\n";
   if (mode == "roundtrip") {
+    // A timeout that is not positive is refused before anything is sent; the channel is kept.
+    EXPECT_EQ((*channel)->Get(request, buffer, capacity, absl::ZeroDuration()).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_TRUE((*channel)->healthy());
+    // A transfer runs on the channel's GPU and leaves the caller's current device as it was.
+    ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
     request.set_format(v1::GET_FORMAT_RAW);
     absl::StatusOr<v1::NcclGetDescriptor> d =
         (*channel)->Get(request, buffer, capacity, absl::Seconds(120));
+    int current = -1;
+    EXPECT_EQ(cudaGetDevice(&current), cudaSuccess);
+    EXPECT_EQ(current, 0);
+    ASSERT_EQ(cudaSetDevice(kWorkerDevice), cudaSuccess);
     ASSERT_TRUE(d.ok()) << d.status();
     for (const std::string& line : SegmentDigests("raw", *d, buffer)) out << line << "\n";
 
@@ -506,6 +516,32 @@ TEST_F(NcclTransferTest, ServerFailingMidGetEndsTheWorkersGetAtOnce) {
   EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kInternal)) << "the server's status";
   EXPECT_LT(ms, 10000) << "the worker waited for its deadline";
   EXPECT_EQ(transport_->channels().size(), 0u);
+  EXPECT_TRUE(store_->Release(lease).ok());
+}
+
+// The server stalls a Get after half its sends: the worker's data phase ends at its own timeout
+// with DEADLINE_EXCEEDED (its status, not the CANCELLED of the call it then cancels), and the
+// server's stalled send fails once resumed.
+TEST_F(NcclTransferTest, StalledGetEndsAtTheWorkersTimeoutAsDeadlineExceeded) {
+  const uint64_t lease = HostPut(kNs);
+  ASSERT_NE(lease, 0u);
+  {
+    absl::MutexLock l(&kill_switch_.mu);
+    kill_switch_.armed = true;
+  }
+  const std::vector<std::string> lines = RunWorker("get_times_out", lease, 0);
+  kill_switch_.resume.Notify();
+  ASSERT_EQ(lines.size(), 1u);
+  int code = 0;
+  int64_t ms = 0;
+  const std::vector<std::string> fields = absl::StrSplit(lines[0], ' ');
+  ASSERT_EQ(fields.size(), 2u) << lines[0];
+  ASSERT_TRUE(absl::SimpleAtoi(fields[0], &code) && absl::SimpleAtoi(fields[1], &ms)) << lines[0];
+  EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_GE(ms, 3000);
+  EXPECT_LT(ms, 10000);
+  ASSERT_TRUE(kill_switch_.finished.WaitForNotificationWithTimeout(absl::Seconds(60)));
+  EXPECT_FALSE(kill_switch_.outcome.ok());
   EXPECT_TRUE(store_->Release(lease).ok());
 }
 
