@@ -11,7 +11,8 @@
 //     meta [block_tokens][groups] of {fp16 scale, fp16 zero}  (quantized dtypes only), padded
 //
 // Codes per dtype, for the rotated vector x' of one (token, head):
-//   kInt4     asymmetric per group: scale = (max-min)/15, zero = min (both stored fp16),
+//   kInt4     asymmetric per group: scale = (max-min)/15, zero = min + 0 (a -0 minimum stored as
+//             +0; both stored fp16),
 //             code = clamp(rint(fmaf(x', r, fmaf(-zero, r, 128))), 128, 143) - 128 with fp32
 //             math on the fp16 scale and zero, r = 1 / scale (IEEE, once per group), each fma
 //             rounded once (kernels/cpu/page_codec.h); byte j holds channel 2j in its low

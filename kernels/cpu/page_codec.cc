@@ -50,7 +50,9 @@ void EncodeIntGroup(const PageLayout& l, const float* x, int levels, int token, 
   const float mn = *mn_it;
   const float mx = *mx_it;
   const uint16_t scale_h = ScaleBits((mx - mn) / static_cast<float>(levels), FloatToHalf);
-  const uint16_t zero_h = FloatToHalf(mn);
+  // + 0: a minimum of -0 is stored as +0, whichever of -0 and +0 came first (the GPU's min
+  // reduction takes them in another order).
+  const uint16_t zero_h = FloatToHalf(mn + 0.0f);
   WriteMeta(l, head_page, token, group, scale_h, zero_h);
   const float s = HalfToFloat(scale_h);
   const float z = HalfToFloat(zero_h);

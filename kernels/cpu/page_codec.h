@@ -3,7 +3,7 @@
 //
 //   INT4 / INT8 (L = 15 / 255), per group of group_size channels of the rotated row x' (float):
 //     mn = min x', mx = max x'
-//     scale_h = ScaleBits((mx - mn) / L), zero_h = FloatToHalf(mn)
+//     scale_h = ScaleBits((mx - mn) / L), zero_h = FloatToHalf(mn + 0) (a -0 minimum as +0)
 //     s = HalfToFloat(scale_h), z = HalfToFloat(zero_h)
 //     r = 1.0f / s (IEEE, once per group), b = fmaf(-z, r, 128)          (kCodeOffset)
 //     code = s > 0 ? clamp((int)nearbyintf(fmaf(x', r, b)), 128, 128 + L) - 128 : 0

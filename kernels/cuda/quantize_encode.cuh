@@ -79,7 +79,7 @@ __device__ __forceinline__ GroupMeta MakeGroupMeta(float mn, float mx) {
     constexpr float kLevels = kDtype == KvDtype::kInt4 ? 15.0f : 255.0f;
     const uint16_t scale_h =
         cpu::ScaleBits(DivWithReciprocal(__fsub_rn(mx, mn), kLevels, 1.0f / kLevels), to_half);
-    const uint16_t zero_h = FloatToHalfBits(mn);
+    const uint16_t zero_h = FloatToHalfBits(__fadd_rn(mn, 0.0f));  // -0 as +0, as the CPU
     s = HalfBitsToFloat(scale_h);
     z = HalfBitsToFloat(zero_h);
     m.word = static_cast<uint32_t>(scale_h) | (static_cast<uint32_t>(zero_h) << 16);

@@ -285,12 +285,13 @@ TEST(QuantizeGpu, MatchesCpuReferenceFromOneTokenToRoundsOfManyItems) {
 // Rows that take the encoder's rare paths. A row whose rotated values sit far from zero with a
 // spread of a few fp16 steps of its minimum per code step rounds its fp16 zero by up to a large
 // part of a code step, which puts q below 128 (the clamp); a row of zeros (or, unrotated, of one
-// repeated value) has scale 0 (every code 0). The far rows are built in the rotated domain and
-// mapped back through the inverse rotation, so that the kernels' rotation lands on them; their
-// spread keeps one fp16 step of the zero below a code step, so that where the kernels' fp32
-// rotation and the reference's double one round the zero apart, codes still differ by at most
-// one. Besides matching the CPU reference, a rotated case must actually need the clamp: some
-// rows' zero lies more than 1/8 of a step above their minimum (the kernels clamp from there).
+// repeated value) has scale 0 (every code 0); rows of -0 and +0 in varying orders store a zero
+// point of +0, whatever order the kernels' min reduction takes them in. The far rows are built in
+// the rotated domain and mapped back through the inverse rotation, so that the kernels' rotation
+// lands on them; their spread keeps one fp16 step of the zero below a code step, so that where the
+// kernels' fp32 rotation and the reference's double one round the zero apart, codes still differ by
+// at most one. Besides matching the CPU reference, a rotated case must actually need the clamp:
+// some rows' zero lies more than 1/8 of a step above their minimum (the kernels clamp from there).
 // Unrotated rows never do (their minimum is an fp16 value, so the zero is exact): those cases
 // check the rows of scale 0.
 TEST(QuantizeGpu, MatchesCpuReferenceOnClampedAndConstantRows) {
@@ -328,6 +329,12 @@ TEST(QuantizeGpu, MatchesCpuReferenceOnClampedAndConstantRows) {
           }
           case 2:  // zeros; unrotated, one repeated value
             std::fill(x, x + l.head_dim, rot > 0 ? uint16_t{0} : FloatToHalf(-3.25f));
+            break;
+          case 3:  // zeros of both signs in an order that varies by row, then ones in half the rows
+            for (int i = 0; i < l.head_dim; ++i) {
+              x[i] = (i * 7 + row) % 3 == 0 ? uint16_t{0x8000} : uint16_t{0};
+              if (row % 2 == 0 && i >= l.head_dim / 2) x[i] = FloatToHalf(1.0f);
+            }
             break;
           default:
             break;

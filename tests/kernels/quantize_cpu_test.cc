@@ -315,6 +315,28 @@ TEST(QuantizeCpu, ConstantGroupStoresScaleZeroAndReproducesExactly) {
   }
 }
 
+// A group whose minimum is a zero stores +0 as its zero point whichever of -0 and +0 comes first,
+// so that the stored meta does not depend on the order of a reduction (the GPU's differs).
+TEST(QuantizeCpu, ASignedZeroMinimumIsStoredAsPositiveZero) {
+  for (KvDtype dtype : {KvDtype::kInt4, KvDtype::kInt8}) {
+    const PageLayout l = MakeLayout(dtype, 0, 16, 1, 32);
+    std::vector<uint16_t> k(l.head_dim, 0x0000);
+    k[0] = 0x8000;                                // group 0: -0 first, then +0s (a constant group)
+    k[16] = 0x8000;                               // group 1: -0 first, then values above it
+    for (int c = 18; c < 32; ++c) k[c] = 0x3c00;  // 1.0
+    Appender a(l, 1);
+    ASSERT_EQ(a.Append(k, k, {0}, {}), KernelStatus::kOk);
+    const uint8_t* meta = cpu::HeadPage(l, a.pages.data(), 0, 0, 0) + l.codes_bytes();
+    for (int g = 0; g < 2; ++g) {
+      uint16_t scale = 0, zero = 0;
+      std::memcpy(&scale, meta + 4 * g, 2);
+      std::memcpy(&zero, meta + 4 * g + 2, 2);
+      EXPECT_EQ(zero, 0x0000) << "group " << g;
+      EXPECT_EQ(scale == 0, g == 0) << "group " << g;
+    }
+  }
+}
+
 TEST(QuantizeCpu, Fp16PagesHoldTheInputBits) {
   const PageLayout l = MakeLayout(KvDtype::kFp16, 0, 0);
   const testing::KvData d =
