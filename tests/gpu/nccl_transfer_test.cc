@@ -219,6 +219,22 @@ TEST(NcclWorker, Main) {
   cudaFree(buffer);
 }
 
+// The one line a "get_fails" or "get_times_out" worker writes: its Get's status code and how long
+// the Get took, in ms.
+bool ParseFailedGet(const std::vector<std::string>& lines, int* code, int64_t* ms) {
+  if (lines.size() != 1) {
+    ADD_FAILURE() << "the worker wrote " << lines.size() << " lines";
+    return false;
+  }
+  const std::vector<std::string> fields = absl::StrSplit(lines[0], ' ');
+  if (fields.size() != 2 || !absl::SimpleAtoi(fields[0], code) ||
+      !absl::SimpleAtoi(fields[1], ms)) {
+    ADD_FAILURE() << "not '<code> <ms>': " << lines[0];
+    return false;
+  }
+  return true;
+}
+
 // ---- server side -------------------------------------------------------------------------------
 
 // Lets the test stop one transfer half-way: when armed, the next QueueSend delivers the first half
@@ -507,12 +523,9 @@ TEST_F(NcclTransferTest, ServerFailingMidGetEndsTheWorkersGetAtOnce) {
     kill_switch_.fail = true;
   }
   const std::vector<std::string> lines = RunWorker("get_fails", lease, 0);
-  ASSERT_EQ(lines.size(), 1u);
   int code = 0;
   int64_t ms = 0;
-  const std::vector<std::string> fields = absl::StrSplit(lines[0], ' ');
-  ASSERT_EQ(fields.size(), 2u) << lines[0];
-  ASSERT_TRUE(absl::SimpleAtoi(fields[0], &code) && absl::SimpleAtoi(fields[1], &ms)) << lines[0];
+  ASSERT_TRUE(ParseFailedGet(lines, &code, &ms));
   EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kInternal)) << "the server's status";
   EXPECT_LT(ms, 10000) << "the worker waited for its deadline";
   EXPECT_EQ(transport_->channels().size(), 0u);
@@ -531,12 +544,9 @@ TEST_F(NcclTransferTest, StalledGetEndsAtTheWorkersTimeoutAsDeadlineExceeded) {
   }
   const std::vector<std::string> lines = RunWorker("get_times_out", lease, 0);
   kill_switch_.resume.Notify();
-  ASSERT_EQ(lines.size(), 1u);
   int code = 0;
   int64_t ms = 0;
-  const std::vector<std::string> fields = absl::StrSplit(lines[0], ' ');
-  ASSERT_EQ(fields.size(), 2u) << lines[0];
-  ASSERT_TRUE(absl::SimpleAtoi(fields[0], &code) && absl::SimpleAtoi(fields[1], &ms)) << lines[0];
+  ASSERT_TRUE(ParseFailedGet(lines, &code, &ms));
   EXPECT_EQ(code, static_cast<int>(absl::StatusCode::kDeadlineExceeded));
   EXPECT_GE(ms, 3000);
   EXPECT_LT(ms, 10000);
